@@ -1,0 +1,134 @@
+"""Unit and process tests for the engine guard, port allocation and log tails."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from conftest import alive, group_alive, wait_for_sync
+
+from vllm_proxy.engine import PortAllocator, port_is_free, read_tail
+from vllm_proxy.guard import RotatingLog, exit_status
+
+
+def test_rotating_log_is_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "m.log"
+    log = RotatingLog(str(path), max_bytes=100, backups=2)
+    for i in range(50):
+        log.write(f"line {i:03d} ..........\n".encode())
+    log.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["m.log", "m.log.1", "m.log.2"]
+    assert all(p.stat().st_size <= 100 for p in tmp_path.iterdir())
+    assert "line 049" in path.read_text()
+
+
+def test_rotating_log_without_backups_truncates(tmp_path: Path) -> None:
+    path = tmp_path / "m.log"
+    log = RotatingLog(str(path), max_bytes=64, backups=0)
+    for i in range(20):
+        log.write(f"{i:02d}-----------\n".encode())
+    log.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["m.log"]
+    assert path.stat().st_size <= 64
+
+
+def test_read_tail(tmp_path: Path) -> None:
+    path = tmp_path / "x.log"
+    path.write_text("".join(f"l{i}\n" for i in range(100)))
+    assert read_tail(path, lines=3) == "l97\nl98\nl99"
+    assert read_tail(tmp_path / "missing") == ""
+
+
+def test_exit_status_maps_signals() -> None:
+    assert exit_status(3) == 3
+    assert exit_status(-9) == 137
+
+
+def test_port_allocator_skips_busy_and_held_ports() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        p = busy.getsockname()[1]
+        assert not port_is_free(p)
+        ports = PortAllocator()
+        first = ports.allocate((p, p + 2))
+        assert first != p
+        second = ports.allocate((p, p + 2))
+        assert second not in (p, first)
+        ports.release(first)
+        assert ports.allocate((p, p + 2)) == first
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.fork() == 0:          # a grandchild that outlives its parent, like VLLM::EngineCore
+        print("child", os.getpid(), flush=True)
+        time.sleep(600)
+    print("main", os.getpid(), flush=True)
+    time.sleep(float(sys.argv[1]))
+    sys.exit(int(sys.argv[2]))
+    """
+)
+
+
+def _guard(tmp_path: Path, *engine_args: str) -> subprocess.Popen[bytes]:
+    script = tmp_path / "engine.py"
+    script.write_text(CHILD)
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()),
+         "--log", str(tmp_path / "e.log"), "--", sys.executable, str(script), *engine_args],
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _pids(log: Path, kind: str) -> list[int]:
+    if not log.exists():
+        return []
+    return [int(l.split()[1]) for l in log.read_text().splitlines() if l.startswith(kind + " ")]
+
+
+def test_guard_exits_with_engine_code_and_sweeps_leftovers(tmp_path: Path) -> None:
+    guard = _guard(tmp_path, "0.5", "7")
+    try:
+        assert guard.wait(timeout=30) == 7
+        log = tmp_path / "e.log"
+        assert "engine exited with code 7" in log.read_text()
+        assert not group_alive(guard.pid)
+        assert all(not alive(p) for p in _pids(log, "child"))
+    finally:
+        os.killpg(guard.pid, signal.SIGKILL) if group_alive(guard.pid) else None
+
+
+def test_guard_kills_group_when_its_parent_dies(tmp_path: Path) -> None:
+    # A middle process plays the proxy: it starts the guard and is then killed with SIGKILL.
+    script = tmp_path / "engine.py"
+    script.write_text(CHILD)
+    log = tmp_path / "e.log"
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import os, subprocess, sys, time
+            g = subprocess.Popen([sys.executable, "-m", "vllm_proxy.guard", "--parent",
+                str(os.getpid()), "--log", {str(log)!r}, "--", sys.executable, {str(script)!r},
+                "600", "0"], start_new_session=True)
+            print(g.pid, flush=True)
+            time.sleep(600)
+        """)],
+        stdout=subprocess.PIPE,
+    )  # fmt: skip
+    assert parent.stdout is not None
+    guard_pid = int(parent.stdout.readline())
+    wait_for_sync(lambda: len(_pids(log, "child")) == 1 and len(_pids(log, "main")) == 1)
+    members = group_alive(guard_pid)
+    assert len(members) >= 3  # guard, engine, grandchild
+    parent.kill()
+    parent.wait()
+    parent.stdout.close()
+    wait_for_sync(lambda: not group_alive(guard_pid), what="engine group to die with the parent")

@@ -1,0 +1,74 @@
+"""Unit tests: the transition table and the single place that applies it."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from unittest.mock import MagicMock
+
+import pytest
+
+from vllm_proxy.config import parse_config
+from vllm_proxy.manager import TRANSITIONS, EngineContext, Instance, InvalidTransition, State
+from vllm_proxy.metrics import Metrics
+
+ALLOWED = {
+    (State.STOPPED, State.STARTING),
+    (State.STARTING, State.RUNNING),
+    (State.STARTING, State.STOPPING),
+    (State.STARTING, State.ERROR),
+    (State.RUNNING, State.STOPPING),
+    (State.RUNNING, State.ERROR),
+    (State.STOPPING, State.STOPPED),
+    (State.ERROR, State.STARTING),
+    (State.ERROR, State.STOPPED),
+}
+
+
+def _instance(tmp_path: Path) -> tuple[Instance, Metrics]:
+    cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
+    metrics = Metrics()
+    ctx = EngineContext(session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=metrics)
+    return Instance(cfg.specs()["m"], ctx), metrics
+
+
+def test_table_is_exactly_the_documented_one() -> None:
+    table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+    assert table == ALLOWED
+    assert set(TRANSITIONS) == set(State)
+
+
+@pytest.mark.parametrize(("old", "new"), list(itertools.product(State, State)))
+async def test_set_state_enforces_the_table(tmp_path: Path, old: State, new: State) -> None:
+    inst, metrics = _instance(tmp_path)
+    inst.state = old
+    if (old, new) in ALLOWED:
+        inst._set_state(new)
+        assert inst.state is new
+        assert metrics.registry.get_sample_value(
+            "vllm_model_state", {"model_id": "m", "state": new.value}
+        ) == 1
+        loaded = metrics.registry.get_sample_value("vllm_model_loaded", {"model_id": "m"})
+        assert loaded == (1 if new is State.RUNNING else 0)
+    else:
+        with pytest.raises(InvalidTransition):
+            inst._set_state(new)
+        assert inst.state is old
+
+
+async def test_transition_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    inst, _ = _instance(tmp_path)
+    with caplog.at_level("INFO", logger="vllm_proxy.manager"):
+        inst._set_state(State.STARTING)
+    assert "m: STOPPED -> STARTING" in caplog.text
+
+
+async def test_waiters_wake_on_every_change(tmp_path: Path) -> None:
+    import asyncio
+
+    inst, _ = _instance(tmp_path)
+    waiter = asyncio.ensure_future(inst._wait_change())
+    await asyncio.sleep(0)
+    assert not waiter.done()
+    inst._set_state(State.STARTING)
+    await asyncio.wait_for(waiter, 1)

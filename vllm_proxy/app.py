@@ -1,0 +1,149 @@
+"""Composition root: builds every runtime object from a `Config`, serves, shuts down in order."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from .config import Config, state_dir
+from .engine import PortAllocator
+from .manager import EngineContext, Manager
+from .metrics import Metrics
+from .proxy import Proxy, add_routes
+from .registry import EngineRegistry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    config: Config
+    session: aiohttp.ClientSession
+    manager: Manager
+    metrics: Metrics
+    proxy: Proxy
+
+
+RUNTIME = web.AppKey("runtime", Runtime)
+
+
+async def create_app(config: Config) -> web.Application:
+    """Build the application (inside the running loop). Sweeps engines left by a dead proxy."""
+    registry = EngineRegistry(state_dir(config.server))
+    swept = registry.sweep()
+    if swept:
+        log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
+    connector = aiohttp.TCPConnector(
+        limit=config.server.max_upstream_connections, limit_per_host=0, keepalive_timeout=30
+    )
+    # auto_decompress off: bytes pass through as the engine sent them, headers included.
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    metrics = Metrics()
+    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
+    manager = Manager(config.specs(), ctx)
+    max_body = int(config.server.max_body_mb * 1024 * 1024)
+    proxy = Proxy(manager, metrics, session, config.server.api_keys, max_body)
+    app = web.Application(client_max_size=max_body, middlewares=[proxy.middleware])
+    app[RUNTIME] = Runtime(config, session, manager, metrics, proxy)
+    add_routes(app, proxy)
+    app.on_cleanup.append(_cleanup)
+    return app
+
+
+async def _cleanup(app: web.Application) -> None:
+    rt = app[RUNTIME]
+    await rt.manager.shutdown()
+    await rt.session.close()
+
+
+class Server:
+    """A listening proxy: start, then `shutdown()` (drain, stop engines, close)."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.runner: web.AppRunner | None = None
+        self.app: web.Application | None = None
+
+    async def start(self) -> None:
+        self.app = await create_app(self.config)
+        self.runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+        )
+        await self.runner.setup()
+        s = self.config.server
+        site = web.TCPSite(self.runner, s.host, s.port, backlog=2048, reuse_address=True)
+        await site.start()
+        log.info("vllm-proxy listening on %s", ", ".join(self.urls))
+
+    @property
+    def port(self) -> int:
+        assert self.runner is not None
+        return int(self.runner.addresses[0][1])
+
+    @property
+    def urls(self) -> list[str]:
+        assert self.runner is not None
+        return [f"http://{a[0]}:{a[1]}" for a in self.runner.addresses]
+
+    @property
+    def runtime(self) -> Runtime:
+        assert self.app is not None
+        return self.app[RUNTIME]
+
+    async def shutdown(self) -> None:
+        """Stop admitting, let in-flight requests finish (bounded), stop engines, close."""
+        if self.runner is None:
+            return
+        manager = self.runtime.manager
+        drained = await manager.drain(self.config.server.drain_timeout_s)
+        if not drained:
+            log.warning("drain timeout: %d request(s) still in flight", manager.active_leases())
+        await manager.shutdown()
+        await self.runner.cleanup()
+        self.runner = None
+
+
+def sd_notify(message: str) -> None:
+    """Tell systemd about our state when run as a ``Type=notify`` service (no-op otherwise)."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(message.encode(), addr)
+    except OSError as err:
+        log.warning("cannot notify systemd: %s", err)
+
+
+async def serve(config: Config) -> int:
+    """Run until SIGTERM/SIGINT; a second signal forces an immediate exit."""
+    server = Server(config)
+    await server.start()
+    sd_notify("READY=1")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second %s: killing engines and exiting now", sig.name)
+            server.runtime.manager.kill_all()
+            os._exit(1)
+        log.info("%s: draining (up to %gs)", sig.name, config.server.drain_timeout_s)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    await stop.wait()
+    sd_notify("STOPPING=1")
+    await server.shutdown()
+    log.info("vllm-proxy stopped")
+    return 0

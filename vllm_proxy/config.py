@@ -1,0 +1,269 @@
+"""Configuration schema, every default in one place, and `load_config(path)`.
+
+The YAML has three sections: ``server`` (the listening socket and proxy-wide limits), ``engine``
+(defaults for every model) and ``models`` (one entry per served model; any ``engine`` key may be
+overridden per model). `load_config` validates everything up front and raises `ConfigError` with
+the dotted path of the offending key, so a bad file fails at start, never at request time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+#: Flags the proxy sets itself on every engine command line.
+RESERVED_ARGS = {"host", "port", "served_model_name", "model"}
+ArgValue = bool | int | float | str | list[Any] | dict[str, Any] | None
+
+
+def default_engine_command() -> list[str]:
+    """This interpreter running vLLM's OpenAI-compatible server."""
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "0.0.0.0"
+    port: int = Field(8080, ge=0, le=65535)
+    api_keys: list[str] = []
+    max_body_mb: float = Field(32, gt=0)
+    #: SIGTERM: how long in-flight requests may take to finish before engines are stopped.
+    drain_timeout_s: float = Field(30, ge=0)
+    #: Where the proxy keeps its engine registry and (by default) engine logs.
+    state_dir: str | None = None
+    #: Upper bound on simultaneous upstream connections to all engines.
+    max_upstream_connections: int = Field(4096, ge=1)
+
+
+class _EngineKeys(_Strict):
+    """Keys that `engine` sets for every model and a model entry may override."""
+
+    command: list[str] | None = None
+    startup_timeout_s: float | None = Field(None, gt=0)
+    stop_timeout_s: float | None = Field(None, ge=0)
+    idle_timeout_s: float | None = Field(None, ge=0)
+    port_range: tuple[int, int] | None = None
+    #: Bound on a silent upstream read (seconds without a byte from the engine).
+    read_timeout_s: float | None = Field(None, gt=0)
+    log_dir: str | None = None
+    log_max_mb: float | None = Field(None, gt=0)
+    log_backups: int | None = Field(None, ge=0)
+    env: dict[str, str] = {}
+    args: dict[str, ArgValue] = {}
+    extra_args: list[str] = []
+
+    @field_validator("port_range")
+    @classmethod
+    def _range_ok(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and not (1024 <= v[0] <= v[1] <= 65535):
+            raise ValueError("must be [low, high] with 1024 <= low <= high <= 65535")
+        return v
+
+    @field_validator("command")
+    @classmethod
+    def _command_ok(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError("must name a program")
+        return v
+
+    @field_validator("args")
+    @classmethod
+    def _args_ok(cls, v: dict[str, ArgValue]) -> dict[str, ArgValue]:
+        for key in v:
+            if _arg_name(key) in RESERVED_ARGS:
+                raise ValueError(f"@{key}: reserved, the proxy sets it (ports are allocated)")
+        return v
+
+    @field_validator("extra_args")
+    @classmethod
+    def _extra_ok(cls, v: list[str]) -> list[str]:
+        for tok in v:
+            name = tok.split("=", 1)[0]
+            if name.startswith("--") and _arg_name(name[2:]) in RESERVED_ARGS:
+                raise ValueError(f"{tok}: reserved, the proxy sets it (ports are allocated)")
+        return v
+
+
+class EngineConfig(_EngineKeys):
+    startup_timeout_s: float = Field(120, gt=0)
+    stop_timeout_s: float = Field(30, ge=0)
+    idle_timeout_s: float = Field(600, ge=0)
+    port_range: tuple[int, int] = (8001, 8999)
+    read_timeout_s: float = Field(600, gt=0)
+    log_max_mb: float = Field(20, gt=0)
+    log_backups: int = Field(2, ge=0)
+
+
+class ModelConfig(_EngineKeys):
+    model: str = Field(min_length=1)
+    aliases: list[str] = []
+    memory_mb: int | None = Field(None, gt=0)
+
+
+class Config(_Strict):
+    server: ServerConfig = ServerConfig()
+    engine: EngineConfig = EngineConfig()
+    models: dict[str, ModelConfig] = {}
+
+    @model_validator(mode="after")
+    def _names_unique(self) -> Config:
+        seen: dict[str, str] = {}
+        for name, m in self.models.items():
+            if not name.strip():
+                raise ValueError("models: a model name must not be empty")
+            for n in (name, *m.aliases):
+                if n in seen and not (n == name and seen[n] == name):
+                    raise ValueError(
+                        f"models.{name}: name or alias {n!r} already used by {seen[n]}"
+                    )
+                seen[n] = name
+        return self
+
+    def specs(self) -> dict[str, ModelSpec]:
+        """Every model with the engine defaults merged in."""
+        return {name: _merge(name, m, self.engine, self.server) for name, m in self.models.items()}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One model, fully resolved: what the engine manager needs to run it.
+
+    Two specs that compare equal run the same engine; hot reload relies on that.
+    """
+
+    name: str
+    model: str
+    aliases: tuple[str, ...]
+    command: tuple[str, ...]
+    args: tuple[tuple[str, ArgValue], ...]
+    extra_args: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
+    startup_timeout_s: float
+    stop_timeout_s: float
+    idle_timeout_s: float
+    read_timeout_s: float
+    port_range: tuple[int, int]
+    log_dir: str
+    log_max_bytes: int
+    log_backups: int
+    memory_mb: int | None
+
+    def engine_argv(self, port: int) -> list[str]:
+        """The engine command line; the proxy owns model, name, host and port."""
+        argv = [*self.command, "--model", self.model, "--served-model-name", self.name]
+        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        for key, value in self.args:
+            argv += _flag(key, value)
+        return argv + list(self.extra_args)
+
+    def engine_env(self) -> dict[str, str]:
+        """The proxy's environment with the configured variables merged over it."""
+        return {**os.environ, **dict(self.env)}
+
+
+def _arg_name(key: str) -> str:
+    return key.replace("-", "_")
+
+
+def _flag(key: str, value: ArgValue) -> list[str]:
+    """`max_model_len: 8192` -> ``--max-model-len 8192``; True -> bare flag; False/None -> none."""
+    flag = "--" + key.replace("_", "-")
+    if value is True:
+        return [flag]
+    if value is False or value is None:
+        return []
+    if isinstance(value, list):
+        return [flag, *(_scalar(v) for v in value)] if value else []
+    return [flag, _scalar(value)]
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return json.dumps(value, separators=(",", ":"))
+    return str(value)
+
+
+def state_dir(server: ServerConfig) -> str:
+    if server.state_dir:
+        return str(Path(server.state_dir).expanduser())
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return str(Path(base) / "vllm-proxy" / str(server.port))
+
+
+def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> ModelSpec:
+    def pick(key: str) -> Any:
+        own = getattr(m, key)
+        return own if own is not None else getattr(e, key)
+
+    log_dir = pick("log_dir") or str(Path(state_dir(server)) / "logs")
+    return ModelSpec(
+        name=name,
+        model=m.model,
+        aliases=tuple(m.aliases),
+        command=tuple(pick("command") or default_engine_command()),
+        args=tuple({**e.args, **m.args}.items()),
+        extra_args=(*e.extra_args, *m.extra_args),
+        env=tuple({**e.env, **m.env}.items()),
+        startup_timeout_s=pick("startup_timeout_s"),
+        stop_timeout_s=pick("stop_timeout_s"),
+        idle_timeout_s=pick("idle_timeout_s"),
+        read_timeout_s=pick("read_timeout_s"),
+        port_range=tuple(pick("port_range")),
+        log_dir=str(Path(log_dir).expanduser()),
+        log_max_bytes=int(pick("log_max_mb") * 1024 * 1024),
+        log_backups=pick("log_backups"),
+        memory_mb=m.memory_mb,
+    )
+
+
+def _format_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if msg.startswith("@"):  # a validator naming the key inside the field
+            key, msg = msg[1:].split(": ", 1)
+            path = f"{path}.{key}"
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        elif e["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"{path}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, source: str = "config") -> Config:
+    """Validate an already-parsed YAML document."""
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: invalid configuration\n{_format_error(err)}") from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file; raises `ConfigError` naming the bad key path."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    return parse_config(data, str(path))

@@ -1,0 +1,218 @@
+"""One engine process: spawn (under its guard), readiness, stop, logs, and port allocation.
+
+Nothing here knows about model states or requests; `manager.Instance` drives an `EngineProcess`
+through its life and decides what its exit means.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from .config import ModelSpec
+from .errors import EngineFailed, EngineTimeout
+
+log = logging.getLogger(__name__)
+
+#: Grace before SIGKILL when stopping an engine that is still loading: vLLM ignores SIGTERM then.
+STARTING_STOP_GRACE_S = 2.0
+#: Every wait for a killed process group is bounded by this.
+KILL_WAIT_S = 10.0
+POLL_FIRST_S, POLL_MAX_S = 0.01, 0.05
+LOG_TAIL_LINES = 20
+_PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
+
+
+class PortInUse(EngineFailed):
+    """The engine could not bind its port (lost a race with another program)."""
+
+
+class PortAllocator:
+    """Hands out loopback ports that are free now and not held by another engine of ours."""
+
+    def __init__(self) -> None:
+        self._held: set[int] = set()
+        self._cursor: dict[tuple[int, int], int] = {}
+
+    def allocate(self, port_range: tuple[int, int]) -> int:
+        lo, hi = port_range
+        span = hi - lo + 1
+        start = self._cursor.get(port_range, 0)
+        for i in range(span):
+            port = lo + (start + i) % span
+            if port not in self._held and port_is_free(port):
+                self._held.add(port)
+                self._cursor[port_range] = (start + i + 1) % span
+                return port
+        raise EngineFailed(f"no free port in {lo}-{hi}", code="no_free_port")
+
+    def release(self, port: int) -> None:
+        self._held.discard(port)
+
+
+def port_is_free(port: int) -> bool:
+    """True when nothing listens on (or is bound to) the port on loopback or all interfaces."""
+    for host in ("127.0.0.1", "0.0.0.0"):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                return False
+    return True
+
+
+def log_path(spec: ModelSpec) -> Path:
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.name)
+    return Path(spec.log_dir) / f"{safe}.log"
+
+
+def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -> str:
+    """The last `lines` lines of a log file (empty when unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            data = fh.read()
+    except OSError:
+        return ""
+    text = data.decode("utf-8", "replace").splitlines()
+    return "\n".join(text[-lines:])
+
+
+class EngineProcess:
+    """A guarded engine process group listening on 127.0.0.1:`port`."""
+
+    def __init__(self, spec: ModelSpec, port: int, tag: str = "") -> None:
+        self.spec = spec
+        self.port = port
+        self.tag = tag
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path(spec)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.started_at = 0.0
+        self.exit_code: int | None = None
+        self._exited = asyncio.Event()
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    async def spawn(self) -> None:
+        """Start the guard and, under it, the engine; returns once the process exists."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid())]
+        argv += ["--log", str(self.log_path), "--log-max-bytes", str(self.spec.log_max_bytes)]
+        argv += ["--log-backups", str(self.spec.log_backups), "--tag", self.tag, "--"]
+        argv += self.spec.engine_argv(self.port)
+        with open(self.log_path, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
+            self.proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=errlog,
+                env=self.spec.engine_env(),
+                start_new_session=True,
+            )
+        self.started_at = time.monotonic()
+        asyncio.get_running_loop().create_task(self._watch(self.proc))
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        # The guard sweeps its group; this covers a guard that was itself killed.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        self.exit_code = code if code >= 0 else 128 - code
+        self._exited.set()
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and not self._exited.is_set()
+
+    async def wait_exit(self, timeout: float | None = None) -> int | None:
+        """The exit code, or None if the process is still running after `timeout`."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._exited.wait(), timeout)
+        return self.exit_code
+
+    def failure_message(self, what: str) -> str:
+        tail = read_tail(self.log_path)
+        code = "" if self.exit_code is None else f" (exit code {self.exit_code})"
+        msg = f"model '{self.spec.name}': engine {what}{code}"
+        return f"{msg}; last log lines:\n{tail}" if tail else msg
+
+    async def wait_ready(
+        self, session: aiohttp.ClientSession, on_poll: Callable[[], None] | None = None
+    ) -> float:
+        """Poll ``/health`` until 200 while watching the process; returns seconds taken.
+
+        Raises `EngineFailed` (or `PortInUse`) at once when the process exits, and
+        `EngineTimeout` after ``startup_timeout_s``.
+        """
+        exited = asyncio.ensure_future(self._exited.wait())
+        polling = asyncio.ensure_future(self._poll_health(session))
+        try:
+            done, _ = await asyncio.wait(
+                {exited, polling},
+                timeout=self.spec.startup_timeout_s,
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        finally:
+            exited.cancel()
+            polling.cancel()
+        if polling in done and not polling.cancelled() and polling.exception() is None:
+            return time.monotonic() - self.started_at
+        if self._exited.is_set():
+            tail = read_tail(self.log_path, lines=200).encode()
+            cls = PortInUse if _PORT_IN_USE.search(tail) else EngineFailed
+            raise cls(self.failure_message("exited while starting"), code="engine_start_failed")
+        raise EngineTimeout(
+            self.failure_message(f"not ready after {self.spec.startup_timeout_s:g}s, stopped")
+        )
+
+    async def _poll_health(self, session: aiohttp.ClientSession) -> None:
+        url = self.base_url + "/health"
+        delay = POLL_FIRST_S
+        timeout = aiohttp.ClientTimeout(total=5)
+        while True:
+            try:
+                async with session.get(url, timeout=timeout) as resp:
+                    if resp.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            await asyncio.sleep(delay)
+            delay = min(delay * 1.5, POLL_MAX_S)
+
+    async def stop(self, grace_s: float) -> int | None:
+        """SIGTERM to the group, `grace_s`, then SIGKILL; every wait bounded. Idempotent."""
+        if self.proc is None or self._exited.is_set():
+            return self.exit_code
+        self._signal_group(signal.SIGTERM)
+        code = await self.wait_exit(grace_s)
+        if code is None:
+            log.warning("%s: engine did not stop in %.1fs, killing", self.spec.name, grace_s)
+            self.kill()
+            code = await self.wait_exit(KILL_WAIT_S)
+        return code
+
+    def kill(self) -> None:
+        """SIGKILL the whole group now (synchronous; used on forced exit)."""
+        self._signal_group(signal.SIGKILL)
+
+    def _signal_group(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)

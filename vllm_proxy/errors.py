@@ -1,0 +1,105 @@
+"""Errors the proxy answers with, and their OpenAI-shaped bodies.
+
+Every error a client sees from the proxy itself is a `ProxyError`: it carries the HTTP status, the
+OpenAI error `type` and `code`, and optional extra headers (e.g. `Retry-After`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict:
+    """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ProxyError(Exception):
+    """An error answered to the client with `status` and an OpenAI-shaped body."""
+
+    status = 500
+    type_ = "internal_error"
+    code: str | None = "internal_error"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type_, self.code, self.param)
+
+    def body_bytes(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type_ = "invalid_request_error"
+    code = "invalid_request"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type_ = "authentication_error"
+    code = "invalid_api_key"
+
+
+class Forbidden(ProxyError):
+    status = 403
+    type_ = "permission_error"
+    code = "forbidden"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type_ = "invalid_request_error"
+    code = "model_not_found"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type_ = "invalid_request_error"
+    code = "request_too_large"
+
+
+class EngineFailed(ProxyError):
+    """The engine could not start, or died while serving."""
+
+    status = 502
+    type_ = "engine_error"
+    code = "engine_failed"
+
+
+class EngineTimeout(ProxyError):
+    """The engine did not become ready within its startup timeout."""
+
+    status = 504
+    type_ = "engine_error"
+    code = "engine_start_timeout"
+
+
+class Unavailable(ProxyError):
+    """No capacity right now, or the proxy is shutting down; the client may retry."""
+
+    status = 503
+    type_ = "service_unavailable"
+    code = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: int = 5, code: str | None = None) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
+class ConfigError(Exception):
+    """A configuration file that cannot be used; the message names the key path."""

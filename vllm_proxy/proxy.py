@@ -1,0 +1,322 @@
+"""aiohttp handlers: parse just enough, hold a lease, pass bytes through, answer errors.
+
+The request body is forwarded as received; only the ``model`` field is read (and rewritten when
+the client used an alias). Streams are passed through chunk by chunk as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from .engine import EngineProcess
+from .errors import (
+    BadRequest,
+    EngineFailed,
+    EngineTimeout,
+    NotFound,
+    PayloadTooLarge,
+    ProxyError,
+    Unauthorized,
+    Unavailable,
+    error_body,
+)
+from .manager import Instance, Manager
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+DROP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
+
+#: POST endpoints routed to an engine by the body's ``model``.
+MODEL_ROUTES = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/score",
+    "/v1/rerank",
+    "/tokenize",
+    "/detokenize",
+)
+CLIENT_CLOSED = "499"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(err: ProxyError) -> web.Response:
+    return web.Response(
+        status=err.status,
+        body=err.body_bytes(),
+        content_type="application/json",
+        headers=err.headers,
+    )
+
+
+def sse_error(message: str, type_: str, code: str) -> bytes:
+    event = json.dumps(error_body(message, type_, code))
+    return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+
+def model_of(body: bytes) -> tuple[dict[str, Any], str]:
+    """The parsed body and its ``model``; `BadRequest` for anything unusable."""
+    if not body:
+        raise BadRequest("the request body is empty; expected a JSON object")
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise BadRequest(f"the request body is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise BadRequest("the request body must be a JSON object")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a non-empty string", param="model")
+    return data, model
+
+
+def _upstream_headers(request: web.Request) -> dict[str, str]:
+    return {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+
+
+def _downstream_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
+    return {k: v for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE}
+
+
+class Proxy:
+    """The request path: one instance per application."""
+
+    def __init__(
+        self,
+        manager: Manager,
+        metrics: Metrics,
+        session: aiohttp.ClientSession,
+        api_keys: list[str],
+        max_body_bytes: int,
+    ) -> None:
+        self.manager = manager
+        self.metrics = metrics
+        self.session = session
+        self.api_keys = [k.encode() for k in api_keys]
+        self.max_body_bytes = max_body_bytes
+        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    # -- middleware ----------------------------------------------------------------------
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """API keys on the OpenAI routes, and OpenAI-shaped errors for everything."""
+        try:
+            if self.api_keys and _guarded(request.path):
+                self._check_key(request)
+            return await handler(request)
+        except ProxyError as err:
+            return error_response(err)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return error_response(_from_http_exception(exc, request, self.max_body_bytes))
+        except (asyncio.CancelledError, ConnectionResetError):
+            raise
+        except Exception:
+            log.exception("unexpected error while handling %s %s", request.method, request.path)
+            return error_response(ProxyError("internal error in the proxy; see its log"))
+
+    def _check_key(self, request: web.Request) -> None:
+        auth = request.headers.get("Authorization", "")
+        scheme, _, token = auth.partition(" ")
+        given = token.strip().encode()
+        ok = False
+        for key in self.api_keys:  # compare with every key: no early exit on a match
+            ok |= hmac.compare_digest(given, key)
+        if scheme.lower() != "bearer" or not ok:
+            raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer KEY')")
+
+    # -- model routes --------------------------------------------------------------------
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        """Route a JSON POST to the engine of the model named in its body."""
+        if self.manager.closing:
+            raise Unavailable("the proxy is shutting down", code="shutting_down")
+        body = await request.read()
+        data, requested = model_of(body)
+        inst = self.manager.resolve(requested)
+        if requested != inst.name:  # an alias: the engine only knows the canonical name
+            data["model"] = inst.name
+            body = json.dumps(data).encode()
+        started = time.monotonic()
+        status = "error"
+        try:
+            async with self.manager.lease(requested) as (inst, engine):
+                resp = await self._relay(request, body, inst, engine)
+            status = str(resp.status)
+            return resp
+        except ProxyError as err:
+            status = str(err.status)
+            raise
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            self.metrics.requests.labels(inst.name, status).inc()
+            self.metrics.duration.labels(inst.name).observe(time.monotonic() - started)
+
+    def _timeout(self, inst: Instance) -> aiohttp.ClientTimeout:
+        read = inst.spec.read_timeout_s
+        t = self._timeouts.get(read)
+        if t is None:
+            t = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read)
+            self._timeouts[read] = t
+        return t
+
+    async def _relay(
+        self, request: web.Request, body: bytes, inst: Instance, engine: EngineProcess
+    ) -> web.StreamResponse:
+        url = engine.base_url + request.raw_path
+        try:
+            async with self.session.post(
+                url, data=body, headers=_upstream_headers(request), timeout=self._timeout(inst)
+            ) as up:
+                if up.headers.get("Content-Type", "").startswith("text/event-stream"):
+                    return await self._stream(request, up, inst, engine)
+                payload = await up.read()
+                return web.Response(status=up.status, body=payload, headers=_downstream_headers(up))
+        except TimeoutError:
+            raise EngineTimeout(
+                f"model '{inst.name}': no data from the engine for {inst.spec.read_timeout_s:g}s",
+                code="engine_read_timeout",
+            ) from None
+        except aiohttp.ClientError:
+            raise EngineFailed(await inst.failure_detail(engine)) from None
+
+    async def _stream(
+        self,
+        request: web.Request,
+        up: aiohttp.ClientResponse,
+        inst: Instance,
+        engine: EngineProcess,
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(status=up.status, headers=_downstream_headers(up))
+        resp.headers["X-Accel-Buffering"] = "no"
+        resp.headers["Cache-Control"] = "no-cache"
+        await resp.prepare(request)
+        while True:
+            try:
+                chunk = await up.content.readany()
+            except TimeoutError:
+                msg = f"model '{inst.name}': no data for {inst.spec.read_timeout_s:g}s"
+                await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
+                return resp
+            except aiohttp.ClientError:
+                msg = await inst.failure_detail(engine)
+                await _write_quietly(resp, sse_error(msg, "engine_error", "engine_failed"))
+                return resp
+            if not chunk:
+                break
+            try:
+                await resp.write(chunk)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                return resp  # the client left; leaving the upstream context aborts the engine
+        await resp.write_eof()
+        return resp
+
+    # -- proxy's own routes --------------------------------------------------------------
+
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": self._cards()})
+
+    async def model(self, request: web.Request) -> web.Response:
+        wanted = request.match_info["model"]
+        for card in self._cards():
+            if card["id"] == wanted:
+                return web.json_response(card)
+        self.manager.resolve(wanted)  # raises NotFound with the list of valid names
+        raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
+
+    def _cards(self) -> list[dict[str, Any]]:
+        cards = []
+        for name, target in self.manager.names.items():
+            inst = self.manager.instances[target]
+            cards.append(
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(inst.last_used),
+                    "owned_by": "vllm-proxy",
+                    "root": inst.spec.model,
+                    "parent": None if name == target else target,
+                    "state": inst.state.value,
+                }
+            )
+        return cards
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.manager.closing:
+            return web.json_response({"status": "shutting_down"}, status=503)
+        return web.json_response({"status": "ok"})
+
+    async def metrics_page(self, request: web.Request) -> web.Response:
+        resp = web.Response(body=self.metrics.render())
+        resp.headers["Content-Type"] = self.metrics.content_type
+        return resp
+
+
+async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
+    try:
+        await resp.write(data)
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        pass
+
+
+def _guarded(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
+    if exc.status == 413:
+        return PayloadTooLarge(
+            f"request body too large: the limit is {limit / 1048576:g} MB (server.max_body_mb)"
+        )
+    if exc.status == 404:
+        return NotFound(
+            f"unknown endpoint {request.method} {request.path}", code="unknown_endpoint"
+        )
+    if exc.status == 405:
+        err = BadRequest(f"method {request.method} not allowed on {request.path}")
+        err.status = 405
+        err.code = "method_not_allowed"
+        return err
+    err = BadRequest(exc.reason or "bad request")
+    err.status = exc.status
+    return err
+
+
+def add_routes(app: web.Application, proxy: Proxy) -> None:
+    for path in MODEL_ROUTES:
+        app.router.add_post(path, proxy.forward)
+    app.router.add_get("/v1/models", proxy.models)
+    app.router.add_get("/v1/models/{model:.+}", proxy.model)
+    app.router.add_get("/health", proxy.health)
+    app.router.add_get("/metrics", proxy.metrics_page)
