@@ -1,0 +1,231 @@
+"""Component tests: engine lifecycle through the proxy, with the fake engine as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+from conftest import alive, group_alive, make_config, wait_for
+
+from vllm_proxy.engine import log_path
+from vllm_proxy.manager import State
+
+
+def starts_logged(proxy, name: str) -> int:  # type: ignore[no-untyped-def]
+    path = log_path(proxy.instance(name).spec)
+    if not path.exists():
+        return 0
+    return path.read_text().count("[vllm-proxy] starting engine")
+
+
+async def test_cold_start_on_first_request(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = await start_proxy(make_config(tmp_path))
+    inst = proxy.instance("m1")
+    assert inst.state is State.STOPPED
+    resp = await proxy.chat("m1")
+    assert resp.status == 200
+    body = await resp.json()
+    assert body["object"] == "chat.completion"
+    assert body["model"] == "m1"
+    assert inst.state is State.RUNNING
+    assert inst.engine.port >= 20000
+    models = await (await proxy.http.get(proxy.url + "/v1/models")).json()
+    assert {"id": "m1", "state": "running"}.items() <= models["data"][0].items()
+
+
+async def test_concurrent_cold_requests_start_exactly_one_engine(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(
+        tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}}}
+    )
+    proxy = await start_proxy(cfg)
+    responses = await asyncio.gather(*(proxy.chat("m1") for _ in range(200)))
+    assert [r.status for r in responses] == [200] * 200
+    assert starts_logged(proxy, "m1") == 1
+    assert proxy.manager.active_leases() == 0
+
+
+async def test_alias_reaches_the_same_engine(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "aliases": ["vad", "v"]}})
+    proxy = await start_proxy(cfg)
+    for name in ("vad", "m1", "v"):
+        resp = await proxy.chat(name)
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["model"] == "m1"
+    assert starts_logged(proxy, "m1") == 1
+
+
+async def test_engine_dying_while_starting_fails_waiters_at_once(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(
+        tmp_path,
+        {"m1": {"model": "x", "env": {"FAKE_ENGINE_EXIT_CODE": "7"}}},
+        engine={"startup_timeout_s": 120},
+    )
+    proxy = await start_proxy(cfg)
+    started = time.monotonic()
+    results = await asyncio.gather(proxy.chat("m1"), proxy.chat("m1"))
+    elapsed = time.monotonic() - started
+    for resp in results:
+        assert resp.status == 502
+        err = (await resp.json())["error"]
+        assert "exit code 7" in err["message"]
+        assert "Engine core initialization failed" in err["message"]  # the log tail
+        assert err["code"] == "engine_start_failed"
+    assert elapsed < 60, "waiters must not wait for the startup timeout"
+    assert proxy.instance("m1").state is State.ERROR
+
+
+async def test_startup_timeout_kills_engine_and_answers_504(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(
+        tmp_path,
+        {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "60"}}},
+        engine={"startup_timeout_s": 1},
+    )
+    proxy = await start_proxy(cfg)
+    resp = await proxy.chat("m1")
+    assert resp.status == 504
+    assert "not ready after 1s" in (await resp.json())["error"]["message"]
+    inst = proxy.instance("m1")
+    assert inst.state is State.ERROR
+    assert inst.last_error and "not ready" in inst.last_error
+
+
+async def test_port_race_is_retried_on_another_port(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    marker = tmp_path / "port-race-once"
+    cfg = make_config(
+        tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(marker)}}}
+    )
+    proxy = await start_proxy(cfg)
+    resp = await proxy.chat("m1")
+    assert resp.status == 200, await resp.text()
+    assert marker.exists()
+    assert starts_logged(proxy, "m1") == 2
+
+
+async def test_idle_engine_is_unloaded(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(tmp_path, engine={"idle_timeout_s": 0.5})
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1")).status == 200
+    inst = proxy.instance("m1")
+    pgid = inst.engine.pid
+    await wait_for(lambda: inst.state is State.STOPPED, what="idle unload")
+    await wait_for(lambda: not group_alive(pgid), what="engine group gone")
+    # and it comes back on the next request
+    assert (await proxy.chat("m1")).status == 200
+    assert inst.state is State.RUNNING
+
+
+async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(
+        tmp_path,
+        {"m1": {"model": "x", "env": {"FAKE_ENGINE_TOKENS": "12", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}}},
+        engine={"idle_timeout_s": 0.3},
+    )
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200  # warm, starts the idle clock
+    inst = proxy.instance("m1")
+    resp = await proxy.chat("m1", stream=True)  # ~1.2 s stream, longer than the idle timeout
+    body = await resp.read()
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert inst.state is State.RUNNING, "unloaded while a stream was in flight"
+    await wait_for(lambda: inst.state is State.STOPPED, what="idle unload after the stream")
+
+
+async def test_crash_while_running_errors_in_flight_and_restarts(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
+    inst = proxy.instance("m1")
+    assert (await proxy.chat("m1")).status == 200
+    resp = await proxy.chat("m1", stream=True)  # the engine exits mid-stream
+    assert resp.status == 200
+    text = (await resp.read()).decode()
+    assert '"error"' in text.split("data: ")[-2], text  # a final SSE error event ...
+    assert "exit code 3" in text  # ... naming the exit code
+    assert text.endswith("data: [DONE]\n\n")
+    await wait_for(lambda: inst.state is State.ERROR, what="ERROR after the crash")
+    assert proxy.manager.active_leases() == 0
+    # the next request restarts the engine
+    resp = await proxy.chat("m1")
+    assert resp.status == 200
+    assert inst.restarts == 1
+
+
+async def test_non_stream_request_in_flight_gets_502_on_crash(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_CRASH_AFTER": "0", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
+    resp = await proxy.chat("m1")
+    assert resp.status == 502
+    err = (await resp.json())["error"]
+    assert "exit code 3" in err["message"]
+    assert proxy.manager.active_leases() == 0
+
+
+async def test_client_disconnect_releases_lease_and_aborts_upstream(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
+    inst = proxy.instance("m1")
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]}
+        async with client.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+            await resp.content.readany()
+            assert inst.leases == 1
+    await wait_for(lambda: inst.leases == 0, what="lease released after disconnect")
+    engine_metrics = inst.engine.base_url + "/metrics"
+
+    async def upstream_idle() -> bool:
+        async with proxy.http.get(engine_metrics) as r:
+            text = await r.text()
+        return 'vllm:num_requests_running{engine="0",model_name="m1"} 0' in text
+
+    await wait_for(upstream_idle, what="engine aborted the request")
+    assert inst.state is State.RUNNING, "a client hang-up must not mark the engine unhealthy"
+
+
+async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_IGNORE_SIGTERM": "1", "FAKE_ENGINE_SPAWN_CHILD": "1"}
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"stop_timeout_s": 0.5})
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1")).status == 200
+    inst = proxy.instance("m1")
+    pgid = inst.engine.pid
+    assert len(group_alive(pgid)) >= 3  # guard, engine, its child
+    await inst.stop()
+    assert inst.state is State.STOPPED
+    await wait_for(lambda: not group_alive(pgid), what="whole group gone")
+
+
+async def test_stop_is_idempotent_and_start_stop_cycles(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    proxy = await start_proxy(make_config(tmp_path))
+    inst = proxy.instance("m1")
+    await inst.stop()  # stopped: no-op
+    for _ in range(2):
+        assert (await proxy.chat("m1")).status == 200
+        await asyncio.gather(inst.stop(), inst.stop())
+        assert inst.state is State.STOPPED
+
+
+async def test_engine_output_goes_to_the_model_log(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(tmp_path, engine={"log_dir": str(tmp_path / "logs")})
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1")).status == 200
+    text = (tmp_path / "logs" / "m1.log").read_text()
+    assert "Application startup complete" in text
+
+
+async def test_startup_sweep_kills_engines_of_a_dead_proxy(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}})
+    first = await start_proxy(cfg)
+    assert (await first.chat("m1")).status == 200
+    inst = first.instance("m1")
+    pgid = inst.engine.pid
+    # Simulate a proxy that vanished without stopping its engines: forget them.
+    inst.engine = None
+    inst.state = State.STOPPED
+    assert group_alive(pgid)
+    second = await start_proxy(cfg)  # same state dir: sweeps before allocating ports
+    assert not group_alive(pgid)
+    assert (await second.chat("m1")).status == 200
+    assert all(alive(p) for p in group_alive(second.instance("m1").engine.pid))
+    assert os.path.exists(tmp_path / "state" / "engines.json")

@@ -1,0 +1,152 @@
+"""The proxy as a real process: SIGTERM drains and exits 0, kill -9 leaves no engine behind."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import yaml
+from conftest import FAKE_ENGINE, free_port, group_alive, wait_for, wait_for_sync
+
+
+def write_config(tmp_path: Path, env: dict[str, str], **server: Any) -> tuple[Path, int]:
+    port = free_port()
+    cfg = {
+        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "st"), **server},
+        "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
+        "models": {"m1": {"model": "x", "env": env}, "m2": {"model": "y", "env": env}},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path, port
+
+
+@pytest.fixture
+def proxy_proc(tmp_path: Path) -> Iterator[Any]:
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(env: dict[str, str], **server: Any) -> tuple[subprocess.Popen[bytes], str]:
+        path, port = write_config(tmp_path, env, **server)
+        log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        procs.append(proc)
+        return proc, f"http://127.0.0.1:{port}"
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+async def wait_listening(url: str, session: aiohttp.ClientSession) -> None:
+    async def up() -> bool:
+        try:
+            async with session.get(url + "/health") as r:
+                return r.status == 200
+        except aiohttp.ClientError:
+            return False
+
+    await wait_for(up, timeout=30, what="proxy listening")
+
+
+def engine_groups(tmp_path: Path) -> list[int]:
+    log = (tmp_path / "proxy.log").read_text()
+    ports = re.findall(r"ready on port (\d+)", log)
+    registry = tmp_path / "st" / "engines.json"
+    groups = [int(k) for k in json.loads(registry.read_text())] if registry.exists() else []
+    assert len(groups) == len(ports), (groups, ports)
+    return groups
+
+
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+    # The spawned child ignores SIGTERM and survives its parent, like vLLM's EngineCore.
+    proc, url = proxy_proc({"FAKE_ENGINE_SPAWN_CHILD": "1"})
+    async with aiohttp.ClientSession() as s:
+        await wait_listening(url, s)
+        for model in ("m1", "m2"):
+            async with s.post(url + "/v1/chat/completions", json={**CHAT, "model": model}) as r:
+                assert r.status == 200
+    groups = engine_groups(tmp_path)
+    assert len(groups) == 2 and all(len(group_alive(g)) >= 3 for g in groups)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    wait_for_sync(lambda: not any(group_alive(g) for g in groups), what="engine trees gone")
+
+
+async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.15"}
+    proc, url = proxy_proc(env, drain_timeout_s=20)
+    async with aiohttp.ClientSession() as s:
+        await wait_listening(url, s)
+        async with s.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}) as r:
+            assert r.status == 200
+        groups = engine_groups(tmp_path)
+        stream = await s.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        assert stream.status == 200
+        await stream.content.readany()  # the stream is in flight
+        proc.send_signal(signal.SIGTERM)
+
+        async def refusing() -> bool:
+            async with s.post(url + "/v1/chat/completions", json=CHAT) as r:
+                return r.status == 503 and "Retry-After" in r.headers
+
+        await wait_for(refusing, what="new requests refused with 503")
+        rest = await stream.read()
+        assert rest.endswith(b"data: [DONE]\n\n"), "the in-flight stream must complete"
+        stream.release()
+    code = await asyncio.to_thread(proc.wait, 30)
+    assert code == 0
+    assert not any(group_alive(g) for g in groups)
+    assert "vllm-proxy stopped" in (tmp_path / "proxy.log").read_text()
+
+
+async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+    env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proc, url = proxy_proc(env, drain_timeout_s=120)
+    async with aiohttp.ClientSession() as s:
+        await wait_listening(url, s)
+        stream = await s.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
+        await stream.content.readany()
+        groups = engine_groups(tmp_path)
+        proc.send_signal(signal.SIGTERM)
+        await wait_for(
+            lambda: "draining" in (tmp_path / "proxy.log").read_text(), what="drain started"
+        )
+        proc.send_signal(signal.SIGINT)
+        code = await asyncio.to_thread(proc.wait, 30)
+        stream.close()
+    assert code != 0
+    wait_for_sync(lambda: not any(group_alive(g) for g in groups), what="engines killed")
+
+
+def test_proxy_exits_2_and_names_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("server: {port: 1}\nmodels: {a: {model: x, args: {served_model_name: b}}}\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
+    assert proc.returncode == 2
+    assert "models.a.args.served_model_name: reserved" in proc.stderr
