@@ -18,6 +18,7 @@ import pytest
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import Config, parse_config
+from vllm_proxy.manager import Instance, Manager
 
 FAKE_ENGINE = [sys.executable, "-m", "vllm_proxy.fake_engine"]
 
@@ -102,15 +103,18 @@ class RunningProxy:
         self.url = f"http://127.0.0.1:{server.port}"
 
     @property
-    def manager(self):  # type: ignore[no-untyped-def]
+    def manager(self) -> Manager:
         return self.server.runtime.manager
 
-    def instance(self, name: str):  # type: ignore[no-untyped-def]
+    def instance(self, name: str) -> Instance:
         return self.manager.instances[name]
 
     async def chat(self, model: str, **extra: Any) -> aiohttp.ClientResponse:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
         return await self.http.post(self.url + "/v1/chat/completions", json=body)
+
+
+StartProxy = Callable[[Config], Awaitable[RunningProxy]]
 
 
 @pytest.fixture

@@ -92,7 +92,7 @@ def _guard(tmp_path: Path, *engine_args: str) -> subprocess.Popen[bytes]:
 def _pids(log: Path, kind: str) -> list[int]:
     if not log.exists():
         return []
-    return [int(l.split()[1]) for l in log.read_text().splitlines() if l.startswith(kind + " ")]
+    return [int(x.split()[1]) for x in log.read_text().splitlines() if x.startswith(kind + " ")]
 
 
 def test_guard_exits_with_engine_code_and_sweeps_leftovers(tmp_path: Path) -> None:

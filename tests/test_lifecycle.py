@@ -3,25 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
 import aiohttp
-from conftest import alive, group_alive, make_config, wait_for
+from conftest import RunningProxy, StartProxy, alive, group_alive, make_config, wait_for
 
 from vllm_proxy.engine import log_path
 from vllm_proxy.manager import State
 
 
-def starts_logged(proxy, name: str) -> int:  # type: ignore[no-untyped-def]
+def starts_logged(proxy: RunningProxy, name: str) -> int:
     path = log_path(proxy.instance(name).spec)
     if not path.exists():
         return 0
     return path.read_text().count("[vllm-proxy] starting engine")
 
 
-async def test_cold_start_on_first_request(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_cold_start_on_first_request(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     inst = proxy.instance("m1")
     assert inst.state is State.STOPPED
@@ -36,10 +35,10 @@ async def test_cold_start_on_first_request(tmp_path: Path, start_proxy) -> None:
     assert {"id": "m1", "state": "running"}.items() <= models["data"][0].items()
 
 
-async def test_concurrent_cold_requests_start_exactly_one_engine(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
-    cfg = make_config(
-        tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}}}
-    )
+async def test_concurrent_cold_requests_start_exactly_one_engine(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}}})
     proxy = await start_proxy(cfg)
     responses = await asyncio.gather(*(proxy.chat("m1") for _ in range(200)))
     assert [r.status for r in responses] == [200] * 200
@@ -47,7 +46,7 @@ async def test_concurrent_cold_requests_start_exactly_one_engine(tmp_path: Path,
     assert proxy.manager.active_leases() == 0
 
 
-async def test_alias_reaches_the_same_engine(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_alias_reaches_the_same_engine(tmp_path: Path, start_proxy: StartProxy) -> None:
     cfg = make_config(tmp_path, {"m1": {"model": "x", "aliases": ["vad", "v"]}})
     proxy = await start_proxy(cfg)
     for name in ("vad", "m1", "v"):
@@ -57,7 +56,9 @@ async def test_alias_reaches_the_same_engine(tmp_path: Path, start_proxy) -> Non
     assert starts_logged(proxy, "m1") == 1
 
 
-async def test_engine_dying_while_starting_fails_waiters_at_once(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_engine_dying_while_starting_fails_waiters_at_once(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     cfg = make_config(
         tmp_path,
         {"m1": {"model": "x", "env": {"FAKE_ENGINE_EXIT_CODE": "7"}}},
@@ -77,7 +78,9 @@ async def test_engine_dying_while_starting_fails_waiters_at_once(tmp_path: Path,
     assert proxy.instance("m1").state is State.ERROR
 
 
-async def test_startup_timeout_kills_engine_and_answers_504(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_startup_timeout_kills_engine_and_answers_504(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     cfg = make_config(
         tmp_path,
         {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "60"}}},
@@ -92,7 +95,9 @@ async def test_startup_timeout_kills_engine_and_answers_504(tmp_path: Path, star
     assert inst.last_error and "not ready" in inst.last_error
 
 
-async def test_port_race_is_retried_on_another_port(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_port_race_is_retried_on_another_port(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     marker = tmp_path / "port-race-once"
     cfg = make_config(
         tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(marker)}}}
@@ -104,7 +109,7 @@ async def test_port_race_is_retried_on_another_port(tmp_path: Path, start_proxy)
     assert starts_logged(proxy, "m1") == 2
 
 
-async def test_idle_engine_is_unloaded(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_idle_engine_is_unloaded(tmp_path: Path, start_proxy: StartProxy) -> None:
     cfg = make_config(tmp_path, engine={"idle_timeout_s": 0.5})
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1")).status == 200
@@ -117,10 +122,15 @@ async def test_idle_engine_is_unloaded(tmp_path: Path, start_proxy) -> None:  # 
     assert inst.state is State.RUNNING
 
 
-async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy: StartProxy) -> None:
     cfg = make_config(
         tmp_path,
-        {"m1": {"model": "x", "env": {"FAKE_ENGINE_TOKENS": "12", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}}},
+        {
+            "m1": {
+                "model": "x",
+                "env": {"FAKE_ENGINE_TOKENS": "12", "FAKE_ENGINE_TOKEN_DELAY": "0.1"},
+            }
+        },
         engine={"idle_timeout_s": 0.3},
     )
     proxy = await start_proxy(cfg)
@@ -133,7 +143,9 @@ async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy) 
     await wait_for(lambda: inst.state is State.STOPPED, what="idle unload after the stream")
 
 
-async def test_crash_while_running_errors_in_flight_and_restarts(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_crash_while_running_errors_in_flight_and_restarts(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     inst = proxy.instance("m1")
@@ -152,7 +164,9 @@ async def test_crash_while_running_errors_in_flight_and_restarts(tmp_path: Path,
     assert inst.restarts == 1
 
 
-async def test_non_stream_request_in_flight_gets_502_on_crash(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_non_stream_request_in_flight_gets_502_on_crash(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_CRASH_AFTER": "0", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     resp = await proxy.chat("m1")
@@ -162,7 +176,9 @@ async def test_non_stream_request_in_flight_gets_502_on_crash(tmp_path: Path, st
     assert proxy.manager.active_leases() == 0
 
 
-async def test_client_disconnect_releases_lease_and_aborts_upstream(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_client_disconnect_releases_lease_and_aborts_upstream(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     inst = proxy.instance("m1")
@@ -183,7 +199,9 @@ async def test_client_disconnect_releases_lease_and_aborts_upstream(tmp_path: Pa
     assert inst.state is State.RUNNING, "a client hang-up must not mark the engine unhealthy"
 
 
-async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_stop_escalates_to_sigkill_for_the_whole_group(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_IGNORE_SIGTERM": "1", "FAKE_ENGINE_SPAWN_CHILD": "1"}
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"stop_timeout_s": 0.5})
     proxy = await start_proxy(cfg)
@@ -196,7 +214,9 @@ async def test_stop_escalates_to_sigkill_for_the_whole_group(tmp_path: Path, sta
     await wait_for(lambda: not group_alive(pgid), what="whole group gone")
 
 
-async def test_stop_is_idempotent_and_start_stop_cycles(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_stop_is_idempotent_and_start_stop_cycles(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     inst = proxy.instance("m1")
     await inst.stop()  # stopped: no-op
@@ -206,7 +226,7 @@ async def test_stop_is_idempotent_and_start_stop_cycles(tmp_path: Path, start_pr
         assert inst.state is State.STOPPED
 
 
-async def test_engine_output_goes_to_the_model_log(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_engine_output_goes_to_the_model_log(tmp_path: Path, start_proxy: StartProxy) -> None:
     cfg = make_config(tmp_path, engine={"log_dir": str(tmp_path / "logs")})
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1")).status == 200
@@ -214,7 +234,9 @@ async def test_engine_output_goes_to_the_model_log(tmp_path: Path, start_proxy) 
     assert "Application startup complete" in text
 
 
-async def test_startup_sweep_kills_engines_of_a_dead_proxy(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_startup_sweep_kills_engines_of_a_dead_proxy(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}})
     first = await start_proxy(cfg)
     assert (await first.chat("m1")).status == 200
@@ -228,4 +250,4 @@ async def test_startup_sweep_kills_engines_of_a_dead_proxy(tmp_path: Path, start
     assert not group_alive(pgid)
     assert (await second.chat("m1")).status == 200
     assert all(alive(p) for p in group_alive(second.instance("m1").engine.pid))
-    assert os.path.exists(tmp_path / "state" / "engines.json")
+    assert (tmp_path / "state" / "engines.json").exists()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
-from conftest import make_config
+from conftest import StartProxy, make_config
 
 
-async def sdk(start_proxy, tmp_path: Path, **server) -> openai.AsyncOpenAI:  # type: ignore[no-untyped-def]
+async def sdk(start_proxy: StartProxy, tmp_path: Path, **server: Any) -> openai.AsyncOpenAI:
     env = {"FAKE_ENGINE_TOKENS": "4"}
     cfg = make_config(
         tmp_path,
@@ -21,7 +22,9 @@ async def sdk(start_proxy, tmp_path: Path, **server) -> openai.AsyncOpenAI:  # t
     return openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key=key, max_retries=0)
 
 
-async def test_sdk_chat_stream_completions_embeddings_models(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_sdk_chat_stream_completions_embeddings_models(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     async with await sdk(start_proxy, tmp_path) as client:
         chat = await client.chat.completions.create(
             model="chat", messages=[{"role": "user", "content": "hello"}]
@@ -55,7 +58,7 @@ async def test_sdk_chat_stream_completions_embeddings_models(tmp_path: Path, sta
         assert (await client.models.retrieve("c")).id == "c"
 
 
-async def test_sdk_sees_typed_errors(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_sdk_sees_typed_errors(tmp_path: Path, start_proxy: StartProxy) -> None:
     async with await sdk(start_proxy, tmp_path) as client:
         with pytest.raises(openai.NotFoundError) as nf:
             await client.chat.completions.create(
@@ -66,7 +69,7 @@ async def test_sdk_sees_typed_errors(tmp_path: Path, start_proxy) -> None:  # ty
             await client.chat.completions.create(model="chat", messages="not a list")  # type: ignore[arg-type]
 
 
-async def test_sdk_authentication(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_sdk_authentication(tmp_path: Path, start_proxy: StartProxy) -> None:
     async with await sdk(start_proxy, tmp_path, api_keys=["secret"]) as client:
         ok = await client.chat.completions.create(
             model="chat", messages=[{"role": "user", "content": "x"}]

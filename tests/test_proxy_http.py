@@ -9,7 +9,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import make_config
+from conftest import StartProxy, make_config
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -33,8 +33,8 @@ def assert_openai_error(body: dict, code: str | None = None) -> dict:  # type: i
         (b'{"model": "nope"}', 404, "Available models: m1, vad"),
     ],
 )
-async def test_bad_requests_get_openai_errors(  # type: ignore[no-untyped-def]
-    tmp_path: Path, start_proxy, data: bytes, status: int, fragment: str
+async def test_bad_requests_get_openai_errors(
+    tmp_path: Path, start_proxy: StartProxy, data: bytes, status: int, fragment: str
 ) -> None:
     cfg = make_config(tmp_path, {"m1": {"model": "x", "aliases": ["vad"]}})
     proxy = await start_proxy(cfg)
@@ -47,7 +47,9 @@ async def test_bad_requests_get_openai_errors(  # type: ignore[no-untyped-def]
     assert proxy.instance("m1").engine is None, "bad input must not start an engine"
 
 
-async def test_unknown_routes_and_methods_are_openai_errors(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_unknown_routes_and_methods_are_openai_errors(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     resp = await proxy.http.get(proxy.url + "/v1/nothing-here")
     assert resp.status == 404
@@ -57,17 +59,19 @@ async def test_unknown_routes_and_methods_are_openai_errors(tmp_path: Path, star
     assert_openai_error(await resp.json(), "method_not_allowed")
 
 
-async def test_body_over_limit_is_413(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_body_over_limit_is_413(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path, server={"max_body_mb": 0.01}))
     big = json.dumps({"model": "m1", "prompt": "x" * 20000})
     resp = await proxy.http.post(proxy.url + "/v1/completions", data=big)
     assert resp.status == 413
     assert "max_body_mb" in assert_openai_error(await resp.json(), "request_too_large")["message"]
-    small = await proxy.http.post(proxy.url + "/v1/completions", json={"model": "m1", "prompt": "x"})
+    small = await proxy.http.post(
+        proxy.url + "/v1/completions", json={"model": "m1", "prompt": "x"}
+    )
     assert small.status == 200
 
 
-async def test_api_keys_guard_v1_but_not_health(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_api_keys_guard_v1_but_not_health(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path, server={"api_keys": ["k1", "k2"]}))
     url = proxy.url + "/v1/chat/completions"
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
@@ -83,7 +87,9 @@ async def test_api_keys_guard_v1_but_not_health(tmp_path: Path, start_proxy) -> 
         assert resp.status == 200
 
 
-async def test_models_lists_every_model_and_alias_with_state(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_models_lists_every_model_and_alias_with_state(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     cfg = make_config(
         tmp_path, {"a": {"model": "org/a", "aliases": ["a2"]}, "b": {"model": "org/b"}}
     )
@@ -100,7 +106,9 @@ async def test_models_lists_every_model_and_alias_with_state(tmp_path: Path, sta
     assert missing.status == 404
 
 
-async def test_stream_passes_through_chunk_by_chunk(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_stream_passes_through_chunk_by_chunk(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_TOKENS": "5", "FAKE_ENGINE_TOKEN_DELAY": "0.3"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1", max_tokens=1)).status == 200  # warm up
@@ -130,7 +138,7 @@ async def test_stream_passes_through_chunk_by_chunk(tmp_path: Path, start_proxy)
     assert len(arrivals) >= 5
 
 
-async def test_completions_and_embeddings_routes(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_completions_and_embeddings_routes(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     resp = await proxy.http.post(
         proxy.url + "/v1/completions", json={"model": "m1", "prompt": "hello", "max_tokens": 3}
@@ -144,14 +152,16 @@ async def test_completions_and_embeddings_routes(tmp_path: Path, start_proxy) ->
     assert [d["index"] for d in body["data"]] == [0, 1]
 
 
-async def test_engine_errors_pass_through_unchanged(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_engine_errors_pass_through_unchanged(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json={"model": "m1"})
     assert resp.status == 400  # the engine's validation error (no messages)
     assert_openai_error(await resp.json())
 
 
-async def test_metrics_exposition(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_metrics_exposition(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     assert (await proxy.chat("m1")).status == 200
     assert (await proxy.chat("nope")).status == 404
@@ -170,7 +180,7 @@ async def test_metrics_exposition(tmp_path: Path, start_proxy) -> None:  # type:
     assert samples[("vllm_engine_start_duration_seconds_count", (("model_id", "m1"),))] == 1
 
 
-async def test_health_and_shutdown_refusal(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_health_and_shutdown_refusal(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     assert (await proxy.http.get(proxy.url + "/health")).status == 200
     proxy.manager.closing = True
@@ -181,7 +191,7 @@ async def test_health_and_shutdown_refusal(tmp_path: Path, start_proxy) -> None:
     assert (await proxy.http.get(proxy.url + "/health")).status == 503
 
 
-async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy: StartProxy) -> None:
     env = {"FAKE_ENGINE_STARTUP_DELAY": "0.5"}
     cfg = make_config(tmp_path, {f"m{i}": {"model": "x", "env": env} for i in range(3)})
     proxy = await start_proxy(cfg)
@@ -191,7 +201,9 @@ async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy) -> Non
     assert len(ports) == 3
 
 
-async def test_sse_error_event_on_upstream_read_timeout(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_sse_error_event_on_upstream_read_timeout(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     env = {"FAKE_ENGINE_TOKENS": "3", "FAKE_ENGINE_TOKEN_DELAY": "2"}
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"read_timeout_s": 0.5})
     proxy = await start_proxy(cfg)
@@ -201,7 +213,7 @@ async def test_sse_error_event_on_upstream_read_timeout(tmp_path: Path, start_pr
     assert proxy.manager.active_leases() == 0
 
 
-async def test_client_timeout_does_not_leak_leases(tmp_path: Path, start_proxy) -> None:  # type: ignore[no-untyped-def]
+async def test_client_timeout_does_not_leak_leases(tmp_path: Path, start_proxy: StartProxy) -> None:
     env = {"FAKE_ENGINE_TOKENS": "50", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1", max_tokens=1)).status == 200

@@ -37,7 +37,7 @@ def proxy_proc(tmp_path: Path) -> Iterator[Any]:
 
     def start(env: dict[str, str], **server: Any) -> tuple[subprocess.Popen[bytes], str]:
         path, port = write_config(tmp_path, env, **server)
-        log = open(tmp_path / "proxy.log", "wb")  # noqa: SIM115
+        log = open(tmp_path / "proxy.log", "wb")
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
             stdout=log,
@@ -77,7 +77,9 @@ def engine_groups(tmp_path: Path) -> list[int]:
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 
 
-async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(
+    tmp_path: Path, proxy_proc: Any
+) -> None:
     # The spawned child ignores SIGTERM and survives its parent, like vLLM's EngineCore.
     proc, url = proxy_proc({"FAKE_ENGINE_SPAWN_CHILD": "1"})
     async with aiohttp.ClientSession() as s:
@@ -92,7 +94,9 @@ async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(tmp_path: Path, 
     wait_for_sync(lambda: not any(group_alive(g) for g in groups), what="engine trees gone")
 
 
-async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(
+    tmp_path: Path, proxy_proc: Any
+) -> None:
     env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.15"}
     proc, url = proxy_proc(env, drain_timeout_s=20)
     async with aiohttp.ClientSession() as s:
@@ -119,7 +123,7 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(tmp_path: Path, 
     assert "vllm-proxy stopped" in (tmp_path / "proxy.log").read_text()
 
 
-async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc) -> None:  # type: ignore[no-untyped-def]
+async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc: Any) -> None:
     env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proc, url = proxy_proc(env, drain_timeout_s=120)
     async with aiohttp.ClientSession() as s:

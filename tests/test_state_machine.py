@@ -28,7 +28,9 @@ ALLOWED = {
 def _instance(tmp_path: Path) -> tuple[Instance, Metrics]:
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
     metrics = Metrics()
-    ctx = EngineContext(session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=metrics)
+    ctx = EngineContext(
+        session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=metrics
+    )
     return Instance(cfg.specs()["m"], ctx), metrics
 
 
@@ -45,9 +47,12 @@ async def test_set_state_enforces_the_table(tmp_path: Path, old: State, new: Sta
     if (old, new) in ALLOWED:
         inst._set_state(new)
         assert inst.state is new
-        assert metrics.registry.get_sample_value(
-            "vllm_model_state", {"model_id": "m", "state": new.value}
-        ) == 1
+        assert (
+            metrics.registry.get_sample_value(
+                "vllm_model_state", {"model_id": "m", "state": new.value}
+            )
+            == 1
+        )
         loaded = metrics.registry.get_sample_value("vllm_model_loaded", {"model_id": "m"})
         assert loaded == (1 if new is State.RUNNING else 0)
     else:

@@ -1,0 +1,93 @@
+"""A ready-to-call proxy on a machine without a GPU: ``make demo`` (or ``python -m vllm_proxy.demo``).
+
+Generates two tiny random-weight Llama models, writes a config that serves them through the CPU
+build of vLLM (or, with ``--fake``, through the built-in fake engine), and runs the proxy. The
+engines start on the first request for each model; watch them in the proxy's log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MODELS = ("tiny-chat", "tiny-story")
+
+#: Flags that make vLLM's CPU build serve the tiny models (see docs/real-vllm-cpu.md).
+CPU_ARGS: dict[str, Any] = {
+    "max_model_len": 256,
+    "gpu_memory_utilization": 0.15,
+    "enforce_eager": True,
+    "disable_log_stats": True,
+}
+CPU_ENV = {"VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1"}
+
+SNIPPET = """
+vllm-proxy demo: {n} models on http://127.0.0.1:{port}/v1  ({kind})
+  curl http://127.0.0.1:{port}/v1/models
+  python - <<'PY'
+from openai import OpenAI
+client = OpenAI(base_url="http://127.0.0.1:{port}/v1", api_key="unused")
+r = client.chat.completions.create(model="{first}", messages=[{{"role": "user", "content": "hi"}}])
+print(r.choices[0].message.content)
+PY
+The first request for each model starts its engine ({cold}); later ones are served hot.
+Engine logs: {logs}
+"""
+
+
+def build_config(root: Path, port: int, fake: bool) -> dict[str, Any]:
+    models: dict[str, Any] = {}
+    for i, name in enumerate(MODELS):
+        if fake:
+            models[name] = {"model": f"demo/{name}", "env": {"FAKE_ENGINE_STARTUP_DELAY": "2"}}
+            continue
+        from .tiny_model import ensure_tiny_model
+
+        path = ensure_tiny_model(root / "models" / name, seed=i)
+        models[name] = {"model": str(path.resolve())}
+    engine: dict[str, Any] = {"idle_timeout_s": 300, "port_range": [8001, 8999]}
+    if fake:
+        engine["command"] = [sys.executable, "-m", "vllm_proxy.fake_engine"]
+    else:
+        engine.update(args=CPU_ARGS, env=CPU_ENV, startup_timeout_s=300)
+    return {
+        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(root.resolve() / "state")},
+        "engine": engine,
+        "models": models,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--dir", default=".demo", help="where models, config and state go")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--fake", action="store_true", help="use the fake engine instead of vLLM")
+    args = p.parse_args(argv)
+    root = Path(args.dir)
+    root.mkdir(parents=True, exist_ok=True)
+    config = build_config(root, args.port, args.fake)
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    print(
+        SNIPPET.format(
+            n=len(MODELS),
+            port=args.port,
+            first=MODELS[0],
+            kind="fake engine" if args.fake else "vLLM CPU build",
+            cold="~2 s" if args.fake else "about a minute on 2 cores",
+            logs=root.resolve() / "state" / "logs",
+        ),
+        flush=True,
+    )
+    argv_exec = [sys.executable, "-m", "vllm_proxy", "--config", str(path)]
+    os.execv(sys.executable, argv_exec)
+    return 0  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())
