@@ -116,7 +116,10 @@ async def test_cold_start_chat_stream_and_sigterm_cleanup(real_proxy: Any) -> No
         assert models["tiny0"].model_extra["state"] == "stopped"
 
         chat = await client.chat.completions.create(  # cold start happens here
-            model="tiny0", messages=[{"role": "user", "content": "hello"}], max_tokens=5
+            model="tiny0",
+            messages=[{"role": "user", "content": "hello"}],
+            max_tokens=5,
+            extra_body={"ignore_eos": True},
         )
         assert chat.model == "tiny0"
         assert chat.usage is not None and chat.usage.completion_tokens == 5
@@ -126,6 +129,7 @@ async def test_cold_start_chat_stream_and_sigterm_cleanup(real_proxy: Any) -> No
             model="tiny0",
             messages=[{"role": "user", "content": "tell me"}],
             max_tokens=6,
+            extra_body={"ignore_eos": True},
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -133,7 +137,9 @@ async def test_cold_start_chat_stream_and_sigterm_cleanup(real_proxy: Any) -> No
         assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
         assert sum(1 for c in chunks if c.choices and c.choices[0].finish_reason) == 1
 
-        comp = await client.completions.create(model="tiny0", prompt="the cat", max_tokens=3)
+        comp = await client.completions.create(
+            model="tiny0", prompt="the cat", max_tokens=3, extra_body={"ignore_eos": True}
+        )
         assert comp.usage is not None and comp.usage.completion_tokens == 3
     groups = proxy.engine_groups()
     assert len(groups) == 1
