@@ -1,0 +1,533 @@
+"""Component tests of the fake vLLM engine, started as a real subprocess on a free port."""
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READY_TIMEOUT = 10.0
+EXIT_TIMEOUT = 5.0
+POLL_INTERVAL = 0.02
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@dataclass
+class Fake:
+    proc: "subprocess.Popen[bytes]"
+    port: int
+    logs: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def stdout(self) -> str:
+        return (self.logs / "stdout.log").read_text()
+
+    def stderr(self) -> str:
+        return (self.logs / "stderr.log").read_text()
+
+    def wait_exit(self, timeout: float = EXIT_TIMEOUT) -> int:
+        return self.proc.wait(timeout)
+
+
+def spawn(logs: Path, port: int, env: dict[str, str], args: list[str]) -> Fake:
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_ENGINE_", "VLLM_"))}
+    pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "vllm_proxy.fake_engine", "--model", "m"]
+    command += ["--served-model-name", "m", "alias", "--port", str(port), *args]
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "stdout.log", "wb") as out, open(logs / "stderr.log", "wb") as err:
+        proc = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            env={**base, "PYTHONPATH": pythonpath, **env},
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    return Fake(proc, port, logs)
+
+
+def kill_group(fake: Fake) -> None:
+    try:
+        os.killpg(fake.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        fake.proc.wait(EXIT_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def probe(port: int) -> int | None:
+    """Status of GET /health, or None when the connection is refused."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+    try:
+        conn.request("GET", "/health")
+        return conn.getresponse().status
+    except ConnectionError:
+        return None
+    finally:
+        conn.close()
+
+
+def wait_until(condition: Callable[[], bool], fake: Fake, what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        if fake.proc.poll() is not None:
+            raise AssertionError(f"fake exited {fake.proc.returncode}: {fake.stderr()}")
+        time.sleep(POLL_INTERVAL)
+    raise AssertionError(f"timed out waiting for {what}; stdout: {fake.stdout()}")
+
+
+def wait_ready(fake: Fake) -> None:
+    wait_until(lambda: probe(fake.port) == 200, fake, "GET /health -> 200")
+
+
+def sse_events(raw: str) -> list[str]:
+    assert raw.endswith("\n\n"), raw
+    blocks = raw[:-2].split("\n\n")
+    assert all(block.startswith("data: ") and "\n" not in block for block in blocks), raw
+    return [block.removeprefix("data: ") for block in blocks]
+
+
+StartFake = Callable[..., Fake]
+
+
+@pytest.fixture
+def start_fake(tmp_path: Path) -> Iterator[StartFake]:
+    started: list[Fake] = []
+
+    def start(env: dict[str, str] | None = None, args: tuple[str, ...] = (), port: int = 0) -> Fake:
+        fake = spawn(tmp_path / f"fake{len(started)}", port or free_port(), env or {}, list(args))
+        started.append(fake)
+        return fake
+
+    try:
+        yield start
+    finally:
+        for fake in started:
+            kill_group(fake)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fake]:
+    ignored = ["--gpu-memory-utilization", "0.3", "--enforce-eager", "--dtype", "half"]
+    args = ["--max-model-len", "4K", *ignored, "--trust-remote-code", "--disable-log-stats"]
+    fake = spawn(tmp_path_factory.mktemp("engine"), free_port(), {}, args)
+    try:
+        wait_ready(fake)
+        yield fake
+    finally:
+        kill_group(fake)
+
+
+@pytest.fixture
+async def session() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as client:
+        yield client
+
+
+async def post(session: aiohttp.ClientSession, url: str, payload: Any) -> tuple[int, Any]:
+    async with session.post(url, json=payload) as resp:
+        return resp.status, await resp.json()
+
+
+async def metric(session: aiohttp.ClientSession, fake: Fake, series: str) -> float:
+    async with session.get(f"{fake.url}/metrics") as resp:
+        text = await resp.text()
+    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
+    assert match, text
+    return float(match[1])
+
+
+async def wait_metric(
+    session: aiohttp.ClientSession, fake: Fake, series: str, value: float
+) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while await metric(session, fake, series) != value:
+        assert time.monotonic() < deadline, f"{series} never reached {value}"
+        await asyncio.sleep(POLL_INTERVAL)
+
+
+CHAT = {
+    "messages": [{"role": "user", "content": "hello there"}, {"role": "user", "content": "a b c"}]
+}
+RUNNING = 'vllm:num_requests_running{engine="0",model_name="m"}'
+
+
+# --------------------------------------------------------------------------- startup
+
+
+def test_refuses_connections_until_ready(start_fake: StartFake) -> None:
+    fake = start_fake(env={"FAKE_ENGINE_STARTUP_DELAY": "1.0"}, args=("--api-key", "secret"))
+    wait_until(lambda: "Using max model len" in fake.stdout(), fake, "the startup banner")
+    assert probe(fake.port) is None
+    wait_ready(fake)
+    out = fake.stdout()
+    assert f"Starting vLLM server on http://127.0.0.1:{fake.port}" in out
+    assert "INFO:     Application startup complete." in out
+    conn = http.client.HTTPConnection("127.0.0.1", fake.port, timeout=2)
+    conn.request("GET", "/v1/models")
+    response = conn.getresponse()
+    assert (response.status, json.loads(response.read())) == (401, {"error": "Unauthorized"})
+    conn.request("GET", "/v1/models", headers={"Authorization": "Bearer secret"})
+    assert conn.getresponse().status == 200
+    conn.close()
+
+
+def test_exit_code_knob_fails_before_binding(start_fake: StartFake) -> None:
+    fake = start_fake(env={"FAKE_ENGINE_EXIT_CODE": "7"})
+    assert fake.wait_exit() == 7
+    assert "RuntimeError: Engine core initialization failed (fake)" in fake.stderr()
+    assert "Application startup complete." not in fake.stdout()
+
+
+def test_port_in_use_exits_1_with_errno_98(start_fake: StartFake) -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        fake = start_fake(port=holder.getsockname()[1])
+        assert fake.wait_exit() == 1
+    assert "OSError: [Errno 98] Address already in use" in fake.stderr()
+
+
+def test_port_in_use_once_fails_only_the_first_start(start_fake: StartFake, tmp_path: Path) -> None:
+    env = {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(tmp_path / "race-marker")}
+    first = start_fake(env=env)
+    assert first.wait_exit() == 1
+    assert "OSError: [Errno 98] Address already in use" in first.stderr()
+    second = start_fake(env=env)
+    wait_ready(second)
+
+
+# --------------------------------------------------------------------------- API shapes
+
+
+async def test_health_version_and_models(engine: Fake, session: aiohttp.ClientSession) -> None:
+    async with session.get(f"{engine.url}/health") as resp:
+        assert (resp.status, await resp.read()) == (200, b"")
+    async with session.get(f"{engine.url}/version") as resp:
+        assert await resp.json() == {"version": "0.0.0-fake"}
+    async with session.get(f"{engine.url}/v1/models") as resp:
+        models = await resp.json()
+    assert models["object"] == "list"
+    assert [card["id"] for card in models["data"]] == ["m", "alias"]
+    for card in models["data"]:
+        assert card.keys() == {
+            "id", "object", "created", "owned_by", "root", "parent", "max_model_len", "permission"
+        }  # fmt: skip
+        assert (card["object"], card["owned_by"], card["root"], card["parent"]) == (
+            "model", "vllm", "m", None
+        )  # fmt: skip
+        assert card["max_model_len"] == 4096
+        [permission] = card["permission"]
+        assert permission["object"] == "model_permission"
+        assert permission["id"].startswith("modelperm-")
+
+
+async def test_chat_json(engine: Fake, session: aiohttp.ClientSession) -> None:
+    payload = {**CHAT, "model": "alias", "max_tokens": 3}
+    headers = {"X-Request-Id": "req-123"}
+    async with session.post(
+        f"{engine.url}/v1/chat/completions", json=payload, headers=headers
+    ) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert (body["id"], body["object"], body["model"]) == (
+        "chatcmpl-req-123",
+        "chat.completion",
+        "m",
+    )
+    [choice] = body["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"] == "tok0 tok1 tok2 "
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (5, 3, 8)
+    status, body = await post(session, f"{engine.url}/v1/chat/completions", CHAT)
+    assert status == 200
+    assert body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"]["content"] == "".join(f"tok{i} " for i in range(8))
+    assert body["choices"][0]["finish_reason"] == "stop"
+    capped = {**CHAT, "max_completion_tokens": 2}
+    status, body = await post(session, f"{engine.url}/v1/chat/completions", capped)
+    assert body["usage"]["completion_tokens"] == 2
+
+
+async def test_chat_stream_chunk_sequence(engine: Fake, session: aiohttp.ClientSession) -> None:
+    payload = {**CHAT, "max_tokens": 3, "stream": True, "stream_options": {"include_usage": True}}
+    async with session.post(f"{engine.url}/v1/chat/completions", json=payload) as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"] == "text/event-stream; charset=utf-8"
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    role, *content, usage = [json.loads(event) for event in events[:-1]]
+    assert role["choices"] == [
+        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+         "finish_reason": None}
+    ]  # fmt: skip
+    assert [c["choices"][0]["delta"] for c in content] == [
+        {"content": "tok0 "}, {"content": "tok1 "}, {"content": "tok2 "}
+    ]  # fmt: skip
+    assert [c["choices"][0]["finish_reason"] for c in content] == [None, None, "length"]
+    assert usage["choices"] == []
+    assert usage["usage"] == {"prompt_tokens": 5, "total_tokens": 8, "completion_tokens": 3}
+    chunks = [role, *content, usage]
+    assert {(c["id"], c["object"], c["model"]) for c in chunks} == {
+        (role["id"], "chat.completion.chunk", "m")
+    }
+
+
+async def test_completions_json_and_stream(engine: Fake, session: aiohttp.ClientSession) -> None:
+    url = f"{engine.url}/v1/completions"
+    status, body = await post(
+        session, url, {"model": "m", "prompt": "one two three", "max_tokens": 2}
+    )
+    assert status == 200
+    assert (body["object"], body["model"]) == ("text_completion", "m")
+    assert body["id"].startswith("cmpl-")
+    assert body["choices"][0]["text"] == "tok0 tok1 "
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["prompt_tokens"] == 3
+    async with session.post(url, json={"prompt": "x", "max_tokens": 2, "stream": True}) as resp:
+        events = sse_events(await resp.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["tok0 ", "tok1 "]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
+    assert chunks[-1]["system_fingerprint"] == "vllm-0.0.0-fake"
+    assert all(c["object"] == "text_completion" for c in chunks)
+
+
+async def test_embeddings(engine: Fake, session: aiohttp.ClientSession) -> None:
+    url = f"{engine.url}/v1/embeddings"
+    status, body = await post(session, url, {"model": "alias", "input": ["a b", "c"]})
+    assert status == 200
+    assert (body["object"], body["model"]) == ("list", "m")
+    assert body["id"].startswith("embd-")
+    assert [(d["index"], d["object"]) for d in body["data"]] == [(0, "embedding"), (1, "embedding")]
+    assert all(len(d["embedding"]) == 8 for d in body["data"])
+    assert body["usage"]["prompt_tokens"] == 3
+    _, again = await post(session, url, {"input": "a b"})
+    assert again["data"][0]["embedding"] == body["data"][0]["embedding"]
+
+
+ERROR_CASES = [
+    ("/v1/chat/completions", {"json": {**CHAT, "model": "nope"}}, 404, "NotFoundError"),
+    ("/v1/completions", {"json": {"prompt": "x", "model": "nope"}}, 404, "NotFoundError"),
+    ("/v1/chat/completions", {"data": b"{not", "headers": {"Content-Type": "application/json"}},
+     400, "Bad Request"),
+    ("/v1/chat/completions", {"data": b"{}", "headers": {"Content-Type": "text/plain"}},
+     400, "Bad Request"),
+    ("/v1/chat/completions", {"json": ["not", "an", "object"]}, 400, "Bad Request"),
+    ("/v1/chat/completions", {"json": {"model": "m"}}, 400, "Bad Request"),
+    ("/v1/completions", {"json": {"model": "m"}}, 400, "Bad Request"),
+    ("/v1/completions", {"json": {"prompt": "x", "max_tokens": 99999}}, 400, "BadRequestError"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "request_kwargs", "status", "error_type"), ERROR_CASES)
+async def test_request_errors(
+    engine: Fake,
+    session: aiohttp.ClientSession,
+    path: str,
+    request_kwargs: dict[str, Any],
+    status: int,
+    error_type: str,
+) -> None:
+    async with session.post(f"{engine.url}{path}", **request_kwargs) as resp:
+        assert resp.status == status
+        error = (await resp.json())["error"]
+    assert (error["type"], error["code"]) == (error_type, status)
+    if status == 404:
+        assert error == {
+            "message": "The model `nope` does not exist.", "type": "NotFoundError",
+            "param": "model", "code": 404,
+        }  # fmt: skip
+
+
+async def test_unknown_routes_and_dev_endpoints_hidden(
+    engine: Fake, session: aiohttp.ClientSession
+) -> None:
+    for method, path in [("GET", "/nope"), ("POST", "/sleep"), ("GET", "/is_sleeping")]:
+        async with session.request(method, f"{engine.url}{path}") as resp:
+            assert (resp.status, await resp.json()) == (404, {"detail": "Not Found"})
+    async with session.get(f"{engine.url}/v1/chat/completions") as resp:
+        assert (resp.status, await resp.json()) == (405, {"detail": "Method Not Allowed"})
+
+
+async def test_metrics_series(engine: Fake, session: aiohttp.ClientSession) -> None:
+    await post(session, f"{engine.url}/v1/chat/completions", {**CHAT, "max_tokens": 1})
+    async with session.get(f"{engine.url}/metrics") as resp:
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain")
+        text = await resp.text()
+    labels = 'engine="0",model_name="m"'
+    for name in [
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+        "vllm:time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_sum",
+    ]:  # fmt: skip
+        assert f"{name}{{{labels}}} " in text, name
+    assert f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}}' in text
+    assert f'vllm:engine_sleep_state{{{labels},sleep_state="awake"}} 1.0' in text
+    success = re.search(
+        rf'^vllm:request_success_total{{{labels},finished_reason="length"}} (\S+)$', text, re.M
+    )
+    assert success and float(success[1]) >= 1
+
+
+# --------------------------------------------------------------------------- failures and signals
+
+
+async def test_crash_after_exits_mid_stream(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_CRASH_CODE": "5"}
+    fake = start_fake(env=env)
+    wait_ready(fake)
+    status, _ = await post(session, f"{fake.url}/v1/chat/completions", CHAT)
+    assert status == 200
+    events: list[bytes] = []
+    with pytest.raises(aiohttp.ClientError):
+        payload = {**CHAT, "stream": True}
+        async with session.post(f"{fake.url}/v1/chat/completions", json=payload) as resp:
+            assert resp.status == 200
+            async for line in resp.content:
+                if line.startswith(b"data: "):
+                    events.append(line)
+    assert len(events) >= 2
+    assert not any(b"[DONE]" in event for event in events)
+    assert fake.wait_exit() == 5
+
+
+async def test_sigterm_aborts_in_flight_and_exits_0(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    fake = start_fake(env={"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"})
+    wait_ready(fake)
+    url = f"{fake.url}/v1/chat/completions"
+
+    async def streamed() -> str:
+        async with session.post(url, json={**CHAT, "max_tokens": 1000, "stream": True}) as resp:
+            return await resp.text()
+
+    plain = asyncio.create_task(post(session, url, {**CHAT, "max_tokens": 1000}))
+    stream = asyncio.create_task(streamed())
+    await wait_metric(session, fake, RUNNING, 2.0)
+    started = time.monotonic()
+    os.kill(fake.proc.pid, signal.SIGTERM)
+    status, body = await asyncio.wait_for(plain, EXIT_TIMEOUT)
+    assert (status, body["choices"][0]["finish_reason"]) == (200, "abort")
+    events = sse_events(await asyncio.wait_for(stream, EXIT_TIMEOUT))
+    assert events[-1] == "[DONE]"
+    assert all(json.loads(e)["choices"][0]["finish_reason"] is None for e in events[:-1])
+    assert fake.wait_exit() == 0
+    assert time.monotonic() - started < 2.0
+    assert "Application shutdown complete." in fake.stdout()
+
+
+def test_ignore_sigterm_knob(start_fake: StartFake) -> None:
+    fake = start_fake(env={"FAKE_ENGINE_IGNORE_SIGTERM": "1"})
+    wait_ready(fake)
+    os.kill(fake.proc.pid, signal.SIGTERM)
+    with pytest.raises(subprocess.TimeoutExpired):
+        fake.wait_exit(timeout=0.3)
+    assert probe(fake.port) == 200
+    os.kill(fake.proc.pid, signal.SIGINT)
+    assert fake.wait_exit() == 0
+
+
+def test_spawned_engine_core_outlives_sigterm(start_fake: StartFake) -> None:
+    fake = start_fake(env={"FAKE_ENGINE_SPAWN_CHILD": "1"})
+    wait_ready(fake)
+    match = re.search(r"EngineCore pid=(\d+)", fake.stdout())
+    assert match
+    child = int(match[1])
+    assert os.getpgid(child) == fake.proc.pid
+    assert Path(f"/proc/{child}/comm").read_text().startswith("VLLM::EngineCor")
+    os.kill(fake.proc.pid, signal.SIGTERM)
+    assert fake.wait_exit() == 0
+    state = Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    assert state != "Z"
+    os.killpg(fake.proc.pid, signal.SIGKILL)
+
+
+# --------------------------------------------------------------------------- sleep mode
+
+
+async def test_sleep_parks_requests_until_wake_up(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    env = {
+        "VLLM_SERVER_DEV_MODE": "1",
+        "FAKE_ENGINE_SLEEP_DELAY": "0.05",
+        "FAKE_ENGINE_WAKE_DELAY": "0.05",
+    }
+    fake = start_fake(env=env)
+    wait_ready(fake)
+    async with session.post(f"{fake.url}/sleep?level=3") as resp:
+        assert resp.status == 400
+    status, body = await post(session, f"{fake.url}/sleep?level=1", None)
+    assert (status, body) == (200, {"status": "sleeping", "level": 1})
+    async with session.get(f"{fake.url}/is_sleeping") as resp:
+        assert await resp.json() == {"is_sleeping": True}
+    assert probe(fake.port) == 200
+    sleep_state = (
+        'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"}'
+    )
+    assert await metric(session, fake, sleep_state) == 1.0
+
+    parked = asyncio.create_task(post(session, f"{fake.url}/v1/chat/completions", CHAT))
+    done, _ = await asyncio.wait({parked}, timeout=0.3)
+    assert not done
+    status, body = await post(session, f"{fake.url}/wake_up", None)
+    assert (status, body) == (200, {"status": "awake", "tags": None})
+    status, body = await asyncio.wait_for(parked, EXIT_TIMEOUT)
+    assert (status, body["choices"][0]["finish_reason"]) == (200, "stop")
+    async with session.get(f"{fake.url}/is_sleeping") as resp:
+        assert await resp.json() == {"is_sleeping": False}
+
+
+async def test_level_2_wake_by_tags_and_reload(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    fake = start_fake(env={"VLLM_SERVER_DEV_MODE": "1"})
+    wait_ready(fake)
+    assert (await post(session, f"{fake.url}/sleep?level=2", None))[0] == 200
+    partial = await post(session, f"{fake.url}/wake_up?tags=weights", None)
+    assert partial == (200, {"status": "sleeping", "tags": ["weights"]})
+    rpc = await post(session, f"{fake.url}/collective_rpc", {"method": "reload_weights"})
+    assert rpc == (200, {"results": [None]})
+    woken = await post(session, f"{fake.url}/wake_up?tags=kv_cache", None)
+    assert woken == (200, {"status": "awake", "tags": ["kv_cache"]})
+    reset = await post(session, f"{fake.url}/reset_prefix_cache", None)
+    assert reset == (200, {"success": True})
