@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from vllm_proxy.config import default_engine_command, load_config, parse_config
+from vllm_proxy.config import ModelConfig, default_engine_command, load_config, parse_config
 from vllm_proxy.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,14 +17,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_example_config_loads_and_documents_every_default() -> None:
     cfg = load_config(ROOT / "config.example.yaml")
+    raw = yaml.safe_load((ROOT / "config.example.yaml").read_text())
     spec = cfg.specs()["qwen3-vl-2b-vad"]
     assert spec.aliases == ("vad",)
     assert spec.memory_mb == 9000
     assert spec.idle_timeout_s == 1800
+    assert spec.pinned is False and spec.devices is None and spec.params_b is None
+    documented = set(raw["models"]["qwen3-vl-2b-vad"]) | set(raw["engine"])
+    assert documented >= set(ModelConfig.model_fields), "every model key is documented"
     # The example states every default: its server/engine sections equal the built-in defaults.
-    raw = yaml.safe_load((ROOT / "config.example.yaml").read_text())
+
     defaults = parse_config({}).model_dump()
     assert raw["server"] == defaults["server"]
+    assert raw["admission"] == defaults["admission"]
+    assert raw["gpu"] == defaults["gpu"]
     assert {k: (list(v) if isinstance(v, tuple) else v) for k, v in raw["engine"].items()} == {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in defaults["engine"].items()
     }

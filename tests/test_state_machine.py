@@ -17,6 +17,7 @@ ALLOWED = {
     (State.STARTING, State.RUNNING),
     (State.STARTING, State.STOPPING),
     (State.STARTING, State.ERROR),
+    (State.STARTING, State.STOPPED),  # admission refused: no process was started
     (State.RUNNING, State.STOPPING),
     (State.RUNNING, State.ERROR),
     (State.STOPPING, State.STOPPED),

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from .config import Config, state_dir
+from .config import Config, ModelSpec, state_dir
 from .engine import PortAllocator
 from .manager import EngineContext, Manager
+from .memory import Memory, make_source
 from .metrics import Metrics
 from .proxy import Proxy, add_routes
 from .registry import EngineRegistry
@@ -34,8 +35,26 @@ class Runtime:
 RUNTIME = web.AppKey("runtime", Runtime)
 
 
+def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) -> Memory | None:
+    """GPU memory management, or None when the config (or the machine) has no GPU to manage.
+
+    Raises `ConfigError` for a model that can never fit on the configured devices.
+    """
+    source, kind = make_source(config)
+    if source is None:
+        log.info("GPU memory management off (gpu.monitor: none, or no GPU found)")
+        return None
+    memory = Memory(source, kind, config, specs, metrics)
+    sizes = ", ".join(f"{d}: {mb} MiB" for d, mb in memory.totals.items())
+    log.info("GPU memory managed (%s): %s", kind, sizes)
+    return memory
+
+
 async def create_app(config: Config) -> web.Application:
     """Build the application (inside the running loop). Sweeps engines left by a dead proxy."""
+    metrics = Metrics()
+    specs = config.specs()
+    memory = build_memory(config, specs, metrics)  # a model that can never fit stops us here
     registry = EngineRegistry(state_dir(config.server))
     swept = registry.sweep()
     if swept:
@@ -45,9 +64,15 @@ async def create_app(config: Config) -> web.Application:
     )
     # auto_decompress off: bytes pass through as the engine sent them, headers included.
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    metrics = Metrics()
-    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
-    manager = Manager(config.specs(), ctx)
+    ctx = EngineContext(
+        session=session,
+        ports=PortAllocator(),
+        registry=registry,
+        metrics=metrics,
+        max_queue=config.admission.max_queue,
+    )
+    manager = Manager(specs, ctx, memory, config.admission.queue_timeout_s)
+    manager.start()
     max_body = int(config.server.max_body_mb * 1024 * 1024)
     proxy = Proxy(manager, metrics, session, config.server.api_keys, max_body)
     app = web.Application(client_max_size=max_body, middlewares=[proxy.middleware])

@@ -76,7 +76,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from .app import serve
 
-    return uvloop.run(serve(config))
+    try:
+        return uvloop.run(serve(config))
+    except ConfigError as err:  # found at start-up, e.g. a model larger than any GPU
+        print(f"vllm-proxy: {err}", file=sys.stderr)
+        return EXIT_CONFIG
 
 
 if __name__ == "__main__":

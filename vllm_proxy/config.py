@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -109,12 +109,48 @@ class EngineConfig(_EngineKeys):
 class ModelConfig(_EngineKeys):
     model: str = Field(min_length=1)
     aliases: list[str] = []
+    #: GPU memory the engine takes on each of its devices; wins over every estimate.
     memory_mb: int | None = Field(None, gt=0)
+    #: Never evicted to make room for another model.
+    pinned: bool = False
+    #: Restrict placement to these GPU ids (tensor_parallel_size of them are used).
+    devices: list[int] | None = None
+    #: Parameter count in billions, for the estimate when the weights are not on local disk.
+    params_b: float | None = Field(None, gt=0)
+
+
+class GpuDevice(_Strict):
+    id: int = Field(ge=0)
+    memory_mb: int = Field(gt=0)
+
+
+class GpuConfig(_Strict):
+    #: nvml: read the GPUs through NVML; static: a budget from `devices` (no NVIDIA GPU);
+    #: none: no memory management; auto: nvml when a driver answers, else static when `devices`
+    #: have sizes, else none.
+    monitor: Literal["auto", "nvml", "static", "none"] = "auto"
+    #: "all", a list of GPU ids the proxy may use, or (static) ids with their sizes.
+    devices: Literal["all"] | list[int] | list[GpuDevice] = "all"
+    #: Headroom left free on every device.
+    reserve_mb: int = Field(0, ge=0)
+    #: How often the NVML monitor refreshes its snapshot (off the request path).
+    poll_interval_s: float = Field(1.0, gt=0)
+    #: After an engine stops: how long to wait for its memory to show up as free again.
+    free_timeout_s: float = Field(60, ge=0)
+
+
+class AdmissionConfig(_Strict):
+    #: A model that does not fit waits this long for memory before 503 (0 = answer at once).
+    queue_timeout_s: float = Field(30, ge=0)
+    #: Requests that may wait for one model's admission; more get 503 at once.
+    max_queue: int = Field(256, ge=1)
 
 
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
+    gpu: GpuConfig = GpuConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     models: dict[str, ModelConfig] = {}
 
     @model_validator(mode="after")
@@ -159,18 +195,28 @@ class ModelSpec:
     log_max_bytes: int
     log_backups: int
     memory_mb: int | None
+    pinned: bool = False
+    devices: tuple[int, ...] | None = None
+    params_b: float | None = None
 
-    def engine_argv(self, port: int) -> list[str]:
-        """The engine command line; the proxy owns model, name, host and port."""
+    def arg(self, key: str) -> ArgValue:
+        """A vLLM arg by snake_case name (None when unset)."""
+        return dict(self.args).get(key)
+
+    def engine_argv(self, port: int, overrides: dict[str, ArgValue] | None = None) -> list[str]:
+        """The engine command line; the proxy owns model, name, host and port.
+
+        `overrides` replace configured args (the memory planner sets gpu_memory_utilization).
+        """
         argv = [*self.command, "--model", self.model, "--served-model-name", self.name]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
-        for key, value in self.args:
+        for key, value in {**dict(self.args), **(overrides or {})}.items():
             argv += _flag(key, value)
         return argv + list(self.extra_args)
 
-    def engine_env(self) -> dict[str, str]:
-        """The proxy's environment with the configured variables merged over it."""
-        return {**os.environ, **dict(self.env)}
+    def engine_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The proxy's environment with the configured variables (then `extra`) merged over it."""
+        return {**os.environ, **dict(self.env), **(extra or {})}
 
 
 def _arg_name(key: str) -> str:
@@ -225,6 +271,9 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         log_max_bytes=int(pick("log_max_mb") * 1024 * 1024),
         log_backups=pick("log_backups"),
         memory_mb=m.memory_mb,
+        pinned=m.pinned,
+        devices=tuple(m.devices) if m.devices is not None else None,
+        params_b=m.params_b,
     )
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import aiohttp
 
-from .config import ModelSpec
+from .config import ArgValue, ModelSpec
 from .errors import EngineFailed, EngineTimeout
 
 log = logging.getLogger(__name__)
@@ -94,10 +94,19 @@ def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -
 class EngineProcess:
     """A guarded engine process group listening on 127.0.0.1:`port`."""
 
-    def __init__(self, spec: ModelSpec, port: int, tag: str = "") -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        port: int,
+        tag: str = "",
+        overrides: dict[str, ArgValue] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.spec = spec
         self.port = port
         self.tag = tag
+        self.overrides = overrides or {}
+        self.env = env or {}
         self.base_url = f"http://127.0.0.1:{port}"
         self.log_path = log_path(spec)
         self.proc: asyncio.subprocess.Process | None = None
@@ -115,14 +124,14 @@ class EngineProcess:
         argv = [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid())]
         argv += ["--log", str(self.log_path), "--log-max-bytes", str(self.spec.log_max_bytes)]
         argv += ["--log-backups", str(self.spec.log_backups), "--tag", self.tag, "--"]
-        argv += self.spec.engine_argv(self.port)
+        argv += self.spec.engine_argv(self.port, self.overrides)
         with open(self.log_path, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=errlog,
-                env=self.spec.engine_env(),
+                env=self.spec.engine_env(self.env),
                 start_new_session=True,
             )
         self.started_at = time.monotonic()

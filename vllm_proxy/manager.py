@@ -12,17 +12,26 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 
 import aiohttp
 
 from .config import ModelSpec
-from .engine import KILL_WAIT_S, STARTING_STOP_GRACE_S, EngineProcess, PortAllocator, PortInUse
+from .engine import (
+    KILL_WAIT_S,
+    STARTING_STOP_GRACE_S,
+    EngineProcess,
+    PortAllocator,
+    PortInUse,
+    read_tail,
+)
 from .errors import EngineFailed, NotFound, ProxyError, Unavailable
+from .memory import OOM_MARKERS, Memory, Placement
 from .metrics import Metrics
 from .registry import EngineRegistry
+from .scheduler import ModelView, NoFit, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -40,10 +49,13 @@ class State(enum.Enum):
     ERROR = "error"
 
 
+#: States in which the engine holds no process and no memory.
+DOWN = frozenset({State.STOPPED, State.ERROR})
 #: The allowed transitions. Sleep states (SLEEPING/WAKING) slot in here when sleep mode lands.
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING}),
-    State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.ERROR}),
+    # STARTING -> STOPPED: admission refused (no GPU memory in time); no process was started.
+    State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.ERROR, State.STOPPED}),
     State.RUNNING: frozenset({State.STOPPING, State.ERROR}),
     State.STOPPING: frozenset({State.STOPPED}),
     State.ERROR: frozenset({State.STARTING, State.STOPPED}),
@@ -54,15 +66,29 @@ class InvalidTransition(RuntimeError):
     pass
 
 
+async def _no_admission(_inst: Instance) -> Placement | None:
+    return None
+
+
 @dataclass
 class EngineContext:
-    """What every instance shares: the HTTP session, ports, the registry and metrics."""
+    """What every instance shares: session, ports, registry, metrics, the manager's hooks."""
 
     session: aiohttp.ClientSession
     ports: PortAllocator
     registry: EngineRegistry
     metrics: Metrics
-    on_release: Callable[[], None] = lambda: None
+    max_queue: int = 256
+    #: Called when a lease is released or an engine goes down: memory may have become free.
+    on_capacity: Callable[[], None] = lambda: None
+    #: Waits until the instance may start; returns where (None: memory is not managed).
+    admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
+    #: After an out-of-memory start: evict one more idle model; False if none could go.
+    evict_more: Callable[[Instance], Awaitable[bool]] | None = None
+    #: Gives a stopped engine's memory back to the budget (memory managed only).
+    vacate: Callable[[str], None] = lambda _name: None
+    #: Serialises starts per device (memory managed only).
+    memory_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
 
 
 class Instance:
@@ -78,6 +104,11 @@ class Instance:
         self.last_error: str | None = None
         self.restarts = 0
         self.closed = False
+        #: Set by admission: where the engine runs and the memory it was given.
+        self.placement: Placement | None = None
+        #: Requests waiting for this model to start (the per-model admission queue).
+        self.waiting = 0
+        self.ready_at = 0.0
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -97,6 +128,10 @@ class Instance:
         self.state = new
         log.info("%s: %s -> %s", self.name, old.name, new.name)
         self.ctx.metrics.set_state(self.name, old.value, new.value, new is State.RUNNING)
+        if new in DOWN:
+            self.placement = None
+            self.ctx.vacate(self.name)
+            self.ctx.on_capacity()
         self._changed.set()
         self._changed = asyncio.Event()
 
@@ -121,9 +156,10 @@ class Instance:
         self.leases -= 1
         self.last_used = time.time()
         self.ctx.metrics.active.labels(self.name).dec()
-        if self.leases == 0 and self.state is State.RUNNING:
-            self._arm_idle_timer()
-        self.ctx.on_release()
+        if self.leases == 0:
+            if self.state is State.RUNNING:
+                self._arm_idle_timer()
+            self.ctx.on_capacity()
 
     def _arm_idle_timer(self) -> None:
         self._cancel_idle_timer()
@@ -138,9 +174,8 @@ class Instance:
 
     def _idle_expired(self) -> None:
         self._idle_timer = None
-        if self.leases == 0 and self.state is State.RUNNING:
-            log.info("%s: idle for %.0fs, unloading", self.name, self.spec.idle_timeout_s)
-            asyncio.get_running_loop().create_task(self.stop())
+        if self.evict("idle") is not None:
+            log.info("%s: idle for %gs, unloaded", self.name, self.spec.idle_timeout_s)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -160,45 +195,105 @@ class Instance:
                 self._start_task = asyncio.create_task(self._start())
                 self._start_task.add_done_callback(_retrieve)
             if self.state is State.STARTING and self._start_task is not None:
-                await asyncio.shield(self._start_task)
+                await self._wait_start(self._start_task)
             elif self.state is State.STOPPING:
                 await self._wait_change()
 
+    async def _wait_start(self, task: asyncio.Task[None]) -> None:
+        if self.waiting >= self.ctx.max_queue:
+            raise Unavailable(
+                f"model '{self.name}': {self.waiting} requests already wait for it to start",
+                code="queue_full",
+            )
+        self.waiting += 1
+        self.ctx.metrics.queue_depth.labels(self.name).set(self.waiting)
+        try:
+            await asyncio.shield(task)
+        finally:
+            self.waiting -= 1
+            self.ctx.metrics.queue_depth.labels(self.name).set(self.waiting)
+
     async def _start(self) -> None:
-        for _attempt in range(PORT_ATTEMPTS):
+        try:
+            self.placement = await self.ctx.admit(self)
+        except ProxyError:
+            if self.state is State.STARTING:
+                self._set_state(State.STOPPED)
+            raise
+        self._raise_if_stopped()
+        port_attempts, oom_retried = 0, False
+        while True:
+            try:
+                await self._start_once()
+                return
+            except PortInUse:
+                port_attempts += 1
+                if port_attempts < PORT_ATTEMPTS:
+                    continue
+                msg = f"model '{self.name}': no port could be bound after {PORT_ATTEMPTS} attempts"
+                self._fail(msg, "start_failed")
+                raise EngineFailed(msg, code="engine_start_failed") from None
+            except EngineFailed as err:
+                if oom_retried or not self._out_of_memory():
+                    self._fail(err.message, "start_failed")
+                    raise
+                oom_retried = True
+                if not await self._evict_more():
+                    self._fail(err.message, "out_of_memory")
+                    raise Unavailable(err.message, code="insufficient_gpu_memory") from None
+                self._raise_if_stopped()
+                log.warning("%s: out of GPU memory at start; evicted one more, retrying", self.name)
+            except Unavailable:
+                raise  # stopped while starting: the stop owns the state
+            except ProxyError as err:
+                self._fail(err.message, "start_failed")
+                raise
+
+    async def _start_once(self) -> None:
+        """Spawn and wait for readiness once; serialised per device when memory is managed."""
+        devices = self.placement.devices if self.placement else ()
+        async with self.ctx.memory_lock(devices) if self.ctx.memory_lock else _nothing():
             engine = await self._spawn()
             try:
                 seconds = await engine.wait_ready(self.ctx.session)
-            except PortInUse:
-                log.warning("%s: port %d was taken, retrying", self.name, engine.port)
-                await engine.stop(STARTING_STOP_GRACE_S)
-                self._raise_if_stopped()
-                continue
             except ProxyError as err:
                 await engine.stop(STARTING_STOP_GRACE_S)
                 self._raise_if_stopped()
-                self._fail(err.message, "start_failed")
+                if isinstance(err, PortInUse):
+                    log.warning("%s: port %d was taken, retrying", self.name, engine.port)
                 raise
-            self._raise_if_stopped()
-            self.ctx.metrics.starts.labels(self.name).observe(seconds)
-            log.info("%s: ready on port %d after %.2fs", self.name, engine.port, seconds)
-            self._set_state(State.RUNNING)
-            if self.leases == 0:
-                self._arm_idle_timer()
-            return
-        msg = f"model '{self.name}': no port could be bound after {PORT_ATTEMPTS} attempts"
-        self._fail(msg, "start_failed")
-        raise EngineFailed(msg, code="engine_start_failed")
+        self._raise_if_stopped()
+        self.ctx.metrics.starts.labels(self.name).observe(seconds)
+        log.info("%s: ready on port %d after %.2fs", self.name, engine.port, seconds)
+        self.ready_at = time.monotonic()
+        self._set_state(State.RUNNING)
+        if self.leases == 0:
+            self._arm_idle_timer()
+
+    def _out_of_memory(self) -> bool:
+        if self.placement is None or self.engine is None:
+            return False
+        tail = read_tail(self.engine.log_path, lines=200)
+        return any(marker in tail for marker in OOM_MARKERS)
+
+    async def _evict_more(self) -> bool:
+        return self.ctx.evict_more is not None and await self.ctx.evict_more(self)
 
     async def _spawn(self) -> EngineProcess:
         port = self.ctx.ports.allocate(self.spec.port_range)
-        engine = EngineProcess(self.spec, port, tag=self.ctx.registry.tag)
+        p = self.placement
+        engine = EngineProcess(
+            self.spec,
+            port,
+            tag=self.ctx.registry.tag,
+            overrides=p.overrides if p else None,
+            env=p.env if p else None,
+        )
         try:
             await engine.spawn()
         except OSError as err:
             self.ctx.ports.release(port)
             msg = f"model '{self.name}': cannot start engine command: {err}"
-            self._fail(msg, "start_failed")
             raise EngineFailed(msg, code="engine_start_failed") from None
         assert engine.pid is not None
         self.engine = engine
@@ -214,6 +309,8 @@ class Instance:
             raise Unavailable(f"model '{self.name}' was stopped while starting", code="stopped")
 
     def _fail(self, message: str, reason: str) -> None:
+        if self.state not in (State.STARTING, State.RUNNING):
+            return  # a stop got there first and owns the state
         self.last_error = message
         self.restarts += 1
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
@@ -241,9 +338,27 @@ class Instance:
             self.engine = None
             self._set_state(State.STOPPED)
             return
+        await self._finish_stop(*self._claim_stop())
+
+    def evict(self, reason: str) -> asyncio.Task[None] | None:
+        """Stop now if RUNNING with no lease, else do nothing; decided without yielding.
+
+        Returns the task finishing the stop, or None when the instance was not evictable.
+        """
+        if self.state is not State.RUNNING or self.leases > 0:
+            return None
+        self.ctx.metrics.evictions.labels(self.name, reason).inc()
+        return asyncio.ensure_future(self._finish_stop(*self._claim_stop()))
+
+    def _claim_stop(self) -> tuple[EngineProcess | None, bool]:
+        """Enter STOPPING synchronously, so no new lease can be taken from here on."""
         starting = self.state is State.STARTING
+        self._cancel_idle_timer()
         self._set_state(State.STOPPING)
         engine, self.engine = self.engine, None
+        return engine, starting
+
+    async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
             code = await engine.stop(grace)
@@ -259,17 +374,35 @@ class Instance:
         return f"model '{self.name}': connection to the engine was lost"
 
 
+@asynccontextmanager
+async def _nothing() -> AsyncIterator[None]:
+    yield
+
+
 def _retrieve(task: asyncio.Task[None]) -> None:
     if not task.cancelled():
         task.exception()
 
 
 class Manager:
-    """All configured models by name and alias, plus proxy-wide operations."""
+    """All configured models by name and alias, admission by GPU memory, proxy-wide operations."""
 
-    def __init__(self, specs: dict[str, ModelSpec], ctx: EngineContext) -> None:
+    def __init__(
+        self,
+        specs: dict[str, ModelSpec],
+        ctx: EngineContext,
+        memory: Memory | None = None,
+        queue_timeout_s: float = 30.0,
+    ) -> None:
         self.ctx = ctx
-        ctx.on_release = self._on_release
+        self.memory = memory
+        self.queue_timeout_s = queue_timeout_s
+        ctx.on_capacity = self._capacity_changed
+        if memory is not None:
+            ctx.admit = self._admit
+            ctx.evict_more = self._evict_more
+            ctx.memory_lock = memory.starting_on
+            ctx.vacate = memory.vacate
         self.instances: dict[str, Instance] = {n: Instance(s, ctx) for n, s in specs.items()}
         self.names: dict[str, str] = {}
         for name, spec in specs.items():
@@ -279,6 +412,20 @@ class Manager:
         self.closing = False
         self._drained = asyncio.Event()
         self._drained.set()
+        self._capacity = asyncio.Event()
+        self._background: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start background work (the NVML refresher); call inside the running loop."""
+        if self.memory is not None:
+            self._background = asyncio.ensure_future(self.memory.run(self._engine_groups))
+
+    def _engine_groups(self) -> dict[str, int]:
+        return {
+            i.name: i.engine.pid
+            for i in self.instances.values()
+            if i.state is State.RUNNING and i.engine is not None and i.engine.pid is not None
+        }
 
     def resolve(self, requested: str) -> Instance:
         """The instance serving `requested` (a model name or alias), or `NotFound`."""
@@ -307,9 +454,102 @@ class Manager:
     def active_leases(self) -> int:
         return sum(i.leases for i in self.instances.values())
 
-    def _on_release(self) -> None:
+    def _capacity_changed(self) -> None:
         if self.active_leases() == 0:
             self._drained.set()
+        self._capacity.set()
+        self._capacity = asyncio.Event()
+
+    # -- admission -----------------------------------------------------------------------
+
+    def _views(self) -> tuple[list[ModelView], dict[int, int]]:
+        """The planner's view of our engines, and memory promised to starts not yet allocated."""
+        assert self.memory is not None
+        models: list[ModelView] = []
+        pending: dict[int, int] = {}
+        for i in self.instances.values():
+            if i.placement is None:
+                continue
+            footprint = self.memory.footprint(i.name)
+            starting = i.state is State.STARTING
+            models.append(
+                ModelView(i.name, footprint, i.placement.devices, i.state is State.RUNNING,
+                          i.leases, i.last_used, i.spec.pinned, starting)
+            )  # fmt: skip
+            if starting and self.memory.kind == "nvml":
+                for d in i.placement.devices:
+                    pending[d] = pending.get(d, 0) + footprint
+        return models, pending
+
+    def plan_for(self, inst: Instance) -> Plan | NoFit:
+        """The scheduler's decision for starting `inst` now (pure; no side effects)."""
+        assert self.memory is not None
+        models, pending = self._views()
+        return plan(self.memory.demand(inst.spec), self.memory.device_views(pending), models)
+
+    async def _admit(self, inst: Instance) -> Placement | None:
+        """Wait until `inst` fits (evicting idle models LRU first), up to the queue timeout."""
+        memory = self.memory
+        assert memory is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.queue_timeout_s
+        while True:
+            if inst.state is not State.STARTING or inst.closed:
+                raise Unavailable(f"model '{inst.name}' was stopped while waiting", code="stopped")
+            decision = self.plan_for(inst)
+            if isinstance(decision, Plan):
+                # Claim memory and victims before the first await: later plans see both.
+                placement = memory.placement(inst.spec, decision.devices)
+                inst.placement = placement
+                memory.occupy(inst.name, placement)
+                stops = [self.instances[n].evict("memory") for n in decision.evict]
+                if decision.evict:
+                    log.info("%s: evicting %s to make room", inst.name, ", ".join(decision.evict))
+                    await asyncio.gather(*(t for t in stops if t is not None))
+                    await memory.wait_free(decision.devices, placement.footprint_mb)
+                self.ctx.metrics.queue_wait.labels(inst.name).observe(loop.time() - started)
+                return placement
+            remaining = deadline - loop.time()
+            if remaining <= 0 or not decision.blockers:
+                self.ctx.metrics.queue_wait.labels(inst.name).observe(loop.time() - started)
+                raise Unavailable(
+                    f"model '{inst.name}' does not fit in GPU memory: {decision.reason}",
+                    code="insufficient_gpu_memory",
+                    retry_after_s=max(1, int(self.queue_timeout_s) or 5),
+                )
+            await self._wait_capacity(inst, remaining)
+
+    async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
+        waits = [
+            asyncio.ensure_future(self._capacity.wait()),
+            asyncio.ensure_future(inst._wait_change()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _evict_more(self, inst: Instance) -> bool:
+        """After an out-of-memory start: stop the least recently used idle model on its devices."""
+        if inst.placement is None or self.memory is None:
+            return False
+        devices = set(inst.placement.devices)
+        idle = [
+            i for i in self.instances.values()
+            if i is not inst and i.placement and devices & set(i.placement.devices)
+            and i.state is State.RUNNING and i.leases == 0 and not i.spec.pinned
+        ]  # fmt: skip
+        for victim in sorted(idle, key=lambda i: i.last_used):
+            task = victim.evict("out_of_memory")
+            if task is not None:
+                await task
+                await self.memory.wait_free(inst.placement.devices, inst.placement.footprint_mb)
+                return True
+        return False
+
+    # -- shutdown ------------------------------------------------------------------------
 
     async def drain(self, timeout: float) -> bool:
         """Stop admitting requests and wait for in-flight ones; True if all finished in time."""
@@ -325,9 +565,13 @@ class Manager:
     async def shutdown(self) -> None:
         """Refuse new work, fail waiters, stop every engine in parallel."""
         self.closing = True
+        if self._background is not None:
+            self._background.cancel()
         for inst in self.instances.values():
             inst.closed = True
         await asyncio.gather(*(i.stop() for i in self.instances.values()), return_exceptions=True)
+        if self.memory is not None:
+            self.memory.close()
 
     def kill_all(self) -> None:
         """SIGKILL every engine group now (forced exit)."""

@@ -59,6 +59,47 @@ class Metrics:
             registry=r,
         )
 
+        self.evictions = Counter(
+            "vllm_evictions_total",
+            "Engines stopped to free memory or because they sat idle",
+            ["model_id", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "vllm_admission_queue_depth",
+            "Requests waiting for the model to be admitted (memory) and started",
+            ["model_id"],
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "vllm_admission_wait_seconds",
+            "Time a start waited for GPU memory",
+            ["model_id"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.memory_estimate = Gauge(
+            "vllm_model_memory_estimate_mb",
+            "Planned GPU memory per device for the model",
+            ["model_id"],
+            registry=r,
+        )
+        self.memory_measured = Gauge(
+            "vllm_model_memory_measured_mb",
+            "GPU memory per device the running engine was measured to hold (NVML)",
+            ["model_id"],
+            registry=r,
+        )
+        self.gpu_total = Gauge(
+            "vllm_gpu_memory_total_mb", "GPU memory size", ["gpu_id"], registry=r
+        )
+        self.gpu_used = Gauge(
+            "vllm_gpu_memory_used_mb", "GPU memory in use", ["gpu_id"], registry=r
+        )
+        self.gpu_util = Gauge(
+            "vllm_gpu_utilization_percent", "GPU compute utilisation", ["gpu_id"], registry=r
+        )
+
     def set_state(self, model: str, old: str | None, new: str, loaded: bool) -> None:
         if old is not None:
             self.state.labels(model, old).set(0)

@@ -277,6 +277,8 @@ class Proxy:
         return web.json_response({"status": "ok"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
+        if self.manager.memory is not None:
+            self.manager.memory.update_metrics()
         resp = web.Response(body=self.metrics.render())
         resp.headers["Content-Type"] = self.metrics.content_type
         return resp

@@ -1,0 +1,352 @@
+"""GPU snapshots (NVML through a fake module, static budget) and footprint estimates."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from conftest import wait_for
+
+from vllm_proxy.config import parse_config
+from vllm_proxy.gpu import (
+    Footprint,
+    GpuSnapshot,
+    NvmlMonitor,
+    StaticBudget,
+    estimate_footprint_mb,
+    footprint_for_spec,
+    tensor_sizes,
+    utilization_for,
+)
+
+MIB = 1024 * 1024
+
+
+class NVMLError(Exception):
+    pass
+
+
+class NVMLError_NotSupported(NVMLError):
+    pass
+
+
+class FakeNvml:
+    """The slice of pynvml the monitor uses; devices are (total, used) in MiB."""
+
+    NVMLError = NVMLError
+
+    def __init__(self, devices: list[tuple[int, int]], fail_init: bool = False) -> None:
+        self.devices = devices
+        self.fail_init = fail_init
+        self.init_calls = 0
+        self.shutdown_calls = 0
+        self.util: dict[int, int | None] = {}
+        self.procs: dict[int, list[tuple[int, int | None]] | None] = {}
+        self.memory_error: Exception | None = None
+
+    def nvmlInit(self) -> None:
+        self.init_calls += 1
+        if self.fail_init:
+            raise NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self) -> None:
+        self.shutdown_calls += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.devices)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> Any:
+        if self.memory_error is not None:
+            raise self.memory_error
+        total, used = self.devices[handle]
+        return SimpleNamespace(total=total * MIB, used=used * MIB, free=(total - used) * MIB)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        gpu = self.util.get(handle, 0)
+        if gpu is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return SimpleNamespace(gpu=gpu, memory=0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        procs = self.procs.get(handle, [])
+        if procs is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return [SimpleNamespace(pid=pid, usedGpuMemory=mem) for pid, mem in procs]
+
+
+# -- NVML -----------------------------------------------------------------------------------
+
+
+def test_nvml_reads_memory_utilisation_and_processes() -> None:
+    fake = FakeNvml([(81_559, 10_000), (81_559, 0)])
+    fake.util = {0: 37, 1: 0}
+    fake.procs = {0: [(100, 6_000 * MIB), (101, 4_000 * MIB), (100, 1 * MIB)], 1: []}
+    snaps = NvmlMonitor(nvml=fake).read()
+    assert snaps == [
+        GpuSnapshot(0, 81_559, 10_000, 71_559, 37.0, {100: 6_001, 101: 4_000}),
+        GpuSnapshot(1, 81_559, 0, 81_559, 0.0, {}),
+    ]
+    assert fake.init_calls == 1
+
+
+def test_nvml_not_supported_processes_and_utilisation() -> None:
+    fake = FakeNvml([(24_000, 1_000), (24_000, 2_000)])
+    fake.util = {0: None}
+    fake.procs = {0: None, 1: [(7, None)]}
+    first, second = NvmlMonitor(nvml=fake).read()
+    assert (first.util_percent, first.processes) == (None, {})
+    assert second.processes == {7: 0}
+
+
+def test_nvml_device_filter_skips_unknown_ids() -> None:
+    fake = FakeNvml([(10_000, 1), (20_000, 2), (30_000, 3)])
+    snaps = NvmlMonitor(devices=[2, 0, 9], nvml=fake).read()
+    assert [(s.id, s.total_mb) for s in snaps] == [(2, 30_000), (0, 10_000)]
+
+
+def test_nvml_initialises_once_and_closes_once() -> None:
+    fake = FakeNvml([(10_000, 0)])
+    mon = NvmlMonitor(nvml=fake)
+    mon.read()
+    mon.read()
+    mon.close()
+    mon.close()
+    assert (fake.init_calls, fake.shutdown_calls) == (1, 1)
+
+
+def test_nvml_memory_error_propagates() -> None:
+    fake = FakeNvml([(10_000, 0)])
+    fake.memory_error = NVMLError("GPU is lost")
+    with pytest.raises(NVMLError, match="lost"):
+        NvmlMonitor(nvml=fake).read()
+
+
+@pytest.mark.parametrize(
+    ("fake", "expected"),
+    [
+        pytest.param(FakeNvml([(10_000, 0)]), True, id="driver"),
+        pytest.param(FakeNvml([(10_000, 0)], fail_init=True), False, id="no-driver"),
+        pytest.param(FakeNvml([]), False, id="no-devices"),
+    ],
+)
+def test_available(fake: FakeNvml, expected: bool) -> None:
+    assert NvmlMonitor.available(nvml=fake) is expected
+    assert fake.shutdown_calls == (1 if fake.init_calls and not fake.fail_init else 0)
+
+
+async def test_run_refreshes_latest_and_survives_errors() -> None:
+    fake = FakeNvml([(10_000, 1_000)])
+    mon = NvmlMonitor(nvml=fake)
+    assert mon.latest == []
+    task = asyncio.create_task(mon.run(interval_s=0.01))
+    try:
+        await wait_for(lambda: bool(mon.latest), what="first snapshot")
+        fake.memory_error = NVMLError("GPU is lost")
+        await wait_for(lambda: mon.last_error is not None, what="error recorded")
+        assert mon.latest[0].used_mb == 1_000
+        fake.memory_error = None
+        fake.devices = [(10_000, 3_000)]
+        await wait_for(lambda: mon.latest[0].used_mb == 3_000, what="recovery")
+        assert mon.last_error is None and mon.updated_at is not None
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+# -- static budget --------------------------------------------------------------------------
+
+
+def test_static_budget_accounting() -> None:
+    budget = StaticBudget({1: 16_000, 0: 24_000})
+    budget.set_usage("a", (0,), 10_000)
+    budget.set_usage("b", (0, 1), 6_000)
+    assert budget.read() == [
+        GpuSnapshot(0, 24_000, 16_000, 8_000, None, {}),
+        GpuSnapshot(1, 16_000, 6_000, 10_000, None, {}),
+    ]
+    budget.set_usage("a", (1,), 12_000)
+    assert [s.free_mb for s in budget.read()] == [18_000, 0]
+    budget.clear_usage("a")
+    budget.clear_usage("never-seen")
+    assert [s.used_mb for s in budget.read()] == [6_000, 6_000]
+
+
+@pytest.mark.parametrize(
+    ("devices", "mb", "message"),
+    [((3,), 1, "unknown device"), ((0,), -1, "negative")],
+)
+def test_static_budget_rejects_bad_usage(devices: tuple[int, ...], mb: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        StaticBudget({0: 1_000}).set_usage("m", devices, mb)
+
+
+# -- footprints -----------------------------------------------------------------------------
+
+CONFIG = {
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "max_position_embeddings": 128,
+    "torch_dtype": "float32",
+}
+
+
+def write_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A valid safetensors file with zeroed data: header length, JSON header, raw bytes."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype]
+        for dim in shape:
+            n *= dim
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(offset))
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    write_safetensors(
+        tmp_path / "model.safetensors",
+        {"embed": ("F32", [1000, 64]), "w": ("F32", [64, 64]), "qweight": ("I32", [8, 64])},
+    )
+    return tmp_path
+
+
+def test_tensor_sizes_reads_header_only(model_dir: Path) -> None:
+    assert tensor_sizes(model_dir / "model.safetensors") == [
+        ("F32", 64_000),
+        ("F32", 4_096),
+        ("I32", 512),
+    ]
+
+
+def test_memory_mb_wins() -> None:
+    fp = estimate_footprint_mb(memory_mb=9_000, gpu_memory_utilization=0.5, device_total_mb=80)
+    assert fp == Footprint(9_000, "config", {"memory_mb": 9_000}, 1)
+
+
+def test_utilization_times_total_per_device() -> None:
+    fp = estimate_footprint_mb(
+        gpu_memory_utilization=0.25, device_total_mb=81_559, tensor_parallel_size=2
+    )
+    assert (fp.per_device_mb, fp.source, fp.tp) == (20_390, "utilization", 2)
+
+
+def test_utilization_needs_total() -> None:
+    with pytest.raises(ValueError, match="total memory"):
+        estimate_footprint_mb(gpu_memory_utilization=0.5)
+
+
+def test_estimate_from_local_dir(model_dir: Path) -> None:
+    fp = estimate_footprint_mb(model_path=model_dir, max_num_seqs=4)
+    # float32 checkpoint served at 16 bits: (64000 + 4096) x 2 + 512 int32 x 4 bytes
+    assert fp.detail["params"] == 68_608
+    assert fp.detail["weights_from"] == "safetensors"
+    assert fp.detail["weights_mb"] == 1  # 138240 bytes, rounded up
+    # 2 x 2 layers x 2 kv heads x 16 head_dim x 128 tokens x 4 seqs x 2 bytes = 128 KiB
+    assert fp.detail["kv_cache_mb"] == 1
+    # 512 MiB + 512 tokens x 64 hidden x 2 bytes
+    assert fp.detail["activations_mb"] == 513
+    assert fp == Footprint(1 + 1 + 513 + 512, "estimate", fp.detail, 1)
+
+
+def test_estimate_from_params_b_with_explicit_dtype() -> None:
+    config = {**CONFIG, "num_hidden_layers": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    config |= {"num_attention_heads": 32, "max_position_embeddings": 131_072}
+    fp = estimate_footprint_mb(
+        model_config=config,
+        params_b=8,
+        dtype="bfloat16",
+        max_model_len=8192,
+        max_num_seqs=16,
+        kv_cache_dtype="fp8",
+    )
+    assert fp.detail["weights_mb"] == 15_259  # 8e9 x 2 bytes
+    # 2 x 32 x 8 x 128 x 8192 x 16 x 1 byte = 8 GiB
+    assert fp.detail["kv_cache_mb"] == 8_192
+    # 512 MiB + 8192 tokens (the cap) x 4096 x 2 bytes
+    assert fp.detail["activation_tokens"] == 8_192
+    assert fp.detail["activations_mb"] == 576
+    assert fp.per_device_mb == 15_259 + 8_192 + 576 + 512
+
+
+def llama_8b(tp: int) -> Footprint:
+    config = {**CONFIG, "num_hidden_layers": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    config["num_attention_heads"] = 32
+    return estimate_footprint_mb(
+        model_config=config,
+        params_b=8,
+        dtype="bfloat16",
+        max_model_len=8192,
+        max_num_seqs=16,
+        tensor_parallel_size=tp,
+    )
+
+
+def test_tensor_parallel_divides_weights_and_kv() -> None:
+    one, four, sixteen = llama_8b(1), llama_8b(4), llama_8b(16)
+    assert (one.detail["weights_mb"], four.detail["weights_mb"]) == (15_259, 3_815)
+    assert (one.detail["kv_cache_mb"], four.detail["kv_cache_mb"]) == (16_384, 4_096)
+    assert four.detail["activations_mb"] == one.detail["activations_mb"]
+    assert four.tp == 4 and four.per_device_mb == 3_815 + 4_096 + 576 + 512
+    # 8 kv heads on 16 devices: each device still holds one head
+    assert sixteen.detail["kv_cache_mb"] == 2_048
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        pytest.param({}, "config.json", id="nothing-known"),
+        pytest.param({"model_config": CONFIG}, "params_b", id="no-weights"),
+        pytest.param({"model_config": CONFIG, "params_b": 1, "dtype": "int3"}, "dtype", id="dt"),
+        pytest.param({"params_b": 1, "tensor_parallel_size": 0}, "at least 1", id="tp0"),
+    ],
+)
+def test_estimate_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        estimate_footprint_mb(**kwargs)
+
+
+def test_footprint_for_spec_reads_args(model_dir: Path) -> None:
+    models = {
+        "util": {"model": "x", "args": {"gpu-memory-utilization": 0.5, "tensor_parallel_size": 2}},
+        "local": {"model": str(model_dir), "args": {"max_model_len": "1k", "max_num_seqs": 2}},
+        "fixed": {"model": "x", "memory_mb": 1234},
+    }
+    specs = parse_config({"models": models}).specs()
+    util = footprint_for_spec(specs["util"], 80_000)
+    assert (util.per_device_mb, util.tp) == (40_000, 2)
+    local = footprint_for_spec(specs["local"], None)
+    assert (local.detail["max_model_len"], local.detail["max_num_seqs"]) == (1_000, 2)
+    assert footprint_for_spec(specs["fixed"], None).per_device_mb == 1_234
+
+
+@pytest.mark.parametrize(
+    ("footprint", "total", "expected"),
+    [
+        (40_000, 80_000, 0.5),
+        (40_001, 80_000, 0.501),
+        (20_390, 81_559, 0.251),
+        (1, 80_000, 0.001),
+        (0, 80_000, 0.001),
+        (80_000, 80_000, 0.99),
+        (99_000, 80_000, 0.99),
+    ],
+)
+def test_utilization_for_rounds_up_and_clamps(footprint: int, total: int, expected: float) -> None:
+    assert utilization_for(footprint, total) == expected

@@ -1,0 +1,258 @@
+"""The placement planner: tables of snapshots and the plans they must produce."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_proxy.scheduler import (
+    Demand,
+    DeviceView,
+    ModelView,
+    NoFit,
+    Plan,
+    never_fits,
+    plan,
+)
+
+
+def dev(id: int, total: int, used: int = 0, pending: int = 0) -> DeviceView:
+    return DeviceView(id=id, total_mb=total, used_mb=used, pending_mb=pending)
+
+
+def mdl(
+    name: str,
+    mb: int,
+    devices: tuple[int, ...] = (0,),
+    last: float = 0.0,
+    leases: int = 0,
+    pinned: bool = False,
+    running: bool = True,
+    starting: bool = False,
+) -> ModelView:
+    return ModelView(name, mb, devices, running, leases, last, pinned, starting)
+
+
+def want(mb: int, tp: int = 1, allowed: tuple[int, ...] | None = None, reserve: int = 0) -> Demand:
+    return Demand(name="new", footprint_mb=mb, tp=tp, allowed_devices=allowed, reserve_mb=reserve)
+
+
+PLANS = [
+    pytest.param(
+        [dev(0, 80_000, 10_000)], [], want(20_000), Plan((0,), ()), id="fits-without-eviction"
+    ),
+    pytest.param(
+        [dev(0, 80_000, 30_000), dev(1, 80_000, 55_000), dev(2, 80_000, 70_000)],
+        [],
+        want(20_000),
+        Plan((1,), ()),
+        id="best-fit-among-devices",
+    ),
+    pytest.param(
+        [dev(0, 24_000, 20_000)],
+        [mdl("a", 10_000, last=1), mdl("b", 10_000, last=2)],
+        want(10_000),
+        Plan((0,), ("a",)),
+        id="evict-lru",
+    ),
+    pytest.param(
+        [dev(0, 24_000, 20_000)],
+        [mdl("a", 10_000, last=1, leases=2), mdl("b", 10_000, last=2)],
+        want(10_000),
+        Plan((0,), ("b",)),
+        id="skip-leased",
+    ),
+    pytest.param(
+        [dev(0, 24_000, 20_000)],
+        [mdl("a", 10_000, last=1, pinned=True), mdl("b", 10_000, last=2)],
+        want(10_000),
+        Plan((0,), ("b",)),
+        id="skip-pinned",
+    ),
+    pytest.param(
+        [dev(0, 24_000, 20_000)],
+        [mdl("a", 10_000, last=1, starting=True), mdl("b", 10_000, last=2)],
+        want(10_000),
+        Plan((0,), ("b",)),
+        id="skip-starting",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 30_000)],
+        [mdl("c", 10_000, last=3), mdl("a", 10_000, last=1), mdl("b", 10_000, last=2)],
+        want(20_000),
+        Plan((0,), ("a", "b")),
+        id="cumulative-eviction-lru-order",
+    ),
+    pytest.param(
+        [dev(0, 40_000, 36_000)],
+        [mdl("small", 4_000, last=1), mdl("big", 32_000, last=2)],
+        want(30_000),
+        Plan((0,), ("big",)),
+        id="unneeded-lru-model-put-back",
+    ),
+    pytest.param(
+        [dev(0, 40_000, 40_000), dev(1, 40_000, 40_000)],
+        [mdl("big", 30_000, (0,), last=1), mdl("small", 5_000, (1,), last=2)],
+        want(5_000),
+        Plan((1,), ("small",)),
+        id="fewest-bytes-evicted-wins-over-lru",
+    ),
+    pytest.param(
+        [dev(0, 40_000, 30_000), dev(1, 40_000, 30_000)],
+        [mdl("a", 10_000, (0,), last=1), mdl("b", 10_000, (1,), last=2)],
+        want(15_000),
+        Plan((0,), ("a",)),
+        id="equal-cost-lowest-device-id",
+    ),
+    pytest.param(
+        [dev(0, 80_000, 20_000), dev(1, 80_000, 40_000), dev(2, 80_000, 10_000)],
+        [],
+        want(30_000, tp=2),
+        Plan((0, 1), ()),
+        id="tp-best-fit-pair",
+    ),
+    pytest.param(
+        [dev(0, 20_000, 10_000), dev(1, 20_000, 10_000)],
+        [mdl("tp2", 10_000, (0, 1), last=1)],
+        want(15_000, tp=2),
+        Plan((0, 1), ("tp2",)),
+        id="tp-model-frees-on-each-device",
+    ),
+    pytest.param(
+        [dev(0, 20_000, 10_000), dev(1, 20_000, 20_000)],
+        [mdl("x", 10_000, (1,), last=1), mdl("y", 10_000, (0,), last=2)],
+        want(15_000),
+        Plan((0,), ("y",)),
+        id="model-off-the-set-is-not-evicted",
+    ),
+    pytest.param(
+        [dev(0, 80_000, 0), dev(1, 20_000, 10_000)],
+        [mdl("a", 10_000, (1,), last=1)],
+        want(15_000, allowed=(1,)),
+        Plan((1,), ("a",)),
+        id="pinned-devices-honoured",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 10_000, pending=10_000)],
+        [mdl("a", 10_000, last=1)],
+        want(15_000),
+        Plan((0,), ("a",)),
+        id="pending-memory-counts-as-used",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 10_000)],
+        [mdl("a", 10_000, last=1)],
+        want(15_000, reserve=6_000),
+        Plan((0,), ("a",)),
+        id="reserve-kept-free",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 20_000)],
+        [mdl("new", 10_000, last=0), mdl("a", 10_000, last=1)],
+        want(20_000),
+        Plan((0,), ("a",)),
+        id="never-evicts-itself",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 20_000)],
+        [mdl("idle", 10_000, last=0, running=False), mdl("a", 10_000, last=1)],
+        want(20_000),
+        Plan((0,), ("a",)),
+        id="stopped-models-are-ignored",
+    ),
+]
+
+
+@pytest.mark.parametrize(("devices", "models", "demand", "expected"), PLANS)
+def test_plan(
+    devices: list[DeviceView], models: list[ModelView], demand: Demand, expected: Plan
+) -> None:
+    assert plan(demand, devices, models) == expected
+
+
+NO_FITS = [
+    pytest.param(
+        [dev(0, 24_000, 20_000)],
+        [mdl("a", 10_000, last=1, leases=1), mdl("b", 10_000, last=2, pinned=True)],
+        want(10_000),
+        ("a", "b"),
+        ["'a' (10000 MiB on GPU0, 1 request(s) in flight)", "'b'", "pinned", "GPU0 4000 MiB"],
+        id="nothing-evictable-names-blockers",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 30_000)],
+        [mdl("idle", 5_000, last=1), mdl("busy", 25_000, last=2, leases=3)],
+        want(20_000),
+        ("busy",),
+        ["GPU0 5000 MiB", "'busy'", "3 request(s)"],
+        id="evicting-all-idle-is-not-enough",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 20_000)],
+        [mdl("warming", 10_000, last=1, starting=True)],
+        want(15_000),
+        ("warming",),
+        ["starting"],
+        id="starting-model-blocks",
+    ),
+    pytest.param(
+        [dev(0, 30_000, 25_000)],
+        [],
+        want(10_000),
+        (),
+        ["used outside the proxy"],
+        id="foreign-memory",
+    ),
+    pytest.param(
+        [dev(0, 80_000, 0), dev(1, 20_000, 10_000)],
+        [mdl("a", 10_000, (1,), last=1, pinned=True), mdl("b", 10_000, (0,), leases=1)],
+        want(15_000, allowed=(1,)),
+        ("a",),
+        ["GPU1 10000 MiB", "'a'"],
+        id="blockers-only-on-allowed-devices",
+    ),
+    pytest.param(
+        [dev(0, 20_000, 0)],
+        [],
+        want(30_000),
+        (),
+        ["largest: 20000 MiB"],
+        id="never-fits",
+    ),
+]
+
+
+@pytest.mark.parametrize(("devices", "models", "demand", "blockers", "phrases"), NO_FITS)
+def test_no_fit(
+    devices: list[DeviceView],
+    models: list[ModelView],
+    demand: Demand,
+    blockers: tuple[str, ...],
+    phrases: list[str],
+) -> None:
+    result = plan(demand, devices, models)
+    assert isinstance(result, NoFit)
+    assert result.blockers == blockers
+    assert "'new'" in result.reason
+    for phrase in phrases:
+        assert phrase in result.reason
+
+
+NEVER = [
+    pytest.param(want(20_000), {0: 24_000}, None, id="fits"),
+    pytest.param(want(20_000, reserve=5_000), {0: 24_000}, "reserve 5000", id="reserve"),
+    pytest.param(want(30_000), {0: 24_000, 1: 24_000}, "largest: 24000", id="too-big"),
+    pytest.param(want(10_000, tp=2), {0: 24_000}, "needs 2 GPU(s)", id="tp-exceeds-devices"),
+    pytest.param(want(10_000, tp=2, allowed=(0, 7)), {0: 24_000, 1: 24_000}, "GPU0", id="absent"),
+    pytest.param(want(30_000, tp=2), {0: 40_000, 1: 24_000}, "only 1", id="one-big-device"),
+    pytest.param(want(10_000, tp=0), {0: 24_000}, "at least 1", id="tp-zero"),
+    pytest.param(want(10_000, allowed=()), {0: 24_000}, "none", id="no-allowed-device"),
+]
+
+
+@pytest.mark.parametrize(("demand", "totals", "phrase"), NEVER)
+def test_never_fits(demand: Demand, totals: dict[int, int], phrase: str | None) -> None:
+    reason = never_fits(demand, totals)
+    if phrase is None:
+        assert reason is None
+    else:
+        assert reason is not None and phrase in reason and "'new'" in reason

@@ -1,0 +1,224 @@
+"""GPU memory as the admission path sees it: the source, footprints, placements, device locks.
+
+`Memory` answers "how much does this model take", "what is used where now" and "where may it go";
+the decision itself is `scheduler.plan()` (pure). The manager drives admission with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+
+from .config import ArgValue, Config, GpuDevice, ModelSpec
+from .errors import ConfigError
+from .gpu import Footprint, GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget, footprint_for_spec
+from .gpu import utilization_for as utilization_for
+from .metrics import Metrics
+from .scheduler import Demand, DeviceView, never_fits
+
+log = logging.getLogger(__name__)
+
+#: How often `wait_free` re-reads the GPUs while waiting for a stopped engine's memory.
+FREE_POLL_S = 0.2
+#: vLLM's log lines for a start that ran out of device memory.
+OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "less than desired")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an admitted engine runs and what it is given there."""
+
+    devices: tuple[int, ...]
+    footprint_mb: int
+    overrides: dict[str, ArgValue] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def make_source(config: Config) -> tuple[GpuSource | None, str]:
+    """The GPU source the config asks for, and its kind ("nvml", "static" or "none")."""
+    gpu = config.gpu
+    listed: list[int | GpuDevice] = [] if gpu.devices == "all" else list(gpu.devices)
+    ids = [d.id if isinstance(d, GpuDevice) else d for d in listed] or None
+    sizes = {d.id: d.memory_mb for d in listed if isinstance(d, GpuDevice)}
+    mode = gpu.monitor
+    if mode == "auto":
+        mode = "nvml" if NvmlMonitor.available() else ("static" if sizes else "none")
+    if mode == "none":
+        return None, "none"
+    if mode == "static":
+        if not sizes or len(sizes) != len(listed):
+            raise ConfigError("gpu.devices: the static monitor needs [{id: N, memory_mb: M}, ...]")
+        return StaticBudget(sizes), "static"
+    if not NvmlMonitor.available():
+        raise ConfigError("gpu.monitor: nvml was requested but NVML does not answer (no driver?)")
+    return NvmlMonitor(devices=ids), "nvml"
+
+
+class Memory:
+    """Footprints, the GPU source and the device locks; one per proxy."""
+
+    def __init__(
+        self,
+        source: GpuSource,
+        kind: str,
+        config: Config,
+        specs: dict[str, ModelSpec],
+        metrics: Metrics,
+    ) -> None:
+        self.source = source
+        self.kind = kind
+        self.reserve_mb = config.gpu.reserve_mb
+        self.free_timeout_s = config.gpu.free_timeout_s
+        self.poll_interval_s = config.gpu.poll_interval_s
+        self.metrics = metrics
+        self._locks: dict[int, asyncio.Lock] = {}
+        self.snapshots = source.read()
+        self.totals = {s.id: s.total_mb for s in self.snapshots}
+        self.estimates: dict[str, Footprint] = {}
+        self.measured: dict[str, int] = {}
+        self.set_specs(specs)
+
+    def set_specs(self, specs: dict[str, ModelSpec]) -> None:
+        """Compute every model's footprint; `ConfigError` for one that can never fit."""
+        problems = []
+        for name, spec in specs.items():
+            allowed = [d for d in (spec.devices or self.totals) if d in self.totals]
+            total = min((self.totals[d] for d in allowed), default=None)
+            try:
+                fp = footprint_for_spec(spec, total, spec.params_b)
+            except (ValueError, OSError) as err:
+                problems.append(f"models.{name}: cannot size its GPU memory: {err}")
+                continue
+            self.estimates[name] = fp
+            why = never_fits(self.demand(spec), self.totals)
+            if why:
+                problems.append(f"models.{name}: {why}")
+        if problems:
+            raise ConfigError("\n".join(problems))
+        for name, fp in self.estimates.items():
+            self.metrics.memory_estimate.labels(name).set(fp.per_device_mb)
+
+    def footprint(self, name: str) -> int:
+        """The larger of the estimate and what the running engine was measured to take."""
+        return max(self.estimates[name].per_device_mb, self.measured.get(name, 0))
+
+    def demand(self, spec: ModelSpec) -> Demand:
+        fp = self.estimates[spec.name]
+        return Demand(spec.name, self.footprint(spec.name), fp.tp, spec.devices, self.reserve_mb)
+
+    def refresh(self) -> list[GpuSnapshot]:
+        """Current snapshots: static budgets are read now, NVML's come from the refresher."""
+        if isinstance(self.source, NvmlMonitor):
+            self.snapshots = self.source.latest or self.snapshots
+        else:
+            self.snapshots = self.source.read()
+        return self.snapshots
+
+    def device_views(self, pending: dict[int, int]) -> list[DeviceView]:
+        return [
+            DeviceView(s.id, s.total_mb, s.used_mb, pending.get(s.id, 0)) for s in self.refresh()
+        ]
+
+    def placement(self, spec: ModelSpec, devices: tuple[int, ...]) -> Placement:
+        """What the engine is started with on `devices`.
+
+        On NVML-managed GPUs the engine gets ``CUDA_VISIBLE_DEVICES`` (unless its env sets one)
+        and, unless its args set one, ``--gpu-memory-utilization`` = footprint / device total,
+        so that vLLM stays inside the share the planner gave it.
+        """
+        mb = self.footprint(spec.name)
+        overrides: dict[str, ArgValue] = {}
+        env: dict[str, str] = {}
+        if self.kind == "nvml":
+            if "CUDA_VISIBLE_DEVICES" not in dict(spec.env):
+                env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+            if self.estimates[spec.name].source != "utilization":
+                total = min(self.totals[d] for d in devices)
+                overrides["gpu_memory_utilization"] = utilization_for(mb, total)
+        return Placement(devices, mb, overrides, env)
+
+    def occupy(self, owner: str, placement: Placement) -> None:
+        if isinstance(self.source, StaticBudget):
+            self.source.set_usage(owner, placement.devices, placement.footprint_mb)
+
+    def vacate(self, owner: str) -> None:
+        if isinstance(self.source, StaticBudget):
+            self.source.clear_usage(owner)
+
+    @contextlib.asynccontextmanager
+    async def starting_on(self, devices: Iterable[int]) -> AsyncIterator[None]:
+        """Serialise engine starts per device (two vLLMs profiling one GPU at once both fail)."""
+        locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
+        async with contextlib.AsyncExitStack() as stack:
+            for lock in locks:
+                await stack.enter_async_context(lock)
+            yield
+
+    async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
+        """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""
+        if not isinstance(self.source, NvmlMonitor):
+            return True
+        deadline = time.monotonic() + self.free_timeout_s
+        while True:
+            snaps = {s.id: s for s in await asyncio.to_thread(self.source.read)}
+            if all(snaps[d].free_mb >= need_mb + self.reserve_mb for d in devices):
+                return True
+            if time.monotonic() > deadline:
+                log.warning(
+                    "memory on GPU(s) %s not free after %.0fs", devices, self.free_timeout_s
+                )
+                return False
+            await asyncio.sleep(FREE_POLL_S)
+
+    def measure(self, groups: dict[str, int]) -> None:
+        """Record what each running engine (name -> process group) holds, from NVML per-process."""
+        if self.kind != "nvml":
+            return
+        for name, pgid in groups.items():
+            per_device = []
+            for snap in self.snapshots:
+                mb = sum(m for pid, m in snap.processes.items() if _pgid(pid) == pgid)
+                if mb:
+                    per_device.append(mb)
+            if per_device:
+                self.measured[name] = max(per_device)
+                self.metrics.memory_measured.labels(name).set(self.measured[name])
+
+    async def run(self, groups: Callable[[], dict[str, int]]) -> None:
+        """Keep NVML snapshots fresh (in a thread) and measure running engines."""
+        if not isinstance(self.source, NvmlMonitor):
+            return
+        source = self.source
+        refresher = asyncio.ensure_future(source.run(self.poll_interval_s))
+        try:
+            while True:
+                await asyncio.sleep(self.poll_interval_s)
+                self.snapshots = source.latest or self.snapshots
+                self.measure(groups())
+        finally:
+            refresher.cancel()
+
+    def update_metrics(self) -> None:
+        for s in self.refresh():
+            gid = str(s.id)
+            self.metrics.gpu_total.labels(gid).set(s.total_mb)
+            self.metrics.gpu_used.labels(gid).set(s.used_mb)
+            if s.util_percent is not None:
+                self.metrics.gpu_util.labels(gid).set(s.util_percent)
+
+    def close(self) -> None:
+        if isinstance(self.source, NvmlMonitor):
+            self.source.close()
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except (ProcessLookupError, PermissionError):
+        return None
