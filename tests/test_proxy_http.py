@@ -204,8 +204,8 @@ async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy: StartP
 async def test_sse_error_event_on_upstream_read_timeout(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "3", "FAKE_ENGINE_TOKEN_DELAY": "2"}
-    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"read_timeout_s": 0.5})
+    env = {"FAKE_ENGINE_TOKENS": "3", "FAKE_ENGINE_TOKEN_DELAY": "5"}
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"read_timeout_s": 2})
     proxy = await start_proxy(cfg)
     resp = await proxy.chat("m1", stream=True)
     text = (await resp.read()).decode()

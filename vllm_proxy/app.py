@@ -8,12 +8,15 @@ import os
 import signal
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from .config import Config, ModelSpec, state_dir
+from .admin import Admin, add_admin_routes
+from .config import Config, ModelSpec, load_config, state_dir
 from .engine import PortAllocator
+from .errors import BadRequest, ConfigError, ProxyError
 from .manager import EngineContext, Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
@@ -30,6 +33,44 @@ class Runtime:
     manager: Manager
     metrics: Metrics
     proxy: Proxy
+    config_path: str | None = None
+
+    async def reload(self) -> dict[str, Any]:
+        """Re-read the config file and reconcile model by model; all or nothing.
+
+        Raises `BadRequest` (code ``invalid_config``) when the new file is invalid; the running
+        config then stays as it was.
+        """
+        if self.config_path is None:
+            raise BadRequest("the proxy was started without a config file", code="invalid_config")
+        try:
+            new = load_config(self.config_path)
+            specs = new.specs()
+            if self.manager.memory is not None:
+                self.manager.memory.set_specs(specs)
+        except ConfigError as err:
+            log.error("reload rejected, keeping the running config: %s", err)
+            raise BadRequest(f"reload rejected: {err}", code="invalid_config") from None
+        report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
+        self.proxy.configure(new.server)
+        self.manager.queue_timeout_s = new.admission.queue_timeout_s
+        self.manager.ctx.max_queue = new.admission.max_queue
+        report["needs_restart"] = _restart_only(self.config, new)
+        if report["needs_restart"]:
+            log.warning(
+                "reload: %s change only after a restart", ", ".join(report["needs_restart"])
+            )
+        self.config = new
+        return report
+
+
+def _restart_only(old: Config, new: Config) -> list[str]:
+    """Settings a reload cannot apply to a running proxy."""
+    keys = ["host", "port", "state_dir", "max_body_mb", "max_upstream_connections"]
+    changed = [f"server.{k}" for k in keys if getattr(old.server, k) != getattr(new.server, k)]
+    if old.gpu != new.gpu:
+        changed.append("gpu")
+    return changed
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -50,7 +91,7 @@ def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) 
     return memory
 
 
-async def create_app(config: Config) -> web.Application:
+async def create_app(config: Config, config_path: str | None = None) -> web.Application:
     """Build the application (inside the running loop). Sweeps engines left by a dead proxy."""
     metrics = Metrics()
     specs = config.specs()
@@ -73,11 +114,12 @@ async def create_app(config: Config) -> web.Application:
     )
     manager = Manager(specs, ctx, memory, config.admission.queue_timeout_s)
     manager.start()
-    max_body = int(config.server.max_body_mb * 1024 * 1024)
-    proxy = Proxy(manager, metrics, session, config.server.api_keys, max_body)
-    app = web.Application(client_max_size=max_body, middlewares=[proxy.middleware])
-    app[RUNTIME] = Runtime(config, session, manager, metrics, proxy)
+    proxy = Proxy(manager, metrics, session, config.server)
+    app = web.Application(client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware])
+    runtime = Runtime(config, session, manager, metrics, proxy, config_path)
+    app[RUNTIME] = runtime
     add_routes(app, proxy)
+    add_admin_routes(app, Admin(manager, session, runtime.reload))
     app.on_cleanup.append(_cleanup)
     return app
 
@@ -91,13 +133,14 @@ async def _cleanup(app: web.Application) -> None:
 class Server:
     """A listening proxy: start, then `shutdown()` (drain, stop engines, close)."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, config_path: str | None = None) -> None:
         self.config = config
+        self.config_path = config_path
         self.runner: web.AppRunner | None = None
         self.app: web.Application | None = None
 
     async def start(self) -> None:
-        self.app = await create_app(self.config)
+        self.app = await create_app(self.config, self.config_path)
         self.runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
         )
@@ -135,6 +178,26 @@ class Server:
         self.runner = None
 
 
+_tasks: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coro: Any) -> None:
+    task = asyncio.ensure_future(coro)
+    _tasks.add(task)
+    task.add_done_callback(_tasks.discard)
+
+
+async def _reload_on_signal(server: Server) -> None:
+    log.info("SIGHUP: reloading %s", server.config_path)
+    sd_notify("RELOADING=1")
+    try:
+        await server.runtime.reload()
+    except ProxyError:
+        pass  # logged by reload(); the running config stays
+    finally:
+        sd_notify("READY=1")
+
+
 def sd_notify(message: str) -> None:
     """Tell systemd about our state when run as a ``Type=notify`` service (no-op otherwise)."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -149,9 +212,9 @@ def sd_notify(message: str) -> None:
         log.warning("cannot notify systemd: %s", err)
 
 
-async def serve(config: Config) -> int:
-    """Run until SIGTERM/SIGINT; a second signal forces an immediate exit."""
-    server = Server(config)
+async def serve(config: Config, config_path: str | None = None) -> int:
+    """Run until SIGTERM/SIGINT (a second one forces exit); SIGHUP reloads the config."""
+    server = Server(config, config_path)
     await server.start()
     sd_notify("READY=1")
     stop = asyncio.Event()
@@ -167,6 +230,7 @@ async def serve(config: Config) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
+    loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(_reload_on_signal(server)))
     await stop.wait()
     sd_notify("STOPPING=1")
     await server.shutdown()

@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import serve
 
     try:
-        return uvloop.run(serve(config))
+        return uvloop.run(serve(config, args.config))
     except ConfigError as err:  # found at start-up, e.g. a model larger than any GPU
         print(f"vllm-proxy: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -45,6 +45,9 @@ class ServerConfig(_Strict):
     state_dir: str | None = None
     #: Upper bound on simultaneous upstream connections to all engines.
     max_upstream_connections: int = Field(4096, ge=1)
+    #: Keys for /admin/*; with none, the admin API is refused unless admin_open is true.
+    admin_api_keys: list[str] = []
+    admin_open: bool = False
 
 
 class _EngineKeys(_Strict):
@@ -198,6 +201,10 @@ class ModelSpec:
     pinned: bool = False
     devices: tuple[int, ...] | None = None
     params_b: float | None = None
+
+    def engine_key(self) -> tuple[Any, ...]:
+        """What the engine process is made of; a change here needs a restart on reload."""
+        return (self.model, self.command, self.args, self.extra_args, self.env)
 
     def arg(self, key: str) -> ArgValue:
         """A vLLM arg by snake_case name (None when unset)."""

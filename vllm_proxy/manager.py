@@ -9,6 +9,7 @@ instances and runs proxy-wide operations (shutdown, drain).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import time
@@ -109,6 +110,11 @@ class Instance:
         #: Requests waiting for this model to start (the per-model admission queue).
         self.waiting = 0
         self.ready_at = 0.0
+        #: Never evicted for memory; from the config, changed at run time by the admin API.
+        self.pinned = spec.pinned
+        #: Set while an unload waits for in-flight requests; new requests wait for it.
+        self.draining = False
+        self._released: asyncio.Event | None = None
         self._changed = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -156,8 +162,10 @@ class Instance:
         self.leases -= 1
         self.last_used = time.time()
         self.ctx.metrics.active.labels(self.name).dec()
+        if self._released is not None:
+            self._released.set()
         if self.leases == 0:
-            if self.state is State.RUNNING:
+            if self.state is State.RUNNING and not self.draining:
                 self._arm_idle_timer()
             self.ctx.on_capacity()
 
@@ -185,6 +193,9 @@ class Instance:
         while True:
             if self.closed:
                 raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
+            if self.draining:
+                await self._wait_change()
+                continue
             if self.state is State.RUNNING:
                 return
             if self.state in (State.STOPPED, State.ERROR):
@@ -340,6 +351,47 @@ class Instance:
             return
         await self._finish_stop(*self._claim_stop())
 
+    async def drain_and_stop(self, timeout: float) -> None:
+        """Unload: new requests wait, in-flight ones get up to `timeout` to finish, then stop."""
+        self.draining = True
+        self._cancel_idle_timer()
+        try:
+            deadline = time.monotonic() + timeout
+            while self.leases > 0 and time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._lease_change(), deadline - time.monotonic())
+            await self.stop()
+        finally:
+            self.draining = False
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def _lease_change(self) -> None:
+        self._released = asyncio.Event()
+        await self._released.wait()
+
+    def status(self) -> dict[str, object]:
+        """What an operator sees of this instance (admin API, status page)."""
+        engine = self.engine
+        up = self.state is State.RUNNING and engine is not None
+        return {
+            "name": self.name,
+            "model": self.spec.model,
+            "aliases": list(self.spec.aliases),
+            "state": self.state.value,
+            "pid": engine.pid if engine else None,
+            "port": engine.port if engine else None,
+            "devices": list(self.placement.devices) if self.placement else [],
+            "leases": self.leases,
+            "queue": self.waiting,
+            "last_used": self.last_used,
+            "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "pinned": self.pinned,
+            "draining": self.draining,
+        }
+
     def evict(self, reason: str) -> asyncio.Task[None] | None:
         """Stop now if RUNNING with no lease, else do nothing; decided without yielding.
 
@@ -404,16 +456,26 @@ class Manager:
             ctx.memory_lock = memory.starting_on
             ctx.vacate = memory.vacate
         self.instances: dict[str, Instance] = {n: Instance(s, ctx) for n, s in specs.items()}
+        #: Instances removed or replaced by a reload that are still draining or stopping.
+        self.retiring: set[Instance] = set()
         self.names: dict[str, str] = {}
-        for name, spec in specs.items():
-            self.names[name] = name
-            for alias in spec.aliases:
-                self.names[alias] = name
+        self._index_names()
         self.closing = False
         self._drained = asyncio.Event()
         self._drained.set()
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
+
+    def _index_names(self) -> None:
+        names = {}
+        for name, inst in self.instances.items():
+            names[name] = name
+            for alias in inst.spec.aliases:
+                names[alias] = name
+        self.names = names
+
+    def all_instances(self) -> list[Instance]:
+        return [*self.instances.values(), *self.retiring]
 
     def start(self) -> None:
         """Start background work (the NVML refresher); call inside the running loop."""
@@ -452,7 +514,7 @@ class Manager:
             inst.release()
 
     def active_leases(self) -> int:
-        return sum(i.leases for i in self.instances.values())
+        return sum(i.leases for i in self.all_instances())
 
     def _capacity_changed(self) -> None:
         if self.active_leases() == 0:
@@ -467,14 +529,14 @@ class Manager:
         assert self.memory is not None
         models: list[ModelView] = []
         pending: dict[int, int] = {}
-        for i in self.instances.values():
+        for i in self.all_instances():
             if i.placement is None:
                 continue
-            footprint = self.memory.footprint(i.name)
+            footprint = max(i.placement.footprint_mb, self.memory.measured.get(i.name, 0))
             starting = i.state is State.STARTING
             models.append(
                 ModelView(i.name, footprint, i.placement.devices, i.state is State.RUNNING,
-                          i.leases, i.last_used, i.spec.pinned, starting)
+                          i.leases, i.last_used, i.pinned, starting)
             )  # fmt: skip
             if starting and self.memory.kind == "nvml":
                 for d in i.placement.devices:
@@ -537,9 +599,9 @@ class Manager:
             return False
         devices = set(inst.placement.devices)
         idle = [
-            i for i in self.instances.values()
+            i for i in self.all_instances()
             if i is not inst and i.placement and devices & set(i.placement.devices)
-            and i.state is State.RUNNING and i.leases == 0 and not i.spec.pinned
+            and i.state is State.RUNNING and i.leases == 0 and not i.pinned
         ]  # fmt: skip
         for victim in sorted(idle, key=lambda i: i.last_used):
             task = victim.evict("out_of_memory")
@@ -548,6 +610,58 @@ class Manager:
                 await self.memory.wait_free(inst.placement.devices, inst.placement.footprint_mb)
                 return True
         return False
+
+    # -- reload --------------------------------------------------------------------------
+
+    def reload(self, specs: dict[str, ModelSpec], drain_timeout_s: float) -> dict[str, list[str]]:
+        """Reconcile model by model; unchanged models keep their engine (same pid and port).
+
+        Added models become routable, removed ones stop being routable and drain, models whose
+        engine (command, model, args, env) changed are replaced by a new instance and restarted
+        if they were up. The caller has validated `specs` as a whole (and the memory plan).
+        """
+        old = self.instances
+        report: dict[str, list[str]] = {"added": [], "removed": [], "restarted": [], "kept": []}
+        instances: dict[str, Instance] = {}
+        for name, spec in specs.items():
+            cur = old.get(name)
+            if cur is None:
+                instances[name] = Instance(spec, self.ctx)
+                report["added"].append(name)
+            elif cur.spec.engine_key() != spec.engine_key():
+                instances[name] = Instance(spec, self.ctx)
+                self._retire(cur, drain_timeout_s, successor=instances[name])
+                report["restarted"].append(name)
+            else:
+                cur.spec, cur.pinned = spec, spec.pinned
+                instances[name] = cur
+                report["kept"].append(name)
+        for name, cur in old.items():
+            if name not in specs:
+                self._retire(cur, drain_timeout_s, successor=None)
+                report["removed"].append(name)
+        self.instances = instances
+        self._index_names()
+        log.info("reloaded: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v) or "none")
+        return report
+
+    def _retire(self, inst: Instance, drain_timeout_s: float, successor: Instance | None) -> None:
+        was_up = inst.state in (State.RUNNING, State.STARTING)
+        self.retiring.add(inst)
+
+        async def retire() -> None:
+            try:
+                await inst.drain_and_stop(drain_timeout_s)
+            finally:
+                self.retiring.discard(inst)
+                if successor is None and inst.name not in self.instances:
+                    self.ctx.metrics.forget(inst.name, [s.value for s in State])
+            if successor is not None and was_up and not self.closing:
+                with contextlib.suppress(ProxyError):
+                    await successor.ensure_running()
+
+        task = asyncio.ensure_future(retire())
+        task.add_done_callback(_retrieve)
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -567,14 +681,15 @@ class Manager:
         self.closing = True
         if self._background is not None:
             self._background.cancel()
-        for inst in self.instances.values():
+        everything = self.all_instances()
+        for inst in everything:
             inst.closed = True
-        await asyncio.gather(*(i.stop() for i in self.instances.values()), return_exceptions=True)
+        await asyncio.gather(*(i.stop() for i in everything), return_exceptions=True)
         if self.memory is not None:
             self.memory.close()
 
     def kill_all(self) -> None:
         """SIGKILL every engine group now (forced exit)."""
-        for inst in self.instances.values():
+        for inst in self.all_instances():
             if inst.engine is not None:
                 inst.engine.kill()

@@ -86,6 +86,7 @@ class Memory:
     def set_specs(self, specs: dict[str, ModelSpec]) -> None:
         """Compute every model's footprint; `ConfigError` for one that can never fit."""
         problems = []
+        estimates: dict[str, Footprint] = {}
         for name, spec in specs.items():
             allowed = [d for d in (spec.devices or self.totals) if d in self.totals]
             total = min((self.totals[d] for d in allowed), default=None)
@@ -94,12 +95,15 @@ class Memory:
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
                 continue
-            self.estimates[name] = fp
-            why = never_fits(self.demand(spec), self.totals)
+            estimates[name] = fp
+            demand = Demand(name, fp.per_device_mb, fp.tp, spec.devices, self.reserve_mb)
+            why = never_fits(demand, self.totals)
             if why:
                 problems.append(f"models.{name}: {why}")
         if problems:
             raise ConfigError("\n".join(problems))
+        self.estimates = estimates
+        self.measured = {n: mb for n, mb in self.measured.items() if n in estimates}
         for name, fp in self.estimates.items():
             self.metrics.memory_estimate.labels(name).set(fp.per_device_mb)
 

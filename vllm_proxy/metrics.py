@@ -33,6 +33,22 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.ttfb = Histogram(
+            "vllm_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte sent (cold starts included)",
+            ["model_id"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "vllm_prompt_tokens", "Prompt tokens (from responses' usage)", ["model_id"], registry=r
+        )
+        self.completion_tokens = Counter(
+            "vllm_completion_tokens",
+            "Completion tokens (from responses' usage; streams: the final usage chunk)",
+            ["model_id"],
+            registry=r,
+        )
         self.loaded = Gauge(
             "vllm_model_loaded", "1 while the model's engine is running", ["model_id"], registry=r
         )

@@ -17,11 +17,13 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
     BadRequest,
     EngineFailed,
     EngineTimeout,
+    Forbidden,
     NotFound,
     PayloadTooLarge,
     ProxyError,
@@ -80,8 +82,40 @@ def sse_error(message: str, type_: str, code: str) -> bytes:
     return f"data: {event}\n\ndata: [DONE]\n\n".encode()
 
 
-def model_of(body: bytes) -> tuple[dict[str, Any], str]:
-    """The parsed body and its ``model``; `BadRequest` for anything unusable."""
+class Tap:
+    """What the request path notes about a response without buffering it: first byte, usage."""
+
+    __slots__ = ("first_byte", "usage")
+
+    def __init__(self) -> None:
+        self.first_byte: float | None = None
+        self.usage = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
+        i = chunk.rfind(b'"usage":')
+        if i >= 0:
+            self.usage = chunk[i + 8 :]
+        elif self.usage and len(self.usage) < 8192:
+            self.usage += chunk
+
+    def tokens(self) -> tuple[int, int] | None:
+        """(prompt, completion) tokens from the last usage object seen, if any."""
+        if not self.usage:
+            return None
+        try:
+            text = self.usage.decode("utf-8", "replace").lstrip()
+            usage, _ = _DECODER.raw_decode(text)
+            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
+        except (ValueError, AttributeError, TypeError):
+            return None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], str]:
+    """The parsed body and its ``model`` (or `forced`); `BadRequest` for anything unusable."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     try:
@@ -90,7 +124,7 @@ def model_of(body: bytes) -> tuple[dict[str, Any], str]:
         raise BadRequest(f"the request body is not valid JSON: {err}") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
-    model = data.get("model")
+    model = forced or data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     return data, model
@@ -112,15 +146,20 @@ class Proxy:
         manager: Manager,
         metrics: Metrics,
         session: aiohttp.ClientSession,
-        api_keys: list[str],
-        max_body_bytes: int,
+        server: ServerConfig,
     ) -> None:
         self.manager = manager
         self.metrics = metrics
         self.session = session
-        self.api_keys = [k.encode() for k in api_keys]
-        self.max_body_bytes = max_body_bytes
+        self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
+        self.configure(server)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+
+    def configure(self, server: ServerConfig) -> None:
+        """Apply the keys of a (re)loaded config."""
+        self.api_keys = [k.encode() for k in server.api_keys]
+        self.admin_keys = [k.encode() for k in server.admin_api_keys]
+        self.admin_open = server.admin_open
 
     # -- middleware ----------------------------------------------------------------------
 
@@ -128,8 +167,11 @@ class Proxy:
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """API keys on the OpenAI routes, and OpenAI-shaped errors for everything."""
         try:
-            if self.api_keys and _guarded(request.path):
-                self._check_key(request)
+            path = request.path
+            if path.startswith("/admin"):
+                self._check_admin(request)
+            elif self.api_keys and _guarded(path):
+                _check_key(request, self.api_keys)
             return await handler(request)
         except ProxyError as err:
             return error_response(err)
@@ -143,33 +185,44 @@ class Proxy:
             log.exception("unexpected error while handling %s %s", request.method, request.path)
             return error_response(ProxyError("internal error in the proxy; see its log"))
 
-    def _check_key(self, request: web.Request) -> None:
-        auth = request.headers.get("Authorization", "")
-        scheme, _, token = auth.partition(" ")
-        given = token.strip().encode()
-        ok = False
-        for key in self.api_keys:  # compare with every key: no early exit on a match
-            ok |= hmac.compare_digest(given, key)
-        if scheme.lower() != "bearer" or not ok:
-            raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer KEY')")
+    def _check_admin(self, request: web.Request) -> None:
+        if self.admin_keys:
+            _check_key(request, self.admin_keys)
+        elif not self.admin_open:
+            raise Forbidden(
+                "the admin API is disabled: set server.admin_api_keys (or server.admin_open: true)"
+            )
 
     # -- model routes --------------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """Route a JSON POST to the engine of the model named in its body."""
+        return await self._forward(request, request.raw_path, None)
+
+    async def forward_prefixed(self, request: web.Request) -> web.StreamResponse:
+        """``/serve/{model}/v1/...``: the model comes from the path; the body's is optional."""
+        path = "/v1/" + request.match_info["tail"]
+        if request.query_string:
+            path += "?" + request.query_string
+        return await self._forward(request, path, request.match_info["model"])
+
+    async def _forward(
+        self, request: web.Request, path: str, forced: str | None
+    ) -> web.StreamResponse:
+        started = time.monotonic()
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         body = await request.read()
-        data, requested = model_of(body)
+        data, requested = model_of(body, forced)
         inst = self.manager.resolve(requested)
-        if requested != inst.name:  # an alias: the engine only knows the canonical name
+        if data.get("model") != inst.name:  # an alias: the engine only knows the canonical name
             data["model"] = inst.name
             body = json.dumps(data).encode()
-        started = time.monotonic()
+        tap = Tap()
         status = "error"
         try:
             async with self.manager.lease(requested) as (inst, engine):
-                resp = await self._relay(request, body, inst, engine)
+                resp = await self._relay(request, path, body, inst, engine, tap)
             status = str(resp.status)
             return resp
         except ProxyError as err:
@@ -179,8 +232,18 @@ class Proxy:
             status = CLIENT_CLOSED
             raise
         finally:
-            self.metrics.requests.labels(inst.name, status).inc()
-            self.metrics.duration.labels(inst.name).observe(time.monotonic() - started)
+            self._observe(inst.name, status, started, tap)
+
+    def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
+        m = self.metrics
+        m.requests.labels(model, status).inc()
+        m.duration.labels(model).observe(time.monotonic() - started)
+        if tap.first_byte is not None:
+            m.ttfb.labels(model).observe(tap.first_byte - started)
+        usage = tap.tokens()
+        if usage is not None:
+            m.prompt_tokens.labels(model).inc(usage[0])
+            m.completion_tokens.labels(model).inc(usage[1])
 
     def _timeout(self, inst: Instance) -> aiohttp.ClientTimeout:
         read = inst.spec.read_timeout_s
@@ -191,16 +254,24 @@ class Proxy:
         return t
 
     async def _relay(
-        self, request: web.Request, body: bytes, inst: Instance, engine: EngineProcess
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        inst: Instance,
+        engine: EngineProcess,
+        tap: Tap,
     ) -> web.StreamResponse:
-        url = engine.base_url + request.raw_path
+        url = engine.base_url + path
         try:
             async with self.session.post(
                 url, data=body, headers=_upstream_headers(request), timeout=self._timeout(inst)
             ) as up:
                 if up.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    return await self._stream(request, up, inst, engine)
+                    return await self._stream(request, up, inst, engine, tap)
                 payload = await up.read()
+                tap.feed(payload)
+                tap.first_byte = time.monotonic()
                 return web.Response(status=up.status, body=payload, headers=_downstream_headers(up))
         except TimeoutError:
             raise EngineTimeout(
@@ -216,6 +287,7 @@ class Proxy:
         up: aiohttp.ClientResponse,
         inst: Instance,
         engine: EngineProcess,
+        tap: Tap,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(status=up.status, headers=_downstream_headers(up))
         resp.headers["X-Accel-Buffering"] = "no"
@@ -238,6 +310,9 @@ class Proxy:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
                 return resp  # the client left; leaving the upstream context aborts the engine
+            if tap.first_byte is None:
+                tap.first_byte = time.monotonic()
+            tap.feed(chunk)
         await resp.write_eof()
         return resp
 
@@ -271,6 +346,11 @@ class Proxy:
             )
         return cards
 
+    async def prefixed_models(self, request: web.Request) -> web.Response:
+        name = self.manager.resolve(request.match_info["model"]).name
+        cards = [c for c in self._cards() if c["id"] == name]
+        return web.json_response({"object": "list", "data": cards})
+
     async def health(self, request: web.Request) -> web.Response:
         if self.manager.closing:
             return web.json_response({"status": "shutting_down"}, status=503)
@@ -284,6 +364,17 @@ class Proxy:
         return resp
 
 
+def _check_key(request: web.Request, keys: list[bytes]) -> None:
+    auth = request.headers.get("Authorization", "")
+    scheme, _, token = auth.partition(" ")
+    given = token.strip().encode()
+    ok = False
+    for key in keys:  # compare with every key: no early exit on a match
+        ok |= hmac.compare_digest(given, key)
+    if scheme.lower() != "bearer" or not ok:
+        raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer KEY')")
+
+
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
     try:
         await resp.write(data)
@@ -293,7 +384,7 @@ async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
 
 
 def _guarded(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+    return path.startswith(("/v1/", "/serve/")) or path in ("/tokenize", "/detokenize")
 
 
 def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
@@ -318,6 +409,8 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: in
 def add_routes(app: web.Application, proxy: Proxy) -> None:
     for path in MODEL_ROUTES:
         app.router.add_post(path, proxy.forward)
+    app.router.add_post("/serve/{model}/v1/{tail:.+}", proxy.forward_prefixed)
+    app.router.add_get("/serve/{model}/v1/models", proxy.prefixed_models)
     app.router.add_get("/v1/models", proxy.models)
     app.router.add_get("/v1/models/{model:.+}", proxy.model)
     app.router.add_get("/health", proxy.health)
