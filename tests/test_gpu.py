@@ -350,3 +350,57 @@ def test_footprint_for_spec_reads_args(model_dir: Path) -> None:
 )
 def test_utilization_for_rounds_up_and_clamps(footprint: int, total: int, expected: float) -> None:
     assert utilization_for(footprint, total) == expected
+
+
+# -- Memory on NVML (fake driver) -----------------------------------------------------------
+
+
+def _nvml_memory(tmp_path: Path, fake: FakeNvml, models: dict[str, Any]) -> Any:
+    from vllm_proxy.config import parse_config
+    from vllm_proxy.memory import Memory
+    from vllm_proxy.metrics import Metrics
+
+    cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": models})
+    return Memory(NvmlMonitor(nvml=fake), "nvml", cfg, cfg.specs(), Metrics())
+
+
+def test_memory_on_nvml_places_engines_inside_their_share(tmp_path: Path) -> None:
+    fake = FakeNvml([(80_000, 1_000), (80_000, 0)])
+    models = {
+        "planned": {"model": "x", "memory_mb": 20_000},
+        "fraction": {"model": "y", "args": {"gpu_memory_utilization": 0.25}},
+        "own-gpu": {"model": "z", "memory_mb": 1_000, "env": {"CUDA_VISIBLE_DEVICES": "3"}},
+    }
+    memory = _nvml_memory(tmp_path, fake, models)
+    specs = {n: s for n, s in memory_specs(tmp_path, models).items()}
+    p = memory.placement(specs["planned"], (1,))
+    assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
+    assert p.overrides == {"gpu_memory_utilization": 0.25}  # 20000 / 80000
+    argv = specs["planned"].engine_argv(8001, p.overrides)
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.25"
+    q = memory.placement(specs["fraction"], (0,))
+    assert q.footprint_mb == 20_000 and q.overrides == {}  # the user's own fraction stays
+    assert memory.placement(specs["own-gpu"], (0,)).env == {}
+
+
+def memory_specs(tmp_path: Path, models: dict[str, Any]) -> dict[str, Any]:
+    from vllm_proxy.config import parse_config
+
+    return parse_config({"server": {"state_dir": str(tmp_path)}, "models": models}).specs()
+
+
+def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
+    import os
+
+    fake = FakeNvml([(80_000, 30_000)])
+    me = os.getpid()
+    fake.procs = {0: [(me, 25_000 * MIB), (1, 5_000 * MIB)]}  # pid 1 is not in our group
+    memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
+    memory.snapshots = memory.source.read()
+    memory.measure({"m": os.getpgid(0)})
+    assert memory.measured == {"m": 25_000}
+    assert memory.footprint("m") == 25_000  # the larger of estimate and measurement
+    assert (
+        memory.metrics.registry.get_sample_value("vllm_model_memory_measured_mb", {"model_id": "m"})
+        == 25_000
+    )
