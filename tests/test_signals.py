@@ -154,3 +154,30 @@ def test_proxy_exits_2_and_names_the_key(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2
     assert "models.a.args.served_model_name: reserved" in proc.stderr
+
+
+async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
+    path, port = write_config(tmp_path, {})
+    secret = "do-not-log-this-prompt"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_proxy", "--config", str(path), "--log-format", "json"],
+        stderr=subprocess.PIPE,
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        async with aiohttp.ClientSession() as s:
+            await wait_listening(url, s)
+            body = {"model": "m1", "messages": [{"role": "user", "content": secret}]}
+            async with s.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            async with s.post(url + "/v1/chat/completions", data=b"{" + secret.encode()) as r:
+                assert r.status == 400
+        proc.send_signal(signal.SIGTERM)
+        _, err = await asyncio.to_thread(proc.communicate, timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = [json.loads(line) for line in err.decode().splitlines() if line.strip()]
+    assert lines and all({"ts", "level", "logger", "msg"} <= set(e) for e in lines)
+    assert any("m1: STARTING -> RUNNING" in e["msg"] for e in lines)
+    assert secret not in err.decode()
