@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 DEMO   ?= .demo
 PORT   ?= 8080
 
-.PHONY: setup test lint demo demo-fake clean
+.PHONY: setup system-deps test lint demo demo-fake clean
 
 setup: $(VENV)/.installed
 
@@ -25,7 +25,11 @@ lint: setup
 	$(VENV)/bin/ruff format --check vllm_proxy tests benchmarks
 	$(VENV)/bin/mypy
 
-test: lint
+# Debian packages for the status-page, Prometheus and systemd tests (and the benchmarks).
+system-deps:
+	sh scripts/system-deps.sh
+
+test: system-deps lint
 	$(PY) -m pytest
 
 demo: setup

@@ -58,7 +58,7 @@ GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$instance": ".*
 
 def need(binary: str) -> None:
     if not os.access(binary, os.X_OK):
-        pytest.skip(f"{binary} missing: run scripts/system-deps.sh")
+        pytest.fail(f"{binary} missing: run scripts/system-deps.sh (make test does)")
 
 
 # --- systemd unit ---------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class Admin:
         return {
             "proxy": {
                 "version": __version__,
+                "now": time.time(),
                 "uptime_s": round(time.monotonic() - self.started, 3),
                 "closing": self.manager.closing,
                 "memory": memory.kind if memory else "none",

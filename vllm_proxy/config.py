@@ -249,8 +249,11 @@ def _scalar(value: Any) -> str:
 
 
 def state_dir(server: ServerConfig) -> str:
+    """``server.state_dir``, else systemd's ``$STATE_DIRECTORY``, else the XDG state home."""
     if server.state_dir:
         return str(Path(server.state_dir).expanduser())
+    if os.environ.get("STATE_DIRECTORY"):  # StateDirectory= in the unit
+        return str(Path(os.environ["STATE_DIRECTORY"].split(":")[0]) / str(server.port))
     base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
     return str(Path(base) / "vllm-proxy" / str(server.port))
 

@@ -101,7 +101,8 @@ class Instance:
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
         self.leases = 0
-        self.last_used = time.time()
+        #: Wall-clock time of the last lease release; 0 until the model is first used.
+        self.last_used = 0.0
         self.last_error: str | None = None
         self.restarts = 0
         self.closed = False
@@ -384,7 +385,7 @@ class Instance:
             "devices": list(self.placement.devices) if self.placement else [],
             "leases": self.leases,
             "queue": self.waiting,
-            "last_used": self.last_used,
+            "last_used": self.last_used or None,
             "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
             "restarts": self.restarts,
             "last_error": self.last_error,

@@ -154,6 +154,7 @@ class Proxy:
         self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
         self.configure(server)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        self.created = int(time.time())
 
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
@@ -337,7 +338,7 @@ class Proxy:
                 {
                     "id": name,
                     "object": "model",
-                    "created": int(inst.last_used),
+                    "created": self.created,
                     "owned_by": "vllm-proxy",
                     "root": inst.spec.model,
                     "parent": None if name == target else target,
