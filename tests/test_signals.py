@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -140,20 +139,6 @@ async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc: Any) -> Non
         stream.close()
     assert code != 0
     wait_for_sync(lambda: not any(group_alive(g) for g in groups), what="engines killed")
-
-
-def test_proxy_exits_2_and_names_the_key(tmp_path: Path) -> None:
-    path = tmp_path / "c.yaml"
-    path.write_text("server: {port: 1}\nmodels: {a: {model: x, args: {served_model_name: b}}}\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ},
-    )
-    assert proc.returncode == 2
-    assert "models.a.args.served_model_name: reserved" in proc.stderr
 
 
 async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
