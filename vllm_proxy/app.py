@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -212,10 +213,22 @@ def sd_notify(message: str) -> None:
         log.warning("cannot notify systemd: %s", err)
 
 
+def tune_gc() -> None:
+    """Freeze start-up objects and collect young objects less often.
+
+    Under load, full collections that find nothing to free took 14-25 % of the proxy's time and
+    caused p99 spikes (benchmarks/profile_proxy.py); the request path makes few reference cycles.
+    """
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 async def serve(config: Config, config_path: str | None = None) -> int:
     """Run until SIGTERM/SIGINT (a second one forces exit); SIGHUP reloads the config."""
     server = Server(config, config_path)
     await server.start()
+    tune_gc()
     sd_notify("READY=1")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

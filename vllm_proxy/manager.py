@@ -120,7 +120,8 @@ class Instance:
         self._start_task: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         ctx.metrics.set_state(spec.name, None, self.state.value, loaded=False)
-        ctx.metrics.active.labels(spec.name).set(0)
+        self._active_gauge = ctx.metrics.active.labels(spec.name)  # cached: on the request path
+        self._active_gauge.set(0)
 
     @property
     def name(self) -> str:
@@ -154,7 +155,7 @@ class Instance:
         # engine in between, and from here on the idle timer and eviction see the lease.
         assert self.engine is not None
         self.leases += 1
-        self.ctx.metrics.active.labels(self.name).inc()
+        self._active_gauge.inc()
         self._cancel_idle_timer()
         return self.engine
 
@@ -162,7 +163,7 @@ class Instance:
         """Give a lease back (call in `finally`); arms the idle timer at zero."""
         self.leases -= 1
         self.last_used = time.time()
-        self.ctx.metrics.active.labels(self.name).dec()
+        self._active_gauge.dec()
         if self._released is not None:
             self._released.set()
         if self.leases == 0:
@@ -437,6 +438,25 @@ def _retrieve(task: asyncio.Task[None]) -> None:
         task.exception()
 
 
+class Lease:
+    """The request path's hold on an engine: acquired on entry, released in ``__aexit__``.
+
+    A plain class rather than a generator-based context manager: it is on every request.
+    """
+
+    __slots__ = ("engine", "inst")
+
+    def __init__(self, inst: Instance) -> None:
+        self.inst = inst
+
+    async def __aenter__(self) -> tuple[Instance, EngineProcess]:
+        self.engine = await self.inst.acquire()
+        return self.inst, self.engine
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.inst.release()
+
+
 class Manager:
     """All configured models by name and alias, admission by GPU memory, proxy-wide operations."""
 
@@ -462,8 +482,6 @@ class Manager:
         self.names: dict[str, str] = {}
         self._index_names()
         self.closing = False
-        self._drained = asyncio.Event()
-        self._drained.set()
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
 
@@ -501,25 +519,19 @@ class Manager:
             )
         return self.instances[name]
 
-    @asynccontextmanager
-    async def lease(self, requested: str) -> AsyncIterator[tuple[Instance, EngineProcess]]:
-        """Hold a lease on the model's running engine for the body of the ``async with``."""
+    def lease(self, model: str | Instance) -> Lease:
+        """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
+
+        Raises `NotFound` for an unknown name and `Unavailable` while shutting down.
+        """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        inst = self.resolve(requested)
-        engine = await inst.acquire()
-        self._drained.clear()
-        try:
-            yield inst, engine
-        finally:
-            inst.release()
+        return Lease(self.resolve(model) if isinstance(model, str) else model)
 
     def active_leases(self) -> int:
         return sum(i.leases for i in self.all_instances())
 
     def _capacity_changed(self) -> None:
-        if self.active_leases() == 0:
-            self._drained.set()
         self._capacity.set()
         self._capacity = asyncio.Event()
 
@@ -669,13 +681,14 @@ class Manager:
     async def drain(self, timeout: float) -> bool:
         """Stop admitting requests and wait for in-flight ones; True if all finished in time."""
         self.closing = True
-        if self.active_leases() == 0:
-            return True
-        try:
-            await asyncio.wait_for(self._drained.wait(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        deadline = time.monotonic() + timeout
+        while self.active_leases() > 0:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._capacity.wait(), remaining)
+        return True
 
     async def shutdown(self) -> None:
         """Refuse new work, fail waiters, stop every engine in parallel."""

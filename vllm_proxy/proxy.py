@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -80,6 +81,15 @@ def error_response(err: ProxyError) -> web.Response:
 def sse_error(message: str, type_: str, code: str) -> bytes:
     event = json.dumps(error_body(message, type_, code))
     return f"data: {event}\n\ndata: [DONE]\n\n".encode()
+
+
+@dataclass(slots=True)
+class _Series:
+    status: dict[str, Any]
+    duration: Any
+    ttfb: Any
+    prompt: Any
+    completion: Any
 
 
 class Tap:
@@ -154,6 +164,8 @@ class Proxy:
         self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
         self.configure(server)
         self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
+        #: Labelled metric children per model: label lookups take a lock, so cache them.
+        self._series: dict[str, _Series] = {}
         self.created = int(time.time())
 
     def configure(self, server: ServerConfig) -> None:
@@ -222,7 +234,7 @@ class Proxy:
         tap = Tap()
         status = "error"
         try:
-            async with self.manager.lease(requested) as (inst, engine):
+            async with self.manager.lease(inst) as (inst, engine):
                 resp = await self._relay(request, path, body, inst, engine, tap)
             status = str(resp.status)
             return resp
@@ -236,15 +248,30 @@ class Proxy:
             self._observe(inst.name, status, started, tap)
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
-        m = self.metrics
-        m.requests.labels(model, status).inc()
-        m.duration.labels(model).observe(time.monotonic() - started)
+        series = self._series.get(model) or self._series_for(model)
+        count = series.status.get(status) or series.status.setdefault(
+            status, self.metrics.requests.labels(model, status)
+        )
+        count.inc()
+        series.duration.observe(time.monotonic() - started)
         if tap.first_byte is not None:
-            m.ttfb.labels(model).observe(tap.first_byte - started)
+            series.ttfb.observe(tap.first_byte - started)
         usage = tap.tokens()
         if usage is not None:
-            m.prompt_tokens.labels(model).inc(usage[0])
-            m.completion_tokens.labels(model).inc(usage[1])
+            series.prompt.inc(usage[0])
+            series.completion.inc(usage[1])
+
+    def _series_for(self, model: str) -> _Series:
+        m = self.metrics
+        series = _Series(
+            status={},
+            duration=m.duration.labels(model),
+            ttfb=m.ttfb.labels(model),
+            prompt=m.prompt_tokens.labels(model),
+            completion=m.completion_tokens.labels(model),
+        )
+        self._series[model] = series
+        return series
 
     def _timeout(self, inst: Instance) -> aiohttp.ClientTimeout:
         read = inst.spec.read_timeout_s
