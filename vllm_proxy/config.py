@@ -146,7 +146,7 @@ class AdmissionConfig(_Strict):
     #: A model that does not fit waits this long for memory before 503 (0 = answer at once).
     queue_timeout_s: float = Field(30, ge=0)
     #: Requests that may wait for one model's admission; more get 503 at once.
-    max_queue: int = Field(256, ge=1)
+    max_queue: int = Field(1024, ge=1)
 
 
 class Config(_Strict):

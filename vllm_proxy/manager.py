@@ -79,7 +79,7 @@ class EngineContext:
     ports: PortAllocator
     registry: EngineRegistry
     metrics: Metrics
-    max_queue: int = 256
+    max_queue: int = 1024
     #: Called when a lease is released or an engine goes down: memory may have become free.
     on_capacity: Callable[[], None] = lambda: None
     #: Waits until the instance may start; returns where (None: memory is not managed).
