@@ -33,7 +33,6 @@ CHROMIUM_TIMEOUT_S = 90.0
 SCREENSHOT_COPY_ENV = "VLLM_PROXY_STATUS_SCREENSHOT"
 
 
-
 def status_config(tmp_path: Path) -> Config:
     """Two fake-engine models on a static 1000 MiB GPU budget, admin API open."""
     base = make_config(
