@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from pathlib import Path
 
@@ -224,3 +225,43 @@ async def test_client_timeout_does_not_leak_leases(tmp_path: Path, start_proxy: 
     from conftest import wait_for
 
     await wait_for(lambda: proxy.manager.active_leases() == 0, what="lease released")
+
+
+def _garbage(rng: random.Random) -> tuple[bytes, dict[str, str]]:
+    """A random malformed (or just odd) request body and headers."""
+    kind = rng.randrange(8)
+    headers = {"Content-Type": rng.choice(["application/json", "text/plain", "", "a/b; x=1"])}
+    if kind == 0:
+        return rng.randbytes(rng.randrange(1, 300)), headers
+    if kind == 1:
+        return json.dumps(rng.choice([None, 1, "s", [], [1], True])).encode(), headers
+    if kind == 2:
+        return json.dumps({"model": rng.choice([None, 1, [], {}, "", "x" * 300])}).encode(), headers
+    if kind == 3:
+        return b'{"model": "m1", "messages": ' + rng.randbytes(20), headers
+    if kind == 4:
+        return json.dumps({"model": "m1\u0000\ud7ff", "prompt": "x"}).encode(), headers
+    if kind == 5:
+        return b"\xff\xfe" + "{}".encode("utf-16-le"), headers
+    if kind == 6:
+        return json.dumps({"model": "nope", "messages": []}).encode(), headers
+    return b"{" * 10000, headers
+
+
+async def test_garbage_never_breaks_the_proxy_or_other_clients(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
+    stream = await proxy.chat("m1", stream=True)  # a good client, in flight the whole time
+    rng = random.Random(1234)
+    url = proxy.url + "/v1/chat/completions"
+    for _ in range(200):
+        body, headers = _garbage(rng)
+        async with proxy.http.post(url, data=body, headers=headers) as resp:
+            assert 400 <= resp.status < 500, (body[:80], resp.status)
+            assert_openai_error(await resp.json())
+    text = (await stream.read()).decode()
+    assert text.endswith("data: [DONE]\n\n") and '"error"' not in text
+    assert (await proxy.chat("m1")).status == 200
+    assert proxy.manager.active_leases() == 0
