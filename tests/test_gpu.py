@@ -404,3 +404,29 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
         memory.metrics.registry.get_sample_value("vllm_model_memory_measured_mb", {"model_id": "m"})
         == 25_000
     )
+
+
+async def test_wait_free_polls_until_the_memory_is_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import vllm_proxy.memory as memory_module
+
+    fake = FakeNvml([(80_000, 70_000)])
+    memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
+    reads = 0
+    real_read = memory.source.read
+
+    def read() -> list[GpuSnapshot]:
+        nonlocal reads
+        reads += 1
+        if reads == 3:  # the stopped engine's memory shows up as free on the third look
+            fake.devices = [(80_000, 10_000)]
+        return real_read()
+
+    monkeypatch.setattr(memory.source, "read", read)
+    monkeypatch.setattr(memory_module, "FREE_POLL_S", 0.001)
+    assert await memory.wait_free((0,), 20_000) is True
+    assert reads == 3
+    fake.devices = [(80_000, 70_000)]
+    memory.free_timeout_s = 0.05
+    assert await memory.wait_free((0,), 20_000) is False  # bounded: gives up after the timeout
