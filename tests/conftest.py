@@ -18,7 +18,8 @@ import pytest
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import Config, parse_config
-from vllm_proxy.manager import Instance, Manager
+from vllm_proxy.instance import Instance
+from vllm_proxy.manager import Manager
 
 FAKE_ENGINE = [sys.executable, "-m", "vllm_proxy.fake_engine"]
 

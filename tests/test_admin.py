@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import load_config
-from vllm_proxy.manager import State
+from vllm_proxy.instance import State
 
 ADMIN = {"Authorization": "Bearer adm"}
 

@@ -10,7 +10,7 @@ import aiohttp
 from conftest import RunningProxy, StartProxy, alive, group_alive, make_config, wait_for
 
 from vllm_proxy.engine import log_path
-from vllm_proxy.manager import State
+from vllm_proxy.instance import State
 
 
 def starts_logged(proxy: RunningProxy, name: str) -> int:

@@ -13,7 +13,7 @@ from conftest import FAKE_ENGINE, RunningProxy, StartProxy, make_config, wait_fo
 
 from vllm_proxy.app import create_app
 from vllm_proxy.errors import ConfigError
-from vllm_proxy.manager import State
+from vllm_proxy.instance import State
 
 SLOW = {"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
 LONG = {"FAKE_ENGINE_TOKENS": "200", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}

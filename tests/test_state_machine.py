@@ -9,7 +9,7 @@ from unittest.mock import MagicMock
 import pytest
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.manager import TRANSITIONS, EngineContext, Instance, InvalidTransition, State
+from vllm_proxy.instance import TRANSITIONS, EngineContext, Instance, InvalidTransition, State
 from vllm_proxy.metrics import Metrics
 
 ALLOWED = {
@@ -64,7 +64,7 @@ async def test_set_state_enforces_the_table(tmp_path: Path, old: State, new: Sta
 
 async def test_transition_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     inst, _ = _instance(tmp_path)
-    with caplog.at_level("INFO", logger="vllm_proxy.manager"):
+    with caplog.at_level("INFO", logger="vllm_proxy.instance"):
         inst._set_state(State.STARTING)
     assert "m: STOPPED -> STARTING" in caplog.text
 

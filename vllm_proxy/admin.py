@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from . import __version__
 from .engine import log_path, read_tail
 from .errors import BadRequest
-from .manager import Instance, Manager, State
+from .instance import Instance, State
+from .manager import Manager
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,8 @@ from .admin import Admin, add_admin_routes
 from .config import Config, ModelSpec, load_config, state_dir
 from .engine import PortAllocator
 from .errors import BadRequest, ConfigError, ProxyError
-from .manager import EngineContext, Manager
+from .instance import EngineContext
+from .manager import Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
 from .proxy import Proxy, add_routes

@@ -32,7 +32,8 @@ from .errors import (
     Unavailable,
     error_body,
 )
-from .manager import Instance, Manager
+from .instance import Instance
+from .manager import Manager
 from .metrics import Metrics
 
 log = logging.getLogger(__name__)
