@@ -433,5 +433,9 @@ async def _nothing() -> AsyncIterator[None]:
 
 
 def retrieve(task: asyncio.Task[None]) -> None:
-    if not task.cancelled():
-        task.exception()
+    """Done-callback for background tasks: proxy errors are already reported, others are bugs."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ProxyError):
+        log.error("background task failed", exc_info=exc)
