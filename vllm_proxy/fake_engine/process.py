@@ -1,0 +1,185 @@
+"""Process lifecycle: binding, the port-race marker, the EngineCore child, signals, serve, main."""
+
+import asyncio
+import errno
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, NoReturn
+
+from aiohttp import web
+
+from .log import log
+from .server import FakeServer
+from .settings import KEEPALIVE_TIMEOUT, SHUTDOWN_GRACE, VERSION, Settings, load_settings
+
+
+def _uvicorn(message: str) -> None:
+    print(f"INFO:     {message}", flush=True)
+
+
+def _display_host(settings: Settings) -> str:
+    return settings.host or "0.0.0.0"
+
+
+def _set_title(title: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(title)
+        return
+    except ImportError:
+        pass
+    try:
+        with open("/proc/self/comm", "w") as comm:
+            comm.write(title[:15])
+    except OSError:
+        pass
+
+
+def _engine_core_main() -> NoReturn:
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _set_title("VLLM::EngineCore")
+        while True:
+            time.sleep(3600)
+    finally:
+        os._exit(0)
+
+
+def _spawn_engine_core() -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        _engine_core_main()
+    log(f"EngineCore pid={pid}")
+
+
+def _bind(settings: Settings) -> socket.socket:
+    host = _display_host(settings)
+    infos = socket.getaddrinfo(
+        host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _claim_port_race_marker(path: str) -> bool:
+    """True the first time ``path`` is seen (the file is created atomically)."""
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+    except FileExistsError:
+        return False
+    return True
+
+
+def _listening_socket(settings: Settings) -> socket.socket | None:
+    try:
+        marker = settings.port_in_use_once
+        if marker and _claim_port_race_marker(marker):
+            raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
+        return _bind(settings)
+    except OSError as exc:
+        url = f"http://{_display_host(settings)}:{settings.port}"
+        log(f"Failed to bind the API server socket on {url}", "ERROR", sys.stderr)
+        print(f"OSError: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
+def _log_banner(settings: Settings) -> None:
+    log(f"vLLM server version {VERSION}, serving model {settings.model}")
+    names = list(settings.served_names)
+    log(f"non-default args: {{'model': {settings.model!r}, 'served_model_name': {names!r}}}")
+    if settings.dev_mode:
+        warning = "Development endpoints are enabled! This should NOT be used in production!"
+        log(f"SECURITY WARNING: {warning}", "WARNING")
+    log(f"Using max model len {settings.max_model_len}")
+
+
+async def serve(settings: Settings, sock: socket.socket) -> int:
+    """Serve on the bound socket until SIGTERM/SIGINT, then abort requests and return 0."""
+    server = FakeServer(settings)
+    runner = web.AppRunner(
+        server.build_app(),
+        access_log=None,
+        keepalive_timeout=KEEPALIVE_TIMEOUT,
+        shutdown_timeout=SHUTDOWN_GRACE,
+    )
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGINT, stop.set)
+    if not settings.ignore_sigterm:
+        loop.add_signal_handler(signal.SIGTERM, stop.set)
+    await web.SockSite(runner, sock, backlog=2048).start()
+    log("Supported tasks: ['generate', 'embed']")
+    log(f"Starting vLLM server on http://{_display_host(settings)}:{settings.port}")
+    _uvicorn(f"Started server process [{os.getpid()}]")
+    _uvicorn("Waiting for application startup.")
+    _uvicorn("Application startup complete.")
+    await stop.wait()
+    log("[shutdown] API server: shutdown triggered (mode=abort)")
+    _uvicorn("Shutting down")
+    server.engine.shutdown()
+    await server.engine.wait_drained(SHUTDOWN_GRACE)
+    await runner.cleanup()
+    _uvicorn("Waiting for application shutdown.")
+    _uvicorn("Application shutdown complete.")
+    _uvicorn(f"Finished server process [{os.getpid()}]")
+    return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def _run(coro: Coroutine[Any, Any, int]) -> int:
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(coro)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Start the fake engine; returns the process exit status."""
+    try:
+        settings = load_settings(sys.argv[1:] if argv is None else argv, os.environ)
+    except ValueError as exc:
+        print(f"fake_engine: error: {exc}", file=sys.stderr, flush=True)
+        return 2
+    if settings.ignore_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _log_banner(settings)
+    if settings.spawn_child:
+        _spawn_engine_core()
+    try:
+        if settings.startup_delay > 0:
+            time.sleep(settings.startup_delay)
+        if settings.exit_code is not None:
+            log("EngineCore failed to start.", "ERROR", sys.stderr)
+            message = (
+                "RuntimeError: Engine core initialization failed (fake). See root cause above."
+            )
+            print(f"{message} Failed core proc(s): {{}}", file=sys.stderr, flush=True)
+            return settings.exit_code
+        sock = _listening_socket(settings)
+        if sock is None:
+            return 1
+        return _run(serve(settings, sock))
+    except KeyboardInterrupt:
+        return 130

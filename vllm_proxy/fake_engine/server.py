@@ -1,0 +1,402 @@
+"""The HTTP surface of the fake engine: aiohttp routes and handlers."""
+
+import os
+import sys
+import time
+from typing import Any, NoReturn
+
+from aiohttp import web
+from aiohttp.typedefs import Middleware
+
+from .log import log
+from .protocol import (
+    Reply,
+    SseFormat,
+    auth_middleware,
+    chat_choice,
+    chat_prompt_tokens,
+    completion_choice,
+    completion_prompt_tokens,
+    dumps,
+    embedding,
+    embedding_inputs,
+    error,
+    error_middleware,
+    int_field,
+    json_response,
+    read_json,
+    request_id,
+    stream_flags,
+    validation,
+)
+from .settings import (
+    CLIENT_MAX_SIZE,
+    DONE,
+    FINGERPRINT,
+    PROMETHEUS_TYPE,
+    SLEEP_MODES,
+    SSE_HEADERS,
+    VERSION,
+    Settings,
+)
+from .state import Engine
+
+
+class FakeServer:
+    """The HTTP surface of the fake engine."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.engine = Engine(settings)
+        self.model = settings.served_names[0]
+        self.names = frozenset(settings.served_names)
+        words = [f"tok{i} " for i in range(settings.tokens)]
+        self.token_json = [dumps(word) for word in words]
+        self.text = "".join(words)
+        self.offsets = [0]
+        for word in words:
+            self.offsets.append(self.offsets[-1] + len(word))
+
+    def build_app(self) -> web.Application:
+        middlewares: list[Middleware] = [error_middleware]
+        if self.settings.api_keys:
+            middlewares.append(auth_middleware(self.settings.api_keys))
+        app = web.Application(middlewares=middlewares, client_max_size=CLIENT_MAX_SIZE)
+        add = app.router.add_route
+        add("GET", "/health", self.health)
+        add("GET", "/ping", self.health)
+        add("POST", "/ping", self.health)
+        add("GET", "/version", self.version)
+        add("GET", "/load", self.load)
+        add("GET", "/metrics", self.metrics)
+        add("GET", "/v1/models", self.models)
+        add("POST", "/v1/chat/completions", self.chat_completions)
+        add("POST", "/v1/completions", self.completions)
+        add("POST", "/v1/embeddings", self.embeddings)
+        if self.settings.dev_mode:
+            add("POST", "/sleep", self.sleep)
+            add("POST", "/wake_up", self.wake_up)
+            add("GET", "/is_sleeping", self.is_sleeping)
+            add("POST", "/collective_rpc", self.collective_rpc)
+            add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def version(self, request: web.Request) -> web.Response:
+        return json_response({"version": VERSION})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return json_response({"server_load": 0})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.engine.render_metrics().encode()
+        return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TYPE})
+
+    def _model_card(self, name: str, created: int) -> dict[str, Any]:
+        permission = {
+            "id": f"modelperm-{os.urandom(8).hex()}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": self.settings.model,
+            "parent": None,
+            "max_model_len": self.settings.max_model_len,
+            "permission": [permission],
+        }
+
+    async def models(self, request: web.Request) -> web.Response:
+        created = int(time.time())
+        cards = [self._model_card(name, created) for name in self.settings.served_names]
+        return json_response({"object": "list", "data": cards})
+
+    def _check_model(self, body: dict[str, Any]) -> None:
+        name = body.get("model")
+        if name is None or name == "":
+            return
+        if not isinstance(name, str):
+            raise validation(
+                "string_type", ("body", "model"), "Input should be a valid string", name
+            )
+        if name not in self.names:
+            message = f"The model `{name}` does not exist."
+            raise error(404, message, "NotFoundError", "model")
+
+    def _reply(self, request: web.Request, body: dict[str, Any], chat: bool) -> Reply:
+        prompts = chat_prompt_tokens(body) if chat else completion_prompt_tokens(body)
+        self._check_model(body)
+        limit_name = (
+            "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
+        )
+        limit = int_field(body, limit_name, None if chat else 16)
+        n = int_field(body, "n", 1) or 1
+        stream, include_usage, continuous = stream_flags(body)
+        max_len = self.settings.max_model_len
+        longest = max(prompts)
+        if longest > max_len:
+            message = (
+                f"This model's maximum context length is {max_len} tokens. However, your prompt "
+                f"contains at least {longest} input tokens, which exceeds this limit even without "
+                "any output tokens. Please reduce the length of the input prompt. "
+                f"(parameter=input_tokens, value={longest})"
+            )
+            raise error(400, message, "BadRequestError", "input_tokens")
+        if limit is not None and limit > max_len:
+            message = (
+                f"{limit_name}={limit} cannot be greater than max_model_len={max_len}. Please "
+                f"request fewer output tokens. (parameter={limit_name}, value={limit})"
+            )
+            raise error(400, message, "BadRequestError", limit_name)
+        cap = max_len - longest if limit is None else min(limit, max_len - longest)
+        tokens = min(cap, self.settings.tokens)
+        prefix = "chatcmpl-" if chat else "cmpl-"
+        return Reply(
+            chat=chat,
+            rid=prefix + request_id(request, body),
+            model=self.model,
+            created=int(time.time()),
+            stream=stream,
+            choices=n * len(prompts),
+            tokens=tokens,
+            finish="length" if tokens == cap else "stop",
+            prompt_tokens=sum(prompts),
+            include_usage=include_usage,
+            continuous_usage=continuous,
+            arrival=self.engine.loop.time(),
+        )
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        reply = self._reply(request, await read_json(request), chat)
+        engine = self.engine
+        engine.started += 1
+        crash_after = self.settings.crash_after
+        reply.crash = crash_after is not None and engine.started > crash_after
+        engine.enter()
+        epoch = None
+        try:
+            epoch = await engine.admit(reply.kv_tokens)
+            if reply.crash and epoch is not None and not reply.stream:
+                self._crash()
+            if reply.stream:
+                return await self._stream(request, reply, epoch)
+            return await self._complete(reply, epoch)
+        finally:
+            engine.leave(epoch is not None, reply.kv_tokens)
+
+    def _crash(self) -> NoReturn:
+        message = "EngineCore encountered an issue (fake crash: FAKE_ENGINE_CRASH_AFTER)."
+        log(message, "ERROR", sys.stderr)
+        print("RuntimeError: EngineCore died unexpectedly (fake)", file=sys.stderr, flush=True)
+        os._exit(self.settings.crash_code)
+
+    def _record(self, reply: Reply, reason: str) -> None:
+        now = self.engine.loop.time()
+        ttft = None if reply.first_token_at is None else reply.first_token_at - reply.arrival
+        generated = reply.produced * reply.choices
+        self.engine.metrics.record(
+            reply.prompt_tokens, generated, reason, ttft, now - reply.arrival
+        )
+
+    def _usage(self, reply: Reply) -> dict[str, Any]:
+        completion = reply.produced * reply.choices
+        return {
+            "prompt_tokens": reply.prompt_tokens,
+            "total_tokens": reply.prompt_tokens + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": None,
+            "completion_tokens_details": None,
+        }
+
+    async def _run_all_tokens(self, reply: Reply, epoch: int | None) -> str:
+        engine = self.engine
+        if epoch is None:
+            return "abort"
+        delay = self.settings.token_delay
+        start = engine.loop.time()
+        if delay > 0 and reply.tokens > 0:
+            await engine.pause(delay * reply.tokens)
+        await engine.hold()
+        if engine.epoch != epoch or engine.stopping:
+            elapsed = engine.loop.time() - start
+            reply.produced = min(reply.tokens, int(elapsed / delay)) if delay > 0 else 0
+            reason = "abort"
+        else:
+            reply.produced = reply.tokens
+            reason = reply.finish
+        if reply.produced:
+            reply.first_token_at = start + delay
+        return reason
+
+    async def _complete(self, reply: Reply, epoch: int | None) -> web.Response:
+        reason = await self._run_all_tokens(reply, epoch)
+        text = self.text[: self.offsets[reply.produced]]
+        self._record(reply, reason)
+        if reply.chat:
+            choices = [chat_choice(i, text, reason) for i in range(reply.choices)]
+            body = {"id": reply.rid, "object": "chat.completion", "created": reply.created}
+        else:
+            choices = [completion_choice(i, text, reason) for i in range(reply.choices)]
+            body = {"id": reply.rid, "object": "text_completion", "created": reply.created}
+        body |= {
+            "model": reply.model,
+            "choices": choices,
+            "service_tier": None,
+            "system_fingerprint": FINGERPRINT,
+            "usage": self._usage(reply),
+        }
+        if reply.chat:
+            body |= {"prompt_logprobs": None, "prompt_token_ids": None, "prompt_text": None}
+        body |= {"kv_transfer_params": None, "ec_transfer_params": None, "metrics": None}
+        return json_response(body)
+
+    async def _stream(
+        self, request: web.Request, reply: Reply, epoch: int | None
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        sse = SseFormat(reply)
+        reason = "abort"
+        try:
+            if reply.chat:
+                usage = "," + sse.usage(0) if reply.continuous_usage else ""
+                for index in range(reply.choices):
+                    await response.write(sse.role(index, usage))
+            if epoch is not None:
+                reason = await self._stream_tokens(response, sse, reply, epoch)
+            await self._end_stream(response, sse, reply, reason)
+        except ConnectionError:
+            reason = "abort"
+        self._record(reply, reason)
+        return response
+
+    async def _stream_tokens(
+        self, response: web.StreamResponse, sse: SseFormat, reply: Reply, epoch: int
+    ) -> str:
+        engine = self.engine
+        delay = self.settings.token_delay
+        crash_at = min(2, reply.tokens - 1) if reply.crash else -1
+        for t in range(reply.tokens):
+            if delay > 0:
+                await engine.pause(delay)
+            await engine.hold()
+            if engine.epoch != epoch or engine.stopping:
+                return "abort"
+            if t == crash_at:
+                self._crash()
+            finish = reply.finish if t + 1 == reply.tokens else None
+            usage = "," + sse.usage(t + 1) if reply.continuous_usage else ""
+            chunk = sse.token
+            for index in range(reply.choices):
+                await response.write(chunk(index, self.token_json[t], finish, usage))
+            if t == 0:
+                reply.first_token_at = engine.loop.time()
+            reply.produced = t + 1
+        if reply.crash:
+            self._crash()
+        return reply.finish
+
+    async def _end_stream(
+        self, response: web.StreamResponse, sse: SseFormat, reply: Reply, reason: str
+    ) -> None:
+        if reason == "abort" and self.engine.stopping:
+            await response.write(DONE)
+            return
+        if reason == "abort" or reply.tokens == 0:
+            usage = "," + sse.usage(reply.produced) if reply.continuous_usage else ""
+            for index in range(reply.choices):
+                await response.write(sse.token(index, '""', reason, usage))
+        if reply.include_usage:
+            await response.write(sse.usage_chunk(reply.produced * reply.choices))
+        await response.write(DONE)
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        body = await read_json(request)
+        inputs = embedding_inputs(body)
+        self._check_model(body)
+        encoding = body.get("encoding_format") or "float"
+        if encoding not in ("float", "base64"):
+            msg = "Input should be 'float' or 'base64'"
+            raise validation("literal_error", ("body", "encoding_format"), msg, encoding)
+        engine = self.engine
+        engine.enter()
+        epoch = None
+        try:
+            epoch = await engine.admit(0)
+        finally:
+            engine.leave(epoch is not None, 0)
+        if epoch is None:
+            raise error(503, "The server is shutting down.", "ServiceUnavailableError", None)
+        tokens = sum(count for _, count in inputs)
+        engine.metrics.record(tokens, 0, "stop", None, 0.0)
+        data = [
+            {"index": i, "object": "embedding", "embedding": embedding(key, encoding)}
+            for i, (key, _) in enumerate(inputs)
+        ]
+        usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
+        return json_response(
+            {
+                "id": f"embd-{request_id(request, body)}",
+                "object": "list",
+                "created": int(time.time()),
+                "model": self.model,
+                "data": data,
+                "usage": usage | {"prompt_tokens_details": None},
+            }
+        )
+
+    async def sleep(self, request: web.Request) -> web.Response:
+        raw_level = request.query.get("level", "1")
+        try:
+            level = int(raw_level)
+        except ValueError:
+            msg = "Input should be a valid integer, unable to parse string as an integer"
+            raise validation("int_parsing", ("query", "level"), msg, raw_level) from None
+        if not 0 <= level <= 2:
+            kind, msg = ("greater_than_equal", "greater than or equal to 0")
+            if level > 2:
+                kind, msg = ("less_than_equal", "less than or equal to 2")
+            raise validation(kind, ("query", "level"), f"Input should be {msg}", raw_level)
+        mode = request.query.get("mode", "abort")
+        if mode not in SLEEP_MODES:
+            msg = "Input should be 'abort', 'wait' or 'keep'"
+            raise validation("literal_error", ("query", "mode"), msg, mode)
+        await self.engine.sleep(level, mode)
+        return json_response({"status": "sleeping", "level": level})
+
+    async def wake_up(self, request: web.Request) -> web.Response:
+        tags = request.query.getall("tags", []) or None
+        awake = await self.engine.wake_up(tags)
+        return json_response({"status": "awake" if awake else "sleeping", "tags": tags})
+
+    async def is_sleeping(self, request: web.Request) -> web.Response:
+        return json_response({"is_sleeping": self.engine.paused})
+
+    async def collective_rpc(self, request: web.Request) -> web.Response:
+        body = await read_json(request, check_type=False)
+        if not isinstance(body.get("method"), str):
+            raise error(400, "Missing 'method' in request body", "BadRequestError", "method")
+        return json_response({"results": [None] * self.settings.tensor_parallel_size})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return json_response({"success": True})

@@ -1,0 +1,129 @@
+"""Constants, the Settings of one fake engine, and its command line and environment."""
+
+import argparse
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+VERSION = "0.0.0-fake"
+FINGERPRINT = f"vllm-{VERSION}"
+EMBEDDING_DIM = 8
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+SLEEP_MODES = ("abort", "wait", "keep")
+CLIENT_MAX_SIZE = 64 * 1024 * 1024
+KEEPALIVE_TIMEOUT = 5.0
+SHUTDOWN_GRACE = 0.5
+SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+DONE = b"data: [DONE]\n\n"
+
+
+# --------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Command line and environment of one fake engine."""
+
+    model: str = "fake-model"
+    served_names: tuple[str, ...] = ("fake-model",)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_model_len: int = 2048
+    max_num_seqs: int = 256
+    tensor_parallel_size: int = 1
+    api_keys: tuple[str, ...] = ()
+    dev_mode: bool = False
+    startup_delay: float = 0.0
+    tokens: int = 8
+    token_delay: float = 0.0
+    crash_after: int | None = None
+    crash_code: int = 3
+    exit_code: int | None = None
+    ignore_sigterm: bool = False
+    spawn_child: bool = False
+    port_in_use_once: str | None = None
+    sleep_delay: float = 0.0
+    wake_delay: float = 0.0
+
+
+def _model_len(text: str) -> int:
+    value = text.strip()
+    if value.lower() in ("auto", "-1"):
+        return 2048
+    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    if value[-1:] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fake_engine", allow_abbrev=False)
+    parser.add_argument("--model", default="fake-model")
+    parser.add_argument("--served-model-name", nargs="+", default=None)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--max-model-len", type=_model_len, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--api-key", nargs="+", default=None)
+    return parser
+
+
+def _normalize_flag(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    name, sep, value = arg.partition("=")
+    return name.replace("_", "-") + sep + value
+
+
+def _env_number(environ: Mapping[str, str], name: str, default: float) -> float:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def _env_int(environ: Mapping[str, str], name: str) -> int | None:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+
+
+def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
+    """Parse a vLLM-style command line (unknown flags ignored) and the FAKE_ENGINE_* knobs."""
+    args, _unknown = _parser().parse_known_args([_normalize_flag(a) for a in argv])
+    keys = args.api_key or ([environ["VLLM_API_KEY"]] if environ.get("VLLM_API_KEY") else [])
+    crash_code = _env_int(environ, "FAKE_ENGINE_CRASH_CODE")
+    return Settings(
+        model=args.model,
+        served_names=tuple(args.served_model_name or [args.model]),
+        host=args.host,
+        port=args.port,
+        max_model_len=args.max_model_len,
+        max_num_seqs=max(1, args.max_num_seqs),
+        tensor_parallel_size=max(1, args.tensor_parallel_size),
+        api_keys=tuple(keys),
+        dev_mode=environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        startup_delay=_env_number(environ, "FAKE_ENGINE_STARTUP_DELAY", 0.0),
+        tokens=max(0, int(_env_number(environ, "FAKE_ENGINE_TOKENS", 8))),
+        token_delay=_env_number(environ, "FAKE_ENGINE_TOKEN_DELAY", 0.0),
+        crash_after=_env_int(environ, "FAKE_ENGINE_CRASH_AFTER"),
+        crash_code=3 if crash_code is None else crash_code,
+        exit_code=_env_int(environ, "FAKE_ENGINE_EXIT_CODE"),
+        ignore_sigterm=environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1",
+        spawn_child=environ.get("FAKE_ENGINE_SPAWN_CHILD") == "1",
+        port_in_use_once=environ.get("FAKE_ENGINE_PORT_IN_USE_ONCE") or None,
+        sleep_delay=_env_number(environ, "FAKE_ENGINE_SLEEP_DELAY", 0.0),
+        wake_delay=_env_number(environ, "FAKE_ENGINE_WAKE_DELAY", 0.0),
+    )
