@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import alive, group_alive, wait_for_sync
 
 from vllm_proxy.engine import PortAllocator, port_is_free, read_tail
@@ -144,3 +145,35 @@ def test_guard_kills_group_when_its_parent_dies(tmp_path: Path) -> None:
     parent.wait()
     parent.stdout.close()
     wait_for_sync(lambda: not group_alive(guard_pid), what="engine group to die with the parent")
+
+
+async def test_readiness_polling_stays_within_tens_of_milliseconds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The engine is seen within one poll interval (<= 20 ms) of answering 200 on /health."""
+    import asyncio
+
+    import aiohttp
+
+    import vllm_proxy.engine as engine_module
+    from vllm_proxy.config import parse_config
+    from vllm_proxy.engine import POLL_MAX_S, EngineProcess
+
+    spec = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
+    engine = EngineProcess(spec.specs()["m"], port=1)  # nothing listens: connection refused
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def record(delay: float) -> None:
+        delays.append(delay)
+        if len(delays) >= 30:
+            raise asyncio.CancelledError
+        await real_sleep(0)
+
+    monkeypatch.setattr(engine_module.asyncio, "sleep", record)
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(asyncio.CancelledError):
+            await engine._poll_health(session)
+    assert delays[0] <= 0.01
+    assert delays == sorted(delays), "backs off monotonically"
+    assert max(delays) == POLL_MAX_S <= 0.02
