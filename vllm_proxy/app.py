@@ -24,6 +24,7 @@ from .memory import Memory, make_source
 from .metrics import Metrics
 from .proxy import Proxy, add_routes
 from .registry import EngineRegistry
+from .upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
 
@@ -102,11 +103,8 @@ async def create_app(config: Config, config_path: str | None = None) -> web.Appl
     swept = registry.sweep()
     if swept:
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
-    connector = aiohttp.TCPConnector(
-        limit=config.server.max_upstream_connections, limit_per_host=0, keepalive_timeout=30
-    )
-    # auto_decompress off: bytes pass through as the engine sent them, headers included.
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    # For health polling, engine metrics and admin calls; requests go through `UpstreamPool`.
+    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
     ctx = EngineContext(
         session=session,
         ports=PortAllocator(),
@@ -116,7 +114,8 @@ async def create_app(config: Config, config_path: str | None = None) -> web.Appl
     )
     manager = Manager(specs, ctx, memory, config.admission.queue_timeout_s)
     manager.start()
-    proxy = Proxy(manager, metrics, session, config.server)
+    upstream = UpstreamPool(config.server.max_upstream_connections)
+    proxy = Proxy(manager, metrics, upstream, config.server)
     app = web.Application(client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware])
     runtime = Runtime(config, session, manager, metrics, proxy, config_path)
     app[RUNTIME] = runtime
@@ -129,6 +128,7 @@ async def create_app(config: Config, config_path: str | None = None) -> web.Appl
 async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
     await rt.manager.shutdown()
+    rt.proxy.upstream.close()
     await rt.session.close()
 
 

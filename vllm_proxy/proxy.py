@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
 from .config import ServerConfig
 from .engine import EngineProcess
@@ -35,6 +36,7 @@ from .errors import (
 from .instance import Instance
 from .manager import Manager
 from .metrics import Metrics
+from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -141,12 +143,17 @@ def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], st
     return data, model
 
 
-def _upstream_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in DROP_REQUEST}
+def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST]
 
 
-def _downstream_headers(up: aiohttp.ClientResponse) -> dict[str, str]:
-    return {k: v for k, v in up.headers.items() if k.lower() not in DROP_RESPONSE}
+def _downstream_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    headers: CIMultiDict[str] = CIMultiDict()
+    for k, v in raw:
+        name = k.decode("latin-1")
+        if name.lower() not in DROP_RESPONSE:
+            headers.add(name, v.decode("latin-1"))
+    return headers
 
 
 class Proxy:
@@ -156,15 +163,14 @@ class Proxy:
         self,
         manager: Manager,
         metrics: Metrics,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         server: ServerConfig,
     ) -> None:
         self.manager = manager
         self.metrics = metrics
-        self.session = session
+        self.upstream = upstream
         self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
         self.configure(server)
-        self._timeouts: dict[float, aiohttp.ClientTimeout] = {}
         #: Labelled metric children per model: label lookups take a lock, so cache them.
         self._series: dict[str, _Series] = {}
         self.created = int(time.time())
@@ -274,14 +280,6 @@ class Proxy:
         self._series[model] = series
         return series
 
-    def _timeout(self, inst: Instance) -> aiohttp.ClientTimeout:
-        read = inst.spec.read_timeout_s
-        t = self._timeouts.get(read)
-        if t is None:
-            t = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=read)
-            self._timeouts[read] = t
-        return t
-
     async def _relay(
         self,
         request: web.Request,
@@ -291,45 +289,60 @@ class Proxy:
         engine: EngineProcess,
         tap: Tap,
     ) -> web.StreamResponse:
-        url = engine.base_url + path
+        timeout = inst.spec.read_timeout_s
         try:
-            async with self.session.post(
-                url, data=body, headers=_upstream_headers(request), timeout=self._timeout(inst)
-            ) as up:
-                if up.headers.get("Content-Type", "").startswith("text/event-stream"):
-                    return await self._stream(request, up, inst, engine, tap)
-                payload = await up.read()
-                tap.feed(payload)
-                tap.first_byte = time.monotonic()
-                return web.Response(status=up.status, body=payload, headers=_downstream_headers(up))
+            up = await self.upstream.request(
+                engine.port, "POST", path, _upstream_headers(request), body, timeout
+            )
         except TimeoutError:
-            raise EngineTimeout(
-                f"model '{inst.name}': no data from the engine for {inst.spec.read_timeout_s:g}s",
-                code="engine_read_timeout",
-            ) from None
-        except aiohttp.ClientError:
+            raise self._read_timeout(inst) from None
+        except UpstreamError:
             raise EngineFailed(await inst.failure_detail(engine)) from None
+        try:
+            headers = _downstream_headers(up.headers)
+            if headers.get("Content-Type", "").startswith("text/event-stream"):
+                return await self._stream(request, up, headers, inst, engine, tap)
+            try:
+                payload = await up.read_all(timeout)
+            except TimeoutError:
+                raise self._read_timeout(inst) from None
+            except UpstreamError:
+                raise EngineFailed(await inst.failure_detail(engine)) from None
+            tap.feed(payload)
+            tap.first_byte = time.monotonic()
+            return web.Response(status=up.status, body=payload, headers=headers)
+        finally:
+            up.release()  # not read to the end (client gone, error): closes, the engine aborts
+
+    @staticmethod
+    def _read_timeout(inst: Instance) -> EngineTimeout:
+        return EngineTimeout(
+            f"model '{inst.name}': no data from the engine for {inst.spec.read_timeout_s:g}s",
+            code="engine_read_timeout",
+        )
 
     async def _stream(
         self,
         request: web.Request,
-        up: aiohttp.ClientResponse,
+        up: UpstreamResponse,
+        headers: CIMultiDict[str],
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=_downstream_headers(up))
+        resp = web.StreamResponse(status=up.status, headers=headers)
         resp.headers["X-Accel-Buffering"] = "no"
         resp.headers["Cache-Control"] = "no-cache"
         await resp.prepare(request)
+        timeout = inst.spec.read_timeout_s
         while True:
             try:
-                chunk = await up.content.readany()
+                chunk = await up.read_chunk(timeout)
             except TimeoutError:
-                msg = f"model '{inst.name}': no data for {inst.spec.read_timeout_s:g}s"
+                msg = f"model '{inst.name}': no data for {timeout:g}s"
                 await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
                 return resp
-            except aiohttp.ClientError:
+            except UpstreamError:
                 msg = await inst.failure_detail(engine)
                 await _write_quietly(resp, sse_error(msg, "engine_error", "engine_failed"))
                 return resp
@@ -338,7 +351,7 @@ class Proxy:
             try:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-                return resp  # the client left; leaving the upstream context aborts the engine
+                return resp  # the client left; the unread response closes the engine connection
             if tap.first_byte is None:
                 tap.first_byte = time.monotonic()
             tap.feed(chunk)

@@ -1,0 +1,279 @@
+"""The request path's HTTP/1.1 client to engines: keep-alive connections on loopback.
+
+Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy does not need a
+general-purpose client on its hottest path. This one writes the request head and body in one
+`write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
+over as they arrive, pausing the socket when the client reads slower than the engine writes.
+A response that is not read to its end closes its connection: for vLLM that aborts the request.
+`aiohttp` still serves everything else (health polling, engine metrics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Iterable
+
+import httptools
+
+#: Idle keep-alive connections older than this are closed (uvicorn closes them after 5 s).
+IDLE_TIMEOUT_S = 4.0
+MAX_IDLE_PER_PORT = 256
+#: Socket reads pause while this much body is buffered, and resume below the low mark.
+HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
+
+
+class UpstreamError(Exception):
+    """The connection to the engine failed, or broke before the response was complete."""
+
+
+class UpstreamResponse:
+    """Status, headers and the body as a stream of chunks; `release()` when done."""
+
+    __slots__ = (
+        "_buffered", "_chunks", "_conn", "_done", "_error", "_paused", "_pool", "_waiter",
+        "got_data", "headers", "keep_alive", "status",
+    )  # fmt: skip
+
+    def __init__(self, conn: _Conn, pool: UpstreamPool) -> None:
+        self._conn, self._pool = conn, pool
+        self.status = 0
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.keep_alive = False
+        self.got_data = False
+        self._chunks: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._done = False
+        self._error: Exception | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    # -- fed by the protocol --------------------------------------------------------------
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _feed(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
+            self._conn.transport.pause_reading()
+            self._paused = True
+        self._wake()
+
+    def _finish(self, error: Exception | None = None) -> None:
+        if not self._done:
+            self._done = True
+            self._error = error
+        self._wake()
+
+    # -- read by the proxy ----------------------------------------------------------------
+
+    async def _wait(self, timeout: float) -> None:
+        loop = asyncio.get_running_loop()
+        self._waiter = fut = loop.create_future()
+        handle = loop.call_later(timeout, _expire, fut)
+        try:
+            await fut
+        finally:
+            handle.cancel()
+            self._waiter = None
+
+    async def wait_headers(self, timeout: float) -> None:
+        while not self.status:
+            if self._done:
+                raise self._error or UpstreamError("engine closed the connection")
+            await self._wait(timeout)
+
+    async def read_chunk(self, timeout: float) -> bytes:
+        """The next piece of the body as received; b"" at its end. `TimeoutError` when silent."""
+        while not self._chunks:
+            if self._done:
+                if self._error is not None:
+                    raise self._error
+                return b""
+            await self._wait(timeout)
+        data = self._chunks.popleft()
+        self._buffered -= len(data)
+        if self._paused and self._buffered < LOW_WATER and self._conn.transport:
+            self._conn.transport.resume_reading()
+            self._paused = False
+        return data
+
+    async def read_all(self, timeout: float) -> bytes:
+        parts = []
+        while chunk := await self.read_chunk(timeout):
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def release(self) -> None:
+        """Return the connection for reuse if the response was read to its end, else close it."""
+        self._pool._release(self._conn, reusable=self._done and self._error is None
+                            and not self._chunks and self.keep_alive)  # fmt: skip
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _Conn(asyncio.Protocol):
+    """One keep-alive connection; parser callbacks feed the current response."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self.idle_since = 0.0
+        self.resp: UpstreamResponse | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+
+    def start(self, resp: UpstreamResponse) -> None:
+        self.resp = resp
+        self.parser = httptools.HttpResponseParser(self)
+
+    # asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        if self.parser is None or self.resp is None:  # bytes nobody asked for: unusable
+            self.close()
+            return
+        self.resp.got_data = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as err:
+            self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {err}"))
+            self.close()
+
+    def eof_received(self) -> bool:
+        self._lost("engine closed the connection")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._lost(
+            f"connection to the engine lost: {exc}" if exc else "engine closed the connection"
+        )
+
+    def _lost(self, why: str) -> None:
+        self.closed = True
+        if self.resp is not None and not self.resp._done:
+            self.resp._finish(UpstreamError(why))
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+    # httptools callbacks
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.resp is not None
+        self.resp.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        assert self.resp is not None and self.parser is not None
+        self.resp.status = self.parser.get_status_code()
+        self.resp.keep_alive = self.parser.should_keep_alive()
+        self.resp._wake()
+
+    def on_body(self, body: bytes) -> None:
+        assert self.resp is not None
+        self.resp._feed(body)
+
+    def on_message_complete(self) -> None:
+        assert self.resp is not None
+        self.resp._finish()
+
+
+class UpstreamPool:
+    """Keep-alive connections to 127.0.0.1:<port>, at most `limit` in use at once."""
+
+    def __init__(self, limit: int, connect_timeout_s: float = 10.0) -> None:
+        self._idle: dict[int, collections.deque[_Conn]] = {}
+        self._slots = asyncio.Semaphore(limit)
+        self.connect_timeout_s = connect_timeout_s
+
+    async def request(
+        self,
+        port: int,
+        method: str,
+        path: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+        timeout: float,
+    ) -> UpstreamResponse:
+        """Send a request and wait for the response head; `release()` the response after use.
+
+        A reused connection that the engine had closed meanwhile is retried once on a new one.
+        """
+        head = _head(method, path, port, headers, len(body))
+        await self._slots.acquire()
+        try:
+            for attempt in (0, 1):
+                conn, reused = await self._connect(port)
+                resp = UpstreamResponse(conn, self)
+                conn.start(resp)
+                assert conn.transport is not None
+                conn.transport.writelines((head, body))
+                try:
+                    await resp.wait_headers(timeout)
+                    return resp
+                except UpstreamError:
+                    conn.close()
+                    if not (reused and not resp.got_data and attempt == 0):
+                        raise
+                except BaseException:
+                    conn.close()
+                    raise
+            raise AssertionError("unreachable")  # pragma: no cover
+        except BaseException:
+            self._slots.release()
+            raise
+
+    async def _connect(self, port: int) -> tuple[_Conn, bool]:
+        idle = self._idle.get(port)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if not conn.closed and now - conn.idle_since < IDLE_TIMEOUT_S:
+                return conn, True
+            conn.close()
+        loop = asyncio.get_running_loop()
+        try:
+            _, proto = await asyncio.wait_for(
+                loop.create_connection(lambda: _Conn(port), "127.0.0.1", port),
+                self.connect_timeout_s,
+            )
+        except OSError as err:
+            raise UpstreamError(f"cannot connect to the engine on port {port}: {err}") from None
+        return proto, False
+
+    def _release(self, conn: _Conn, reusable: bool) -> None:
+        self._slots.release()
+        conn.resp = conn.parser = None
+        if not reusable or conn.closed:
+            conn.close()
+            return
+        idle = self._idle.setdefault(conn.port, collections.deque())
+        if len(idle) >= MAX_IDLE_PER_PORT:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        idle.append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+def _head(
+    method: str, path: str, port: int, headers: Iterable[tuple[str, str]], length: int
+) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {length}"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")
