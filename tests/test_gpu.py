@@ -430,3 +430,27 @@ async def test_wait_free_polls_until_the_memory_is_back(
     fake.devices = [(80_000, 70_000)]
     memory.free_timeout_s = 0.05
     assert await memory.wait_free((0,), 20_000) is False  # bounded: gives up after the timeout
+
+
+async def test_device_delta_measures_an_engine_without_per_process_readings(
+    tmp_path: Path,
+) -> None:
+    fake = FakeNvml([(80_000, 10_000), (80_000, 0)])
+    memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 8_000}})
+    async with memory.starting_on((0,), "m"):
+        fake.devices = [(80_000, 22_000), (80_000, 0)]  # the engine allocated 12 GB meanwhile
+    assert memory.measured == {"m": 12_000}
+    assert memory.footprint("m") == 12_000
+    # A failed start records nothing.
+    memory.measured.clear()
+    with pytest.raises(RuntimeError):
+        async with memory.starting_on((0,), "m"):
+            fake.devices = [(80_000, 40_000), (80_000, 0)]
+            raise RuntimeError("engine died")
+    assert memory.measured == {}
+    # Per-process readings, once seen, are not overwritten by a later delta.
+    memory.by_process.add("m")
+    memory.measured["m"] = 9_000
+    async with memory.starting_on((0,), "m"):
+        fake.devices = [(80_000, 60_000), (80_000, 0)]
+    assert memory.measured == {"m": 9_000}

@@ -177,6 +177,11 @@ def _memory_of(inst: Instance, manager: Manager) -> dict[str, Any]:
     return {
         "estimate_mb": est.per_device_mb,
         "measured_mb": memory.measured.get(inst.name),
+        "measured_from": (
+            ("process" if inst.name in memory.by_process else "device delta")
+            if inst.name in memory.measured
+            else None
+        ),
         "source": est.source,
         "detail": est.detail,
     }

@@ -88,7 +88,7 @@ class EngineContext:
     #: Gives a stopped engine's memory back to the budget (memory managed only).
     vacate: Callable[[str], None] = lambda _name: None
     #: Serialises starts per device (memory managed only).
-    memory_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
+    memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
 
 
 class Instance:
@@ -264,7 +264,8 @@ class Instance:
     async def _start_once(self) -> None:
         """Spawn and wait for readiness once; serialised per device when memory is managed."""
         devices = self.placement.devices if self.placement else ()
-        async with self.ctx.memory_lock(devices) if self.ctx.memory_lock else _nothing():
+        lock = self.ctx.memory_lock(devices, self.name) if self.ctx.memory_lock else _nothing()
+        async with lock:
             engine = await self._spawn()
             try:
                 seconds = await engine.wait_ready(self.ctx.session)

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from .config import ArgValue, Config, GpuDevice, ModelSpec
@@ -81,6 +81,8 @@ class Memory:
         self.totals = {s.id: s.total_mb for s in self.snapshots}
         self.estimates: dict[str, Footprint] = {}
         self.measured: dict[str, int] = {}
+        #: Models whose measurement comes from NVML per-process memory (else: the device delta).
+        self.by_process: set[str] = set()
         self.set_specs(specs)
 
     def set_specs(self, specs: dict[str, ModelSpec]) -> None:
@@ -156,13 +158,34 @@ class Memory:
             self.source.clear_usage(owner)
 
     @contextlib.asynccontextmanager
-    async def starting_on(self, devices: Iterable[int]) -> AsyncIterator[None]:
-        """Serialise engine starts per device (two vLLMs profiling one GPU at once both fail)."""
+    async def starting_on(self, devices: tuple[int, ...], owner: str) -> AsyncIterator[None]:
+        """Serialise engine starts per device (two vLLMs profiling one GPU at once both fail).
+
+        On NVML, the device memory taken while the lock was held (a start that succeeded) is
+        recorded as the owner's measured footprint, unless per-process readings give one: no
+        other start can have run on those devices in between.
+        """
         locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
         async with contextlib.AsyncExitStack() as stack:
             for lock in locks:
                 await stack.enter_async_context(lock)
+            before = await self._used(devices)
             yield
+            after = await self._used(devices)
+            if before and after and owner not in self.by_process:
+                delta = max(after[d] - before[d] for d in devices)
+                if delta > 0:
+                    self._set_measured(owner, delta)
+
+    async def _used(self, devices: tuple[int, ...]) -> dict[int, int] | None:
+        if not isinstance(self.source, NvmlMonitor) or not devices:
+            return None
+        snaps = {s.id: s.used_mb for s in await asyncio.to_thread(self.source.read)}
+        return {d: snaps[d] for d in devices if d in snaps} if snaps else None
+
+    def _set_measured(self, owner: str, mb: int) -> None:
+        self.measured[owner] = mb
+        self.metrics.memory_measured.labels(owner).set(mb)
 
     async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
         """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""
@@ -181,7 +204,10 @@ class Memory:
             await asyncio.sleep(FREE_POLL_S)
 
     def measure(self, groups: dict[str, int]) -> None:
-        """Record what each running engine (name -> process group) holds, from NVML per-process."""
+        """Record what each running engine (name -> process group) holds, from NVML per-process.
+
+        Per-process readings win over the device delta taken at start when the driver has them.
+        """
         if self.kind != "nvml":
             return
         for name, pgid in groups.items():
@@ -191,8 +217,8 @@ class Memory:
                 if mb:
                     per_device.append(mb)
             if per_device:
-                self.measured[name] = max(per_device)
-                self.metrics.memory_measured.labels(name).set(self.measured[name])
+                self.by_process.add(name)
+                self._set_measured(name, max(per_device))
 
     async def run(self, groups: Callable[[], dict[str, int]]) -> None:
         """Keep NVML snapshots fresh (in a thread) and measure running engines."""
