@@ -29,10 +29,13 @@ class ProxyError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        status: int | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        if status is not None:
+            self.status = status
         if code is not None:
             self.code = code
         self.headers = headers or {}
@@ -66,6 +69,12 @@ class NotFound(ProxyError):
     status = 404
     type_ = "invalid_request_error"
     code = "model_not_found"
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type_ = "invalid_request_error"
+    code = "method_not_allowed"
 
 
 class PayloadTooLarge(ProxyError):

@@ -26,6 +26,7 @@ from .errors import (
     EngineFailed,
     EngineTimeout,
     Forbidden,
+    MethodNotAllowed,
     NotFound,
     PayloadTooLarge,
     ProxyError,
@@ -430,6 +431,7 @@ def _guarded(path: str) -> bool:
 
 
 def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
+    """aiohttp's own refusals (routing, body size) in the OpenAI shape."""
     if exc.status == 413:
         return PayloadTooLarge(
             f"request body too large: the limit is {limit / 1048576:g} MB (server.max_body_mb)"
@@ -439,13 +441,8 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: in
             f"unknown endpoint {request.method} {request.path}", code="unknown_endpoint"
         )
     if exc.status == 405:
-        err = BadRequest(f"method {request.method} not allowed on {request.path}")
-        err.status = 405
-        err.code = "method_not_allowed"
-        return err
-    err = BadRequest(exc.reason or "bad request")
-    err.status = exc.status
-    return err
+        return MethodNotAllowed(f"method {request.method} not allowed on {request.path}")
+    return BadRequest(exc.reason or "bad request", status=exc.status)
 
 
 def add_routes(app: web.Application, proxy: Proxy) -> None:
