@@ -206,10 +206,6 @@ class ModelSpec:
         """What the engine process is made of; a change here needs a restart on reload."""
         return (self.model, self.command, self.args, self.extra_args, self.env)
 
-    def arg(self, key: str) -> ArgValue:
-        """A vLLM arg by snake_case name (None when unset)."""
-        return dict(self.args).get(key)
-
     def engine_argv(self, port: int, overrides: dict[str, ArgValue] | None = None) -> list[str]:
         """The engine command line; the proxy owns model, name, host and port.
 

@@ -146,10 +146,6 @@ class EngineProcess:
         self.exit_code = code if code >= 0 else 128 - code
         self._exited.set()
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and not self._exited.is_set()
-
     async def wait_exit(self, timeout: float | None = None) -> int | None:
         """The exit code, or None if the process is still running after `timeout`."""
         with contextlib.suppress(TimeoutError):

@@ -16,8 +16,15 @@ from dataclasses import dataclass, field
 
 from .config import ArgValue, Config, GpuDevice, ModelSpec
 from .errors import ConfigError
-from .gpu import Footprint, GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget, footprint_for_spec
-from .gpu import utilization_for as utilization_for
+from .gpu import (
+    Footprint,
+    GpuSnapshot,
+    GpuSource,
+    NvmlMonitor,
+    StaticBudget,
+    footprint_for_spec,
+    utilization_for,
+)
 from .metrics import Metrics
 from .scheduler import Demand, DeviceView, never_fits
 
