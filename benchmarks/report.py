@@ -312,7 +312,7 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
         "`chat.completion` JSON (≈0.9 KB), run by vllm-proxy itself as the engine of model `bench` "
         "(`benchmarks/nginx_engine.py`; vllm-proxy only forwards to engines it starts) — the "
         "direct, nginx and LiteLLM targets are pointed at that very nginx process. The *fake* "
-        "upstream is `python -m vllm_proxy.fake_engine` (16 tokens, no delay), measured directly "
+        "upstream is `python -m fake_vllm` (16 tokens, no delay), measured directly "
         "and via vllm-proxy, for an apples-to-apples pair on a Python upstream. Streams come from "
         "the fake engine at 32 tokens x 5 ms."
     )

@@ -288,7 +288,7 @@ def start_proxy(
             "drain_timeout_s": 2,
         },
         "engine": {
-            "command": [PYTHON, "-m", "vllm_proxy.fake_engine"],
+            "command": [PYTHON, "-m", "fake_vllm"],
             "idle_timeout_s": 0,
             "stop_timeout_s": 3,
             "startup_timeout_s": 60,

@@ -18,10 +18,12 @@ import pytest
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import Config, parse_config
+from vllm_proxy.engine import instance_logs
 from vllm_proxy.instance import Instance
 from vllm_proxy.manager import Manager
+from vllm_proxy.model import Model
 
-FAKE_ENGINE = [sys.executable, "-m", "vllm_proxy.fake_engine"]
+FAKE_ENGINE = [sys.executable, "-m", "fake_vllm"]
 
 
 def free_port() -> int:
@@ -107,8 +109,23 @@ class RunningProxy:
     def manager(self) -> Manager:
         return self.server.runtime.manager
 
+    def model(self, name: str) -> Model:
+        return self.manager.models[name]
+
     def instance(self, name: str) -> Instance:
-        return self.manager.instances[name]
+        """The model's serving instance, else its newest live one, else the last that ended."""
+        model = self.model(name)
+        inst = model.serving() or (model.instances[-1] if model.instances else model.last_ended)
+        assert inst is not None, f"model {name} has never had an instance"
+        return inst
+
+    def engine_starts(self, name: str) -> int:
+        """Engine processes started for the model, counted from its instances' log files."""
+        spec = self.model(name).spec
+        return sum(
+            path.read_text().count("[vllm-proxy] starting engine")
+            for path in instance_logs(spec).values()
+        )
 
     async def chat(self, model: str, **extra: Any) -> aiohttp.ClientResponse:
         body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}

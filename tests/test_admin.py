@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import load_config
-from vllm_proxy.instance import State
+from vllm_proxy.instance import Instance, State
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -65,10 +65,14 @@ async def test_admin_models_load_unload_pin_logs(tmp_path: Path, start_proxy: St
     view = await (await proxy.http.get(url)).json()
     row = view["models"][0]
     assert row["name"] == "m1" and row["state"] == "stopped" and row["aliases"] == ["one"]
+    assert row["instances"] == [] and row["last_instance"] is None
+    assert row["base_urls"] == {"v1": proxy.url + "/v1", "serve": proxy.url + "/serve/m1/v1"}
     assert view["proxy"]["memory"] == "none" and view["gpus"] == []
 
     loaded = await (await proxy.http.post(url + "/one/load")).json()
-    assert loaded["state"] == "running" and loaded["pid"] and loaded["port"]
+    assert loaded["state"] == "running" and loaded["leases"] == 0
+    [inst] = loaded["instances"]
+    assert inst["id"] == "m1#1" and inst["state"] == "running" and inst["pid"] and inst["port"]
     pinned = await (await proxy.http.post(url + "/m1/pin")).json()
     assert pinned["pinned"] is True
     assert (await (await proxy.http.post(url + "/m1/unpin")).json())["pinned"] is False
@@ -76,11 +80,21 @@ async def test_admin_models_load_unload_pin_logs(tmp_path: Path, start_proxy: St
     logs = await proxy.http.get(url + "/m1/logs?tail=5")
     text = await logs.text()
     assert logs.status == 200 and "Application startup complete" in text
-    assert len(text.splitlines()) <= 5
-    assert (await proxy.http.get(url + "/m1/logs?tail=abc")).status == 400
+    assert text.startswith("==> m1#1 (running) <==\n")
+    assert len(text.splitlines()) <= 6  # the header and 5 lines
+    for bad in ("abc", "nan", "inf", "0"):
+        resp = await proxy.http.get(url + f"/m1/logs?tail={bad}")
+        assert resp.status == 400 and (await resp.json())["error"]["param"] == "tail"
+    assert (await proxy.http.get(url + "/m1/logs?instance=m1%239")).status == 404
 
     stopped = await (await proxy.http.post(url + "/m1/unload")).json()
-    assert stopped["state"] == "stopped" and stopped["pid"] is None
+    assert stopped["state"] == "stopped" and stopped["instances"] == []
+    # The ended instance is still described, without a pid or port of a process that is gone.
+    gone = stopped["last_instance"]
+    assert gone["id"] == "m1#1" and gone["state"] == "stopped"
+    assert gone["pid"] is None and gone["port"] is None
+    logs = await proxy.http.get(url + "/m1/logs?instance=m1%231")
+    assert "==> m1#1 (stopped) <==" in await logs.text()
     missing = await proxy.http.post(url + "/nope/load")
     assert missing.status == 404
     assert "Available models: m1, one" in (await missing.json())["error"]["message"]
@@ -124,10 +138,17 @@ async def test_reload_isolates_models(tmp_path: Path) -> None:
             for name in ("keep", "change", "remove"):
                 assert await chat(name) == 200
             mgr = server.runtime.manager
-            keep = mgr.instances["keep"]
+
+            def serving(name: str) -> Instance:
+                inst = mgr.models[name].serving()
+                assert inst is not None
+                return inst
+
+            keep = serving("keep")
             keep_pid, keep_port = keep.engine.pid, keep.engine.port  # type: ignore[union-attr]
-            old_change_pid = mgr.instances["change"].engine.pid  # type: ignore[union-attr]
-            removed = mgr.instances["remove"]
+            old_change = serving("change")
+            old_change_pid = old_change.engine.pid  # type: ignore[union-attr]
+            removed = serving("remove")
             removed_pid = removed.engine.pid  # type: ignore[union-attr]
 
             write(
@@ -146,12 +167,14 @@ async def test_reload_isolates_models(tmp_path: Path) -> None:
 
             assert await chat("remove") == 404
             await wait_for(lambda: removed.state is State.STOPPED, what="removed model stopped")
-            changed = mgr.instances["change"]
-            await wait_for(lambda: changed.state is State.RUNNING, what="changed model restarted")
+            await wait_for(lambda: old_change.state is State.STOPPED, what="old instance stopped")
+            await wait_for(lambda: mgr.models["change"].serving(), what="changed model restarted")
+            changed = serving("change")
+            assert changed.id == "change#2" and changed.spec.env == (("X", "2"),)
             assert changed.engine.pid != old_change_pid  # type: ignore[union-attr]
             assert await chat("added") == 200
             assert await chat("k") == 200  # the new alias of the kept model
-            assert mgr.instances["keep"] is keep
+            assert serving("keep") is keep
             assert (keep.engine.pid, keep.engine.port) == (keep_pid, keep_port)  # type: ignore[union-attr]
             assert keep.spec.idle_timeout_s == 900
             assert removed_pid != keep_pid
@@ -162,7 +185,7 @@ async def test_reload_isolates_models(tmp_path: Path) -> None:
                 err = await r.json()
             assert r.status == 400 and err["error"]["code"] == "invalid_config"
             assert "models.keep.args.port: reserved" in err["error"]["message"]
-            assert set(mgr.instances) == {"keep", "change", "added"}
+            assert set(mgr.models) == {"keep", "change", "added"}
             assert keep.engine.pid == keep_pid  # type: ignore[union-attr]
     finally:
         await server.shutdown()
@@ -234,9 +257,9 @@ async def test_token_and_ttfb_metrics(tmp_path: Path, start_proxy: StartProxy) -
         for f in text_string_to_metric_families(text)
         for s in f.samples
     }
-    assert samples[("vllm_completion_tokens_total", (("model_id", "m1"),))] == 14
-    assert samples[("vllm_prompt_tokens_total", (("model_id", "m1"),))] > 0
-    assert samples[("vllm_time_to_first_byte_seconds_count", (("model_id", "m1"),))] == 3
+    assert samples[("vllm_proxy_completion_tokens_total", (("model_id", "m1"),))] == 14
+    assert samples[("vllm_proxy_prompt_tokens_total", (("model_id", "m1"),))] > 0
+    assert samples[("vllm_proxy_time_to_first_byte_seconds_count", (("model_id", "m1"),))] == 3
 
 
 async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -247,6 +270,7 @@ async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartP
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     running = fams["vllm:num_requests_running"]
     assert {s.labels["model_id"] for s in running.samples} == {"a", "b"}
+    assert {s.labels["instance"] for s in running.samples} == {"a#1", "b#1"}
     assert all(s.name.startswith("vllm:") for f in fams.values() for s in f.samples)
 
 

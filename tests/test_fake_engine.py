@@ -57,7 +57,7 @@ class Fake:
 def spawn(logs: Path, port: int, env: dict[str, str], args: list[str]) -> Fake:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_ENGINE_", "VLLM_"))}
     pythonpath = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "vllm_proxy.fake_engine", "--model", "m"]
+    command = [sys.executable, "-m", "fake_vllm", "--model", "m"]
     command += ["--served-model-name", "m", "alias", "--port", str(port), *args]
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "stdout.log", "wb") as out, open(logs / "stderr.log", "wb") as err:

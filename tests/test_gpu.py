@@ -13,16 +13,14 @@ import pytest
 from conftest import wait_for
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.gpu import (
+from vllm_proxy.footprint import (
     Footprint,
-    GpuSnapshot,
-    NvmlMonitor,
-    StaticBudget,
     estimate_footprint_mb,
     footprint_for_spec,
     tensor_sizes,
     utilization_for,
 )
+from vllm_proxy.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
 
 MIB = 1024 * 1024
 
@@ -397,13 +395,16 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
     fake.procs = {0: [(me, 25_000 * MIB), (1, 5_000 * MIB)]}  # pid 1 is not in our group
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
     memory.snapshots = memory.source.read()
-    memory.measure({"m": os.getpgid(0)})
-    assert memory.measured == {"m": 25_000}
+    memory.measure({"m#1": os.getpgid(0)})
+    assert memory.measured == {"m#1": 25_000}
     assert memory.footprint("m") == 25_000  # the larger of estimate and measurement
-    assert (
-        memory.metrics.registry.get_sample_value("vllm_model_memory_measured_mb", {"model_id": "m"})
-        == 25_000
-    )
+    labels = {"model_id": "m", "instance": "m#1"}
+    sample = memory.metrics.registry.get_sample_value
+    assert sample("vllm_proxy_instance_memory_measured_mb", labels) == 25_000
+    memory.vacate("m#1")  # the instance is gone: its measurement and series go
+    assert memory.measured == {}
+    assert sample("vllm_proxy_instance_memory_measured_mb", labels) is None
+    assert memory.footprint("m") == 25_000  # the next instance of the same engine plans with it
 
 
 async def test_wait_free_polls_until_the_memory_is_back(
@@ -437,20 +438,20 @@ async def test_device_delta_measures_an_engine_without_per_process_readings(
 ) -> None:
     fake = FakeNvml([(80_000, 10_000), (80_000, 0)])
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 8_000}})
-    async with memory.starting_on((0,), "m"):
+    async with memory.starting_on((0,), "m#1"):
         fake.devices = [(80_000, 22_000), (80_000, 0)]  # the engine allocated 12 GB meanwhile
-    assert memory.measured == {"m": 12_000}
+    assert memory.measured == {"m#1": 12_000}
     assert memory.footprint("m") == 12_000
     # A failed start records nothing.
     memory.measured.clear()
     with pytest.raises(RuntimeError):
-        async with memory.starting_on((0,), "m"):
+        async with memory.starting_on((0,), "m#2"):
             fake.devices = [(80_000, 40_000), (80_000, 0)]
             raise RuntimeError("engine died")
     assert memory.measured == {}
     # Per-process readings, once seen, are not overwritten by a later delta.
-    memory.by_process.add("m")
-    memory.measured["m"] = 9_000
-    async with memory.starting_on((0,), "m"):
+    memory.by_process.add("m#3")
+    memory.measured["m#3"] = 9_000
+    async with memory.starting_on((0,), "m#3"):
         fake.devices = [(80_000, 60_000), (80_000, 0)]
-    assert memory.measured == {"m": 9_000}
+    assert memory.measured == {"m#3": 9_000}

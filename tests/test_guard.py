@@ -160,7 +160,7 @@ async def test_readiness_polling_stays_within_tens_of_milliseconds(
     from vllm_proxy.engine import POLL_MAX_S, EngineProcess
 
     spec = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
-    engine = EngineProcess(spec.specs()["m"], port=1)  # nothing listens: connection refused
+    engine = EngineProcess(spec.specs()["m"], 1, tmp_path / "m.log")  # nothing listens
     delays: list[float] = []
     real_sleep = asyncio.sleep
 

@@ -7,29 +7,27 @@ import time
 from pathlib import Path
 
 import aiohttp
-from conftest import RunningProxy, StartProxy, alive, group_alive, make_config, wait_for
+from conftest import RunningProxy, StartProxy, group_alive, make_config, wait_for
 
-from vllm_proxy.engine import log_path
 from vllm_proxy.instance import State
 
 
 def starts_logged(proxy: RunningProxy, name: str) -> int:
-    path = log_path(proxy.instance(name).spec)
-    if not path.exists():
-        return 0
-    return path.read_text().count("[vllm-proxy] starting engine")
+    return proxy.engine_starts(name)
 
 
 async def test_cold_start_on_first_request(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
-    inst = proxy.instance("m1")
-    assert inst.state is State.STOPPED
+    assert proxy.model("m1").state() is State.STOPPED
+    assert proxy.model("m1").instances == []
     resp = await proxy.chat("m1")
     assert resp.status == 200
     body = await resp.json()
     assert body["object"] == "chat.completion"
     assert body["model"] == "m1"
+    inst = proxy.instance("m1")
     assert inst.state is State.RUNNING
+    assert inst.id == "m1#1"
     assert inst.engine.port >= 20000
     models = await (await proxy.http.get(proxy.url + "/v1/models")).json()
     assert {"id": "m1", "state": "running"}.items() <= models["data"][0].items()
@@ -72,10 +70,13 @@ async def test_engine_dying_while_starting_fails_waiters_at_once(
         assert resp.status == 502
         err = (await resp.json())["error"]
         assert "exit code 7" in err["message"]
-        assert "Engine core initialization failed" in err["message"]  # the log tail
+        # The engine's log lines stay with the operator: they may hold other users' prompts.
+        assert "Engine core initialization failed" not in err["message"]
         assert err["code"] == "engine_start_failed"
     assert elapsed < 60, "waiters must not wait for the startup timeout"
     assert proxy.instance("m1").state is State.ERROR
+    assert proxy.model("m1").state() is State.ERROR
+    assert "Engine core initialization failed" in proxy.instance("m1").log_path.read_text()
 
 
 async def test_startup_timeout_kills_engine_and_answers_504(
@@ -117,9 +118,11 @@ async def test_idle_engine_is_unloaded(tmp_path: Path, start_proxy: StartProxy) 
     pgid = inst.engine.pid
     await wait_for(lambda: inst.state is State.STOPPED, what="idle unload")
     await wait_for(lambda: not group_alive(pgid), what="engine group gone")
-    # and it comes back on the next request
+    assert proxy.model("m1").instances == []
+    # and it comes back on the next request, as a new instance
     assert (await proxy.chat("m1")).status == 200
-    assert inst.state is State.RUNNING
+    assert proxy.instance("m1").state is State.RUNNING
+    assert proxy.instance("m1").id == "m1#2"
 
 
 async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -148,8 +151,8 @@ async def test_crash_while_running_errors_in_flight_and_restarts(
 ) -> None:
     env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
-    inst = proxy.instance("m1")
     assert (await proxy.chat("m1")).status == 200
+    inst = proxy.instance("m1")
     resp = await proxy.chat("m1", stream=True)  # the engine exits mid-stream
     assert resp.status == 200
     text = (await resp.read()).decode()
@@ -158,10 +161,13 @@ async def test_crash_while_running_errors_in_flight_and_restarts(
     assert text.endswith("data: [DONE]\n\n")
     await wait_for(lambda: inst.state is State.ERROR, what="ERROR after the crash")
     assert proxy.manager.active_leases() == 0
-    # the next request restarts the engine
+    assert proxy.model("m1").state() is State.ERROR
+    # the next request starts a new instance
     resp = await proxy.chat("m1")
     assert resp.status == 200
-    assert inst.restarts == 1
+    assert proxy.instance("m1").id == "m1#2" and inst.id == "m1#1"
+    text = (await proxy.http.get(proxy.url + "/metrics")).text
+    assert 'vllm_proxy_engine_restarts_total{model_id="m1",reason="crash"} 1.0' in await text()
 
 
 async def test_non_stream_request_in_flight_gets_502_on_crash(
@@ -181,11 +187,11 @@ async def test_client_disconnect_releases_lease_and_aborts_upstream(
 ) -> None:
     env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
-    inst = proxy.instance("m1")
     async with aiohttp.ClientSession() as client:
         body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]}
         async with client.post(proxy.url + "/v1/chat/completions", json=body) as resp:
             await resp.content.readany()
+            inst = proxy.instance("m1")
             assert inst.leases == 1
     await wait_for(lambda: inst.leases == 0, what="lease released after disconnect")
     engine_metrics = inst.engine.base_url + "/metrics"
@@ -218,20 +224,25 @@ async def test_stop_is_idempotent_and_start_stop_cycles(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     proxy = await start_proxy(make_config(tmp_path))
-    inst = proxy.instance("m1")
-    await inst.stop()  # stopped: no-op
-    for _ in range(2):
+    for n in range(2):
         assert (await proxy.chat("m1")).status == 200
+        inst = proxy.instance("m1")
+        assert inst.id == f"m1#{n + 1}"
         await asyncio.gather(inst.stop(), inst.stop())
+        assert inst.state is State.STOPPED
+        await inst.stop()  # stopped: no-op
         assert inst.state is State.STOPPED
 
 
-async def test_engine_output_goes_to_the_model_log(tmp_path: Path, start_proxy: StartProxy) -> None:
+async def test_engine_output_goes_to_the_instance_log(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     cfg = make_config(tmp_path, engine={"log_dir": str(tmp_path / "logs")})
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1")).status == 200
-    text = (tmp_path / "logs" / "m1.log").read_text()
+    text = (tmp_path / "logs" / "m1.1.log").read_text()
     assert "Application startup complete" in text
+    assert proxy.instance("m1").log_path == tmp_path / "logs" / "m1.1.log"
 
 
 async def test_startup_sweep_kills_engines_of_a_dead_proxy(
@@ -249,5 +260,7 @@ async def test_startup_sweep_kills_engines_of_a_dead_proxy(
     second = await start_proxy(cfg)  # same state dir: sweeps before allocating ports
     assert not group_alive(pgid)
     assert (await second.chat("m1")).status == 200
-    assert all(alive(p) for p in group_alive(second.instance("m1").engine.pid))
+    new = second.instance("m1")
+    assert new.engine.pid != pgid and group_alive(new.engine.pid)
+    assert new.id == "m1#2", "instance ids are not reused across proxy restarts"
     assert (tmp_path / "state" / "engines.json").exists()

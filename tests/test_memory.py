@@ -48,7 +48,7 @@ async def chat(proxy: RunningProxy, model: str, **extra: Any) -> int:
 
 
 def states(proxy: RunningProxy) -> dict[str, str]:
-    return {n: i.state.value for n, i in proxy.manager.instances.items()}
+    return {n: m.state().value for n, m in proxy.manager.models.items()}
 
 
 async def test_lru_idle_model_is_evicted(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -59,7 +59,7 @@ async def test_lru_idle_model_is_evicted(tmp_path: Path, start_proxy: StartProxy
     assert await chat(proxy, "c") == 200
     assert states(proxy) == {"a": "running", "b": "stopped", "c": "running"}
     text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_evictions_total{model_id="b",reason="memory"} 1.0' in text
+    assert 'vllm_proxy_evictions_total{model_id="b",reason="memory"} 1.0' in text
     assert 'vllm_gpu_memory_total_mb{gpu_id="0"} 1000.0' in text
     assert 'vllm_gpu_memory_used_mb{gpu_id="0"} 800.0' in text
 
@@ -110,8 +110,8 @@ async def test_queued_request_is_served_when_a_lease_is_released(
     await sa.content.readany()
     await sb.content.readany()
     waiting = asyncio.ensure_future(chat(proxy, "c"))
+    await wait_for(lambda: proxy.model("c").waiting == 1, what="c queued")
     inst_c = proxy.instance("c")
-    await wait_for(lambda: inst_c.waiting == 1, what="c queued")
     assert inst_c.state is State.STARTING and inst_c.engine is None
     await sa.read()  # a's stream ends: its lease is released, c is re-planned
     assert await waiting == 200
@@ -132,8 +132,8 @@ async def test_503_with_retry_after_when_nothing_can_be_evicted(
     assert int(resp.headers["Retry-After"]) >= 1
     err = (await resp.json())["error"]
     assert err["code"] == "insufficient_gpu_memory"
-    assert "'a'" in err["message"] and "in flight" in err["message"]
-    assert proxy.instance("c").state is State.STOPPED
+    assert "'a#1'" in err["message"] and "in flight" in err["message"]
+    assert proxy.model("c").state() is State.STOPPED and not proxy.model("c").instances
     await stream.read()
     assert await chat(proxy, "c") == 200  # and it is admitted once a is idle
 
@@ -146,7 +146,7 @@ async def test_queue_is_bounded(tmp_path: Path, start_proxy: StartProxy) -> None
     stream = await proxy.chat("a", stream=True)
     await stream.content.readany()
     queued = [asyncio.ensure_future(chat(proxy, "c")) for _ in range(2)]
-    await wait_for(lambda: proxy.instance("c").waiting == 2, what="two queued")
+    await wait_for(lambda: proxy.model("c").waiting == 2, what="two queued")
     resp = await proxy.chat("c")
     assert resp.status == 503 and (await resp.json())["error"]["code"] == "queue_full"
     await stream.read()
@@ -204,7 +204,7 @@ async def test_out_of_memory_at_start_evicts_one_more_and_retries(
     assert await chat(proxy, "c") == 200  # fits by the budget, fails with OOM, retried
     assert states(proxy) == {"a": "stopped", "b": "running", "c": "running"}
     text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_evictions_total{model_id="a",reason="out_of_memory"} 1.0' in text
+    assert 'vllm_proxy_evictions_total{model_id="a",reason="out_of_memory"} 1.0' in text
 
 
 async def test_model_larger_than_any_device_fails_at_start(tmp_path: Path) -> None:
@@ -223,8 +223,15 @@ async def test_admission_waits_for_a_stopping_engine(
     }
     proxy = await start_proxy(budget(tmp_path, models))
     assert await chat(proxy, "a") == 200
+    a_engine = proxy.instance("a").engine
+    assert a_engine is not None
     assert await chat(proxy, "c") == 200
     assert states(proxy) == {"a": "stopped", "c": "running"}
+    c_engine = proxy.instance("c").engine
+    assert c_engine is not None and a_engine.exited_at is not None
+    # SIGTERM was ignored: a went only after its stop timeout, and c was spawned after that.
+    assert a_engine.exited_at - a_engine.started_at > 0.5
+    assert c_engine.started_at >= a_engine.exited_at
 
 
 async def test_proxy_answers_while_a_model_waits(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -233,7 +240,7 @@ async def test_proxy_answers_while_a_model_waits(tmp_path: Path, start_proxy: St
     stream = await proxy.chat("a", stream=True)
     await stream.content.readany()
     queued = asyncio.ensure_future(chat(proxy, "c"))
-    await wait_for(lambda: proxy.instance("c").waiting == 1, what="c queued")
+    await wait_for(lambda: proxy.model("c").waiting == 1, what="c queued")
     async with aiohttp.ClientSession() as s, s.get(proxy.url + "/v1/models") as r:
         cards = {c["id"]: c["state"] for c in (await r.json())["data"]}
     assert cards == {"a": "running", "c": "starting"}

@@ -45,7 +45,7 @@ async def test_bad_requests_get_openai_errors(
     assert resp.status == status
     assert resp.content_type == "application/json"
     assert fragment in assert_openai_error(await resp.json())["message"]
-    assert proxy.instance("m1").engine is None, "bad input must not start an engine"
+    assert proxy.model("m1").instances == [], "bad input must not start an engine"
 
 
 async def test_unknown_routes_and_methods_are_openai_errors(
@@ -177,8 +177,11 @@ async def test_metrics_exposition(tmp_path: Path, start_proxy: StartProxy) -> No
     assert samples[("vllm_request_duration_seconds_count", (("model_id", "m1"),))] == 1
     assert samples[("vllm_model_loaded", (("model_id", "m1"),))] == 1
     assert samples[("vllm_model_requests_active", (("model_id", "m1"),))] == 0
-    assert samples[("vllm_model_state", (("model_id", "m1"), ("state", "running")))] == 1
-    assert samples[("vllm_engine_start_duration_seconds_count", (("model_id", "m1"),))] == 1
+    assert samples[("vllm_proxy_model_state", (("model_id", "m1"), ("state", "running")))] == 1
+    running = (("instance", "m1#1"), ("model_id", "m1"), ("state", "running"))
+    assert samples[("vllm_proxy_instance_state", running)] == 1
+    assert samples[("vllm_proxy_instance_requests_active", running[:2])] == 0
+    assert samples[("vllm_proxy_engine_start_duration_seconds_count", (("model_id", "m1"),))] == 1
 
 
 async def test_health_and_shutdown_refusal(tmp_path: Path, start_proxy: StartProxy) -> None:

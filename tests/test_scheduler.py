@@ -256,3 +256,26 @@ def test_never_fits(demand: Demand, totals: dict[int, int], phrase: str | None) 
         assert reason is None
     else:
         assert reason is not None and phrase in reason and "'new'" in reason
+
+
+def test_handover_counts_the_old_and_the_new_instance() -> None:
+    """A reload's new instance of a model is planned beside the old one, which still holds its
+    memory while it drains: busy, it blocks; idle, it is the one evicted."""
+    devices = [dev(0, 1000, used=600)]  # m#1 (the old instance) holds 600 MiB
+    demand = Demand("m#2", footprint_mb=600, tp=1, allowed_devices=None, reserve_mb=0)
+    busy = plan(demand, devices, [mdl("m#1", 600, leases=1)])
+    assert isinstance(busy, NoFit) and busy.blockers == ("m#1",)
+    idle = plan(demand, devices, [mdl("m#1", 600, leases=0)])
+    assert idle == Plan(devices=(0,), evict=("m#1",))
+    # Room for both: no eviction, the old one keeps serving until it has drained.
+    roomy = plan(demand, [dev(0, 2000, used=600)], [mdl("m#1", 600, leases=1)])
+    assert roomy == Plan(devices=(0,), evict=())
+
+
+def test_a_stopping_model_blocks_rather_than_reads_as_foreign_memory() -> None:
+    """Memory of an engine being stopped comes back soon: wait for it (a blocker), never answer
+    at once as if someone outside the proxy held it."""
+    stopping = ModelView("a#1", 600, (0,), False, 0, 0.0, False, stopping=True)
+    decision = plan(want(600), [dev(0, 1000, used=600)], [stopping])
+    assert isinstance(decision, NoFit) and decision.blockers == ("a#1",)
+    assert "stopping" in decision.reason and "outside the proxy" not in decision.reason

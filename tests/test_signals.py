@@ -68,7 +68,9 @@ def engine_groups(tmp_path: Path) -> list[int]:
     log = (tmp_path / "proxy.log").read_text()
     ports = re.findall(r"ready on port (\d+)", log)
     registry = tmp_path / "st" / "engines.json"
-    groups = [int(k) for k in json.loads(registry.read_text())] if registry.exists() else []
+    groups = []
+    if registry.exists():
+        groups = [int(k) for k in json.loads(registry.read_text())["engines"]]
     assert len(groups) == len(ports), (groups, ports)
     return groups
 
@@ -164,5 +166,5 @@ async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
             proc.kill()
     lines = [json.loads(line) for line in err.decode().splitlines() if line.strip()]
     assert lines and all({"ts", "level", "logger", "msg"} <= set(e) for e in lines)
-    assert any("m1: STARTING -> RUNNING" in e["msg"] for e in lines)
+    assert any("m1#1: STARTING -> RUNNING" in e["msg"] for e in lines)
     assert secret not in err.decode()

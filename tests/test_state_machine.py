@@ -21,9 +21,11 @@ ALLOWED = {
     (State.RUNNING, State.STOPPING),
     (State.RUNNING, State.ERROR),
     (State.STOPPING, State.STOPPED),
-    (State.ERROR, State.STARTING),
-    (State.ERROR, State.STOPPED),
+    # ERROR is final: the next start is a new instance with a new id.
 }
+
+
+HOOKED: list[tuple[str, State, State]] = []
 
 
 def _instance(tmp_path: Path) -> tuple[Instance, Metrics]:
@@ -32,7 +34,12 @@ def _instance(tmp_path: Path) -> tuple[Instance, Metrics]:
     ctx = EngineContext(
         session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=metrics
     )
-    return Instance(cfg.specs()["m"], ctx), metrics
+    HOOKED.clear()
+
+    def hook(inst: Instance, old: State) -> None:
+        HOOKED.append((inst.id, old, inst.state))
+
+    return Instance(cfg.specs()["m"], "m#7", ctx, hook), metrics
 
 
 def test_table_is_exactly_the_documented_one() -> None:
@@ -48,32 +55,35 @@ async def test_set_state_enforces_the_table(tmp_path: Path, old: State, new: Sta
     if (old, new) in ALLOWED:
         inst._set_state(new)
         assert inst.state is new
-        assert (
-            metrics.registry.get_sample_value(
-                "vllm_model_state", {"model_id": "m", "state": new.value}
-            )
-            == 1
+        assert HOOKED == [("m#7", old, new)], "the model hears of every change"
+        value = metrics.registry.get_sample_value(
+            "vllm_proxy_instance_state", {"model_id": "m", "instance": "m#7", "state": new.value}
         )
-        loaded = metrics.registry.get_sample_value("vllm_model_loaded", {"model_id": "m"})
-        assert loaded == (1 if new is State.RUNNING else 0)
+        # A live instance has one state series; an ended one has none (ids are not reused).
+        assert value == (None if new in (State.STOPPED, State.ERROR) else 1)
+        old_value = metrics.registry.get_sample_value(
+            "vllm_proxy_instance_state", {"model_id": "m", "instance": "m#7", "state": old.value}
+        )
+        assert old_value is None
     else:
         with pytest.raises(InvalidTransition):
             inst._set_state(new)
         assert inst.state is old
+        assert HOOKED == []
 
 
 async def test_transition_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     inst, _ = _instance(tmp_path)
     with caplog.at_level("INFO", logger="vllm_proxy.instance"):
         inst._set_state(State.STARTING)
-    assert "m: STOPPED -> STARTING" in caplog.text
+    assert "m#7: STOPPED -> STARTING" in caplog.text
 
 
 async def test_waiters_wake_on_every_change(tmp_path: Path) -> None:
     import asyncio
 
     inst, _ = _instance(tmp_path)
-    waiter = asyncio.ensure_future(inst._wait_change())
+    waiter = asyncio.ensure_future(inst.wait_change())
     await asyncio.sleep(0)
     assert not waiter.done()
     inst._set_state(State.STARTING)

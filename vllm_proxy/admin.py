@@ -12,6 +12,7 @@ import time
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 from aiohttp import web
@@ -20,10 +21,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
-from .engine import log_path, read_tail
-from .errors import BadRequest
+from .engine import read_tail
+from .errors import BadRequest, NotFound
 from .instance import Instance, State
 from .manager import Manager
+from .model import Model
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +46,11 @@ class Admin:
 
     # -- views ---------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, base_url: str = "") -> dict[str, Any]:
         memory = self.manager.memory
-        models = []
-        for inst in self.manager.instances.values():
-            row = inst.status()
-            row["memory"] = _memory_of(inst, self.manager)
-            models.append(row)
+        models = self.manager.snapshot()
+        for row in models:
+            row["base_urls"] = _base_urls(base_url, row["name"])
         gpus = []
         if memory is not None:
             for s in memory.refresh():
@@ -72,41 +72,59 @@ class Admin:
         }
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response(self.snapshot())
+        return web.json_response(self.snapshot(_origin(request)))
 
     async def model(self, request: web.Request) -> web.Response:
-        inst = self._instance(request)
-        return web.json_response({**inst.status(), "memory": _memory_of(inst, self.manager)})
+        return web.json_response(self._row(request))
 
-    def _instance(self, request: web.Request) -> Instance:
-        name = request.match_info["name"]
-        return self.manager.instances[self.manager.resolve(name).name]
+    def _model(self, request: web.Request) -> Model:
+        return self.manager.resolve(request.match_info["name"])
+
+    def _row(self, request: web.Request) -> dict[str, Any]:
+        name = self._model(request).name
+        row = next(r for r in self.manager.snapshot() if r["name"] == name and not r["removed"])
+        row["base_urls"] = _base_urls(_origin(request), name)
+        return row
 
     # -- actions -------------------------------------------------------------------------
 
     async def load(self, request: web.Request) -> web.Response:
-        inst = self._instance(request)
-        await inst.ensure_running()
-        return web.json_response(inst.status())
+        model = self._model(request)
+        inst, _ = await model.acquire()  # starts one unless one serves; errors as for requests
+        inst.release()
+        return web.json_response(self._row(request))
 
     async def unload(self, request: web.Request) -> web.Response:
-        inst = self._instance(request)
         timeout = _float_query(request, "timeout", default=30.0)
-        await inst.drain_and_stop(timeout)
-        return web.json_response(inst.status())
+        await self._model(request).unload(timeout)
+        return web.json_response(self._row(request))
 
     async def pin(self, request: web.Request) -> web.Response:
-        inst = self._instance(request)
-        inst.pinned = request.match_info["action"] == "pin"
-        return web.json_response(inst.status())
+        self._model(request).pinned = request.match_info["action"] == "pin"
+        return web.json_response(self._row(request))
 
     async def logs(self, request: web.Request) -> web.Response:
-        inst = self._instance(request)
-        tail = int(_float_query(request, "tail", default=100))
-        if not 0 < tail <= LOG_TAIL_MAX:
+        """The last lines of each live instance's log (and of the last one that ended), each
+        under a ``==> <instance id> (<state>) <==`` header; ``?instance=ID`` for just one."""
+        model = self._model(request)
+        tail = _float_query(request, "tail", default=100)
+        if not (tail == tail and 0 < tail <= LOG_TAIL_MAX):  # tail == tail: not NaN
             raise BadRequest(f"tail must be between 1 and {LOG_TAIL_MAX}", param="tail")
-        text = read_tail(log_path(inst.spec), lines=tail, max_bytes=tail * 1024)
-        return web.Response(text=text + "\n" if text else "", content_type="text/plain")
+        lines = int(tail)
+        wanted = request.query.get("instance")
+        shown = [*model.instances]
+        if model.last_ended is not None:
+            shown.insert(0, model.last_ended)
+        if wanted is not None:
+            shown = [i for i in shown if i.id == wanted]
+            if not shown:
+                raise NotFound(f"model '{model.name}' has no instance '{wanted}' to show",
+                               code="instance_not_found", param="instance")  # fmt: skip
+        parts = []
+        for inst in shown:
+            text = read_tail(inst.log_path, lines=lines, max_bytes=lines * 1024)
+            parts.append(f"==> {inst.id} ({inst.state.value}) <==\n{text}\n" if text else "")
+        return web.Response(text="".join(parts), content_type="text/plain")
 
     async def reload(self, request: web.Request) -> web.Response:
         return web.json_response(await self.reload_config())
@@ -121,12 +139,12 @@ class Admin:
     async def engine_metrics(self, request: web.Request) -> web.Response:
         """Every running engine's ``vllm:`` metrics, relabelled with ``model_id``."""
         running = [
-            i for i in self.manager.instances.values()
+            i for i in self.manager.all_instances()
             if i.state is State.RUNNING and i.engine is not None
         ]  # fmt: skip
         texts = await asyncio.gather(*(self._scrape(i) for i in running))
         registry = CollectorRegistry()
-        registry.register(_Families(_merge(zip((i.name for i in running), texts, strict=True))))
+        registry.register(_Families(_merge(zip(running, texts, strict=True))))
         resp = web.Response(body=generate_latest(registry))
         resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
         return resp
@@ -138,7 +156,7 @@ class Admin:
             async with self.session.get(inst.engine.base_url + "/metrics", timeout=timeout) as r:
                 return await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError) as err:
-            log.warning("%s: cannot read engine metrics: %s", inst.name, err)
+            log.warning("%s: cannot read engine metrics: %s", inst.id, err)
             return ""
 
 
@@ -154,37 +172,30 @@ class _Families:
 
 def _merge(scrapes: Any) -> list[Metric]:
     merged: dict[str, Metric] = {}
-    for model_id, text in scrapes:
+    for inst, text in scrapes:
+        labels = {"model_id": inst.name, "instance": inst.id}
         try:
             families = list(text_string_to_metric_families(text))
         except ValueError as err:
-            log.warning("%s: unparsable engine metrics: %s", model_id, err)
+            log.warning("%s: unparsable engine metrics: %s", inst.id, err)
             continue
         for fam in families:
             if not fam.name.startswith("vllm:"):
                 continue
             out = merged.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
             for s in fam.samples:
-                out.add_sample(s.name, {**s.labels, "model_id": model_id}, s.value, s.timestamp)
+                out.add_sample(s.name, {**s.labels, **labels}, s.value, s.timestamp)
     return list(merged.values())
 
 
-def _memory_of(inst: Instance, manager: Manager) -> dict[str, Any]:
-    memory = manager.memory
-    if memory is None or inst.name not in memory.estimates:
-        return {"estimate_mb": None, "measured_mb": None, "source": None}
-    est = memory.estimates[inst.name]
-    return {
-        "estimate_mb": est.per_device_mb,
-        "measured_mb": memory.measured.get(inst.name),
-        "measured_from": (
-            ("process" if inst.name in memory.by_process else "device delta")
-            if inst.name in memory.measured
-            else None
-        ),
-        "source": est.source,
-        "detail": est.detail,
-    }
+def _origin(request: web.Request) -> str:
+    return f"{request.scheme}://{request.host}"
+
+
+def _base_urls(origin: str, name: str) -> dict[str, str]:
+    """The OpenAI base URLs that reach the model: ``/v1`` with its name in the body, or the
+    prefixed one where the path picks the model."""
+    return {"v1": f"{origin}/v1", "serve": f"{origin}/serve/{quote(name, safe='')}/v1"}
 
 
 def _float_query(request: web.Request, key: str, default: float) -> float:
@@ -192,9 +203,12 @@ def _float_query(request: web.Request, key: str, default: float) -> float:
     if raw is None:
         return default
     try:
-        return float(raw)
+        value = float(raw)
     except ValueError:
         raise BadRequest(f"{key} must be a number", param=key) from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise BadRequest(f"{key} must be a finite number", param=key)
+    return value
 
 
 def add_admin_routes(app: web.Application, admin: Admin) -> None:

@@ -8,14 +8,14 @@ import logging
 import os
 import signal
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from .admin import Admin, add_admin_routes
-from .config import Config, ModelSpec, load_config, state_dir
+from .config import Config, ModelSpec, load_for_reload, state_dir
 from .engine import PortAllocator
 from .errors import BadRequest, ConfigError, ProxyError
 from .instance import EngineContext
@@ -37,27 +37,30 @@ class Runtime:
     metrics: Metrics
     proxy: Proxy
     config_path: str | None = None
+    #: ``--host``/``--port`` from the command line: they win over the file at every reload.
+    overrides: dict[str, Any] = field(default_factory=dict)
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file and reconcile model by model; all or nothing.
 
-        Raises `BadRequest` (code ``invalid_config``) when the new file is invalid; the running
-        config then stays as it was.
+        Raises `BadRequest` (code ``invalid_config``) when the new file is invalid (unreadable,
+        empty, truncated, not YAML, a bad key, a model that cannot fit); the running config then
+        stays as it was and the error is logged once.
         """
         if self.config_path is None:
             raise BadRequest("the proxy was started without a config file", code="invalid_config")
         try:
-            new = load_config(self.config_path)
+            new = load_for_reload(self.config_path, self.overrides)
             specs = new.specs()
             if self.manager.memory is not None:
                 self.manager.memory.set_specs(specs)
         except ConfigError as err:
             log.error("reload rejected, keeping the running config: %s", err)
             raise BadRequest(f"reload rejected: {err}", code="invalid_config") from None
+        self.manager.queue_timeout_s = new.admission.queue_timeout_s
+        self.manager.max_queue = new.admission.max_queue
         report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
         self.proxy.configure(new.server)
-        self.manager.queue_timeout_s = new.admission.queue_timeout_s
-        self.manager.ctx.max_queue = new.admission.max_queue
         report["needs_restart"] = _restart_only(self.config, new)
         if report["needs_restart"]:
             log.warning(
@@ -94,7 +97,9 @@ def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) 
     return memory
 
 
-async def create_app(config: Config, config_path: str | None = None) -> web.Application:
+async def create_app(
+    config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
+) -> web.Application:
     """Build the application (inside the running loop). Sweeps engines left by a dead proxy."""
     metrics = Metrics()
     specs = config.specs()
@@ -105,19 +110,14 @@ async def create_app(config: Config, config_path: str | None = None) -> web.Appl
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
     # For health polling, engine metrics and admin calls; requests go through `UpstreamPool`.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-    ctx = EngineContext(
-        session=session,
-        ports=PortAllocator(),
-        registry=registry,
-        metrics=metrics,
-        max_queue=config.admission.max_queue,
-    )
-    manager = Manager(specs, ctx, memory, config.admission.queue_timeout_s)
+    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
+    adm = config.admission
+    manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue)
     manager.start()
     upstream = UpstreamPool(config.server.max_upstream_connections)
     proxy = Proxy(manager, metrics, upstream, config.server)
     app = web.Application(client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware])
-    runtime = Runtime(config, session, manager, metrics, proxy, config_path)
+    runtime = Runtime(config, session, manager, metrics, proxy, config_path, overrides or {})
     app[RUNTIME] = runtime
     add_routes(app, proxy)
     add_admin_routes(app, Admin(manager, session, runtime.reload))
@@ -135,14 +135,20 @@ async def _cleanup(app: web.Application) -> None:
 class Server:
     """A listening proxy: start, then `shutdown()` (drain, stop engines, close)."""
 
-    def __init__(self, config: Config, config_path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        config_path: str | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> None:
         self.config = config
         self.config_path = config_path
+        self.overrides = overrides or {}
         self.runner: web.AppRunner | None = None
         self.app: web.Application | None = None
 
     async def start(self) -> None:
-        self.app = await create_app(self.config, self.config_path)
+        self.app = await create_app(self.config, self.config_path, self.overrides)
         self.runner = web.AppRunner(
             self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
         )
@@ -225,12 +231,13 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-async def serve(config: Config, config_path: str | None = None) -> int:
+async def serve(
+    config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
+) -> int:
     """Run until SIGTERM/SIGINT (a second one forces exit); SIGHUP reloads the config."""
-    server = Server(config, config_path)
+    server = Server(config, config_path, overrides)
     await server.start()
     tune_gc()
-    sd_notify("READY=1")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -245,6 +252,7 @@ async def serve(config: Config, config_path: str | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
     loop.add_signal_handler(signal.SIGHUP, lambda: _spawn(_reload_on_signal(server)))
+    sd_notify("READY=1")  # only now: a SIGHUP right after READY must find its handler
     await stop.wait()
     sd_notify("STOPPING=1")
     await server.shutdown()

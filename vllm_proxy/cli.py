@@ -8,7 +8,7 @@ import logging
 import sys
 import time
 
-from .config import load_config
+from .config import apply_overrides, load_config
 from .errors import ConfigError
 
 EXIT_CONFIG = 2
@@ -59,12 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:
-        config = load_config(args.config)
         overrides = {k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
-        if overrides:
-            config = config.model_copy(
-                update={"server": config.server.model_copy(update=overrides)}
-            )
+        config = apply_overrides(load_config(args.config), overrides)
     except ConfigError as err:
         print(f"vllm-proxy: {err}", file=sys.stderr)
         return EXIT_CONFIG
@@ -77,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     from .app import serve
 
     try:
-        return uvloop.run(serve(config, args.config))
+        return uvloop.run(serve(config, args.config, overrides))
     except ConfigError as err:  # found at start-up, e.g. a model larger than any GPU
         print(f"vllm-proxy: {err}", file=sys.stderr)
         return EXIT_CONFIG

@@ -320,5 +320,35 @@ def load_config(path: str | Path) -> Config:
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
     return parse_config(data, str(path))
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """The parser's complaint and where, without the quoted source lines (they may hold keys)."""
+    if isinstance(err, yaml.MarkedYAMLError):
+        mark = err.problem_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{err.problem or err.context or 'syntax error'}{where}"
+    return type(err).__name__
+
+
+def load_for_reload(path: str | Path, overrides: dict[str, Any]) -> Config:
+    """A config file read for a reload: like `load_config`, but a file that does not name its
+    models (empty, or cut short before ``models:``) is refused rather than read as "remove
+    every model"; removing them all takes an explicit ``models: {}``. The command line's
+    overrides are applied again."""
+    config = apply_overrides(load_config(path), overrides)
+    if "models" not in config.model_fields_set:
+        raise ConfigError(
+            f"{path}: no 'models' section (an empty or truncated file?); to remove every model,"
+            " write 'models: {}'"
+        )
+    return config
+
+
+def apply_overrides(config: Config, overrides: dict[str, Any]) -> Config:
+    """`config` with ``server`` keys replaced (``--host``/``--port`` on the command line)."""
+    if not overrides:
+        return config
+    return config.model_copy(update={"server": config.server.model_copy(update=overrides)})

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import psutil
 
 from .config import ArgValue, ModelSpec
 from .errors import EngineFailed, EngineTimeout
@@ -73,9 +74,40 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def log_path(spec: ModelSpec) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", spec.name)
-    return Path(spec.log_dir) / f"{safe}.log"
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
+def log_path(spec: ModelSpec, instance_id: str) -> Path:
+    """``<log_dir>/<model>.<n>.log`` for instance ``<model>#<n>`` (rotated to .1, .2, ...)."""
+    n = instance_id.rpartition("#")[2]
+    return Path(spec.log_dir) / f"{_safe(spec.name)}.{n}.log"
+
+
+def instance_logs(spec: ModelSpec) -> dict[int, Path]:
+    """The model's instance log files on disk: instance number -> current file."""
+    pattern = re.compile(re.escape(_safe(spec.name)) + r"\.(\d+)\.log")
+    found: dict[int, Path] = {}
+    with contextlib.suppress(OSError):
+        for path in Path(spec.log_dir).iterdir():
+            m = pattern.fullmatch(path.name)
+            if m:
+                found[int(m.group(1))] = path
+    return found
+
+
+def prune_logs(spec: ModelSpec, keep: set[int], newest: int) -> None:
+    """Delete log files (and their rotations) of the model's instances, except those in `keep`
+    and the `newest` most recent ones: ids are never reused, so files would pile up."""
+    numbers = sorted(instance_logs(spec))
+    recent = set(numbers[-newest:]) if newest > 0 else set()
+    for n in numbers:
+        if n in keep or n in recent:
+            continue
+        base = log_path(spec, f"#{n}")
+        for path in [base, *base.parent.glob(base.name + ".*")]:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -> str:
@@ -99,6 +131,7 @@ class EngineProcess:
         self,
         spec: ModelSpec,
         port: int,
+        log_file: Path,
         tag: str = "",
         overrides: dict[str, ArgValue] | None = None,
         env: dict[str, str] | None = None,
@@ -109,10 +142,13 @@ class EngineProcess:
         self.overrides = overrides or {}
         self.env = env or {}
         self.base_url = f"http://127.0.0.1:{port}"
-        self.log_path = log_path(spec)
+        self.log_path = log_file
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
         self.exit_code: int | None = None
+        self.exited_at: float | None = None
+        #: Inodes of the verified listening socket(s) on `port`.
+        self.listener: frozenset[int] = frozenset()
         self._exited = asyncio.Event()
 
     @property
@@ -144,6 +180,7 @@ class EngineProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         self.exit_code = code if code >= 0 else 128 - code
+        self.exited_at = time.monotonic()
         self._exited.set()
 
     async def wait_exit(self, timeout: float | None = None) -> int | None:
@@ -152,11 +189,22 @@ class EngineProcess:
             await asyncio.wait_for(self._exited.wait(), timeout)
         return self.exit_code
 
+    def short_failure(self, what: str) -> str:
+        """What a client may see: the model, what happened and the exit code or signal."""
+        code = self.exit_code
+        if code is None:
+            return f"model '{self.spec.name}': engine {what}"
+        if code > 128 and code - 128 in signal.valid_signals():
+            how = f"killed by {signal.Signals(code - 128).name}"
+        else:
+            how = f"exit code {code}"
+        return f"model '{self.spec.name}': engine {what} ({how})"
+
     def failure_message(self, what: str) -> str:
+        """For the proxy's log only: the short cause and the engine's last log lines."""
         tail = read_tail(self.log_path)
-        code = "" if self.exit_code is None else f" (exit code {self.exit_code})"
-        msg = f"model '{self.spec.name}': engine {what}{code}"
-        return f"{msg}; last log lines:\n{tail}" if tail else msg
+        msg = self.short_failure(what)
+        return f"{msg}; last log lines of {self.log_path}:\n{tail}" if tail else msg
 
     async def wait_ready(
         self, session: aiohttp.ClientSession, on_poll: Callable[[], None] | None = None
@@ -178,16 +226,30 @@ class EngineProcess:
             exited.cancel()
             polling.cancel()
         if polling in done and not polling.cancelled() and polling.exception() is None:
-            return time.monotonic() - self.started_at
+            if polling.result():
+                return time.monotonic() - self.started_at
+            log.error(
+                "%s: port %d answers /health, but its listener is not the engine's own process;"
+                " trying another port",
+                self.spec.name,
+                self.port,
+            )
+            raise PortInUse(
+                f"model '{self.spec.name}': the engine's port was taken by another program",
+                code="engine_start_failed",
+            )
         if self._exited.is_set():
             tail = read_tail(self.log_path, lines=200).encode()
             cls = PortInUse if _PORT_IN_USE.search(tail) else EngineFailed
-            raise cls(self.failure_message("exited while starting"), code="engine_start_failed")
-        raise EngineTimeout(
-            self.failure_message(f"not ready after {self.spec.startup_timeout_s:g}s, stopped")
-        )
+            log.error("%s", self.failure_message("exited while starting"))
+            raise cls(self.short_failure("exited while starting"), code="engine_start_failed")
+        what = f"not ready after {self.spec.startup_timeout_s:g}s, stopped"
+        log.error("%s", self.failure_message(what))
+        raise EngineTimeout(self.short_failure(what))
 
-    async def _poll_health(self, session: aiohttp.ClientSession) -> None:
+    async def _poll_health(self, session: aiohttp.ClientSession) -> bool:
+        """Poll until ``/health`` answers 200; then True if the listener is the engine's own
+        socket, False if another program holds the port (never trust a foreign listener)."""
         url = self.base_url + "/health"
         delay = POLL_FIRST_S
         timeout = aiohttp.ClientTimeout(total=5)
@@ -195,11 +257,26 @@ class EngineProcess:
             try:
                 async with session.get(url, timeout=timeout) as resp:
                     if resp.status == 200:
-                        return
+                        return self._verify_listener()
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX_S)
+
+    def _verify_listener(self) -> bool:
+        """Whether every socket listening on our port belongs to the engine's process tree;
+        records the socket so it can be checked again later (`listener_unchanged`)."""
+        assert self.proc is not None
+        listeners = listening_inodes(self.port)
+        ours = tree_socket_inodes(self.proc.pid)
+        if not listeners or not listeners <= ours:
+            return False
+        self.listener = listeners
+        return True
+
+    def listener_unchanged(self) -> bool:
+        """The socket that listens on our port is still the one verified at readiness."""
+        return bool(self.listener) and listening_inodes(self.port) == self.listener
 
     async def stop(self, grace_s: float) -> int | None:
         """SIGTERM to the group, `grace_s`, then SIGKILL; every wait bounded. Idempotent."""
@@ -222,3 +299,45 @@ class EngineProcess:
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
+
+
+_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
+
+
+def listening_inodes(port: int) -> frozenset[int]:
+    """Socket inodes listening on TCP `port` (any address, IPv4 and IPv6), from /proc/net."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[3] == _LISTEN and int(f[1].rsplit(":", 1)[1], 16) == port:
+                        found.add(int(f[9]))
+        except OSError:
+            continue
+    return frozenset(found)
+
+
+def tree_socket_inodes(pid: int) -> frozenset[int]:
+    """Socket inodes held open by `pid` and its descendants."""
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return frozenset()
+    found = set()
+    for proc in procs:
+        try:
+            fds = os.listdir(f"/proc/{proc.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                found.add(int(target[8:-1]))
+    return frozenset(found)

@@ -1,9 +1,17 @@
-"""One engine instance of a model: its state machine, leases (ref counts) and idle timer.
+"""One engine instance: one process group of one model, its state machine, leases and idle timer.
 
-Each `Instance` is the single owner of one engine's state. Callers never read the state and then
-act on it; they ask: ``await instance.acquire()`` (start if needed, then hold a lease),
-``instance.release()``, ``await instance.stop()``, ``instance.evict(reason)``. What an instance
-needs from the rest of the proxy (ports, registry, metrics, admission) comes in `EngineContext`.
+An `Instance` lives for exactly one engine process: it is created to start, and once its process
+is gone (stopped, crashed, failed to start) it is done; the next start is a new instance with a
+new id. The id (``<model>#<n>``) is never reused, and every piece of runtime state that belongs
+to an engine is keyed by it: leases, the memory claim, metric series, the registry entry and the
+log file.
+
+Each `Instance` is the single owner of its state. Its `Model` (model.py) decides which instance
+serves a request; callers never read the state and then act on it, they ask:
+``await instance.start()``, ``instance.acquire()``, ``instance.release()``,
+``await instance.stop()``, ``instance.evict(reason)``, ``instance.retire(timeout)``. What an
+instance needs from the rest of the proxy (ports, registry, metrics, admission) comes in
+`EngineContext`.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 
@@ -25,7 +34,7 @@ from .engine import (
     STARTING_STOP_GRACE_S,
     EngineProcess,
     PortAllocator,
-    PortInUse,
+    log_path,
     read_tail,
 )
 from .errors import EngineFailed, ProxyError, Unavailable
@@ -34,11 +43,6 @@ from .metrics import Metrics
 from .registry import EngineRegistry
 
 log = logging.getLogger(__name__)
-
-#: Port races retried per start (new vLLM exits 1 on "Address already in use").
-PORT_ATTEMPTS = 3
-#: Starts one request may sit through (an engine that crashes right after starting is retried).
-START_ATTEMPTS = 2
 
 
 class State(enum.Enum):
@@ -49,21 +53,30 @@ class State(enum.Enum):
     ERROR = "error"
 
 
-#: States in which the engine holds no process and no memory.
+#: States in which the instance holds no process and no memory: it is done.
 DOWN = frozenset({State.STOPPED, State.ERROR})
-#: The allowed transitions. Sleep states (SLEEPING/WAKING) slot in here when sleep mode lands.
+#: The allowed transitions. An instance starts once (STOPPED -> STARTING) and ends in STOPPED or
+#: ERROR; a restart is a new instance. Sleep states (SLEEPING/WAKING) slot in here.
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING}),
     # STARTING -> STOPPED: admission refused (no GPU memory in time); no process was started.
     State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.ERROR, State.STOPPED}),
     State.RUNNING: frozenset({State.STOPPING, State.ERROR}),
     State.STOPPING: frozenset({State.STOPPED}),
-    State.ERROR: frozenset({State.STARTING, State.STOPPED}),
+    State.ERROR: frozenset(),
 }
 
 
 class InvalidTransition(RuntimeError):
     pass
+
+
+class Stopped(Unavailable):
+    """The instance was stopped (unloaded, retired by a reload, shut down) while starting."""
+
+
+class OutOfMemory(EngineFailed):
+    """The engine failed to start because the GPU had too little free memory."""
 
 
 async def _no_admission(_inst: Instance) -> Placement | None:
@@ -78,95 +91,114 @@ class EngineContext:
     ports: PortAllocator
     registry: EngineRegistry
     metrics: Metrics
-    max_queue: int = 1024
     #: Called when a lease is released or an engine goes down: memory may have become free.
     on_capacity: Callable[[], None] = lambda: None
     #: Waits until the instance may start; returns where (None: memory is not managed).
     admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
-    #: After an out-of-memory start: evict one more idle model; False if none could go.
-    evict_more: Callable[[Instance], Awaitable[bool]] | None = None
     #: Gives a stopped engine's memory back to the budget (memory managed only).
-    vacate: Callable[[str], None] = lambda _name: None
+    vacate: Callable[[str], None] = lambda _iid: None
     #: Serialises starts per device (memory managed only).
     memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
 
 
-class Instance:
-    """One engine of one model, and the only code that changes its state."""
+#: Called by an instance after each of its state changes: (instance, old state).
+StateHook = Callable[["Instance", State], None]
 
-    def __init__(self, spec: ModelSpec, ctx: EngineContext) -> None:
+
+class Instance:
+    """One engine process of one model, and the only code that changes its state."""
+
+    def __init__(self, spec: ModelSpec, iid: str, ctx: EngineContext, on_state: StateHook) -> None:
         self.spec = spec
+        #: ``<model>#<n>``: never reused, the key of everything this instance owns.
+        self.id = iid
         self.ctx = ctx
+        self._on_state = on_state
         self.state = State.STOPPED
         self.engine: EngineProcess | None = None
         self.leases = 0
-        #: Wall-clock time of the last lease release; 0 until the model is first used.
+        #: Wall-clock time of the last lease release (or of readiness); for LRU eviction.
         self.last_used = 0.0
         self.last_error: str | None = None
-        self.restarts = 0
-        self.closed = False
-        #: Set by admission: where the engine runs and the memory it was given.
+        #: Set by admission: where the engine runs and the memory it was given (None when down).
         self.placement: Placement | None = None
-        #: Requests waiting for this model to start (the per-model admission queue).
-        self.waiting = 0
+        #: The devices it was placed on; kept after it is down (for the out-of-memory retry).
+        self.devices: tuple[int, ...] = ()
         self.ready_at = 0.0
-        #: Never evicted for memory; from the config, changed at run time by the admin API.
-        self.pinned = spec.pinned
-        #: Set while an unload waits for in-flight requests; new requests wait for it.
-        self.draining = False
-        self._released: asyncio.Event | None = None
+        #: Replaced by a reload or its model removed: takes no new request, drains, stops.
+        self.retired = False
+        self.created = time.time()
         self._changed = asyncio.Event()
+        self._released = asyncio.Event()
         self._start_task: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        ctx.metrics.set_state(spec.name, None, self.state.value, loaded=False)
-        self._active_gauge = ctx.metrics.active.labels(spec.name)  # cached: on the request path
-        self._active_gauge.set(0)
+        self._active = ctx.metrics.instance_active.labels(spec.name, iid)  # on the request path
+        self._model_active = ctx.metrics.active.labels(spec.name)
+        ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
     @property
     def name(self) -> str:
+        """The model's name."""
         return self.spec.name
+
+    @property
+    def done(self) -> bool:
+        """Started and ended: its process is gone and it will never run again."""
+        return self._start_task is not None and self.state in DOWN
+
+    @property
+    def log_path(self) -> Path:
+        return log_path(self.spec, self.id)
 
     # -- state ---------------------------------------------------------------------------
 
     def _set_state(self, new: State) -> None:
         old = self.state
         if new not in TRANSITIONS[old]:
-            raise InvalidTransition(f"{self.name}: {old.name} -> {new.name} is not allowed")
+            raise InvalidTransition(f"{self.id}: {old.name} -> {new.name} is not allowed")
         self.state = new
-        log.info("%s: %s -> %s", self.name, old.name, new.name)
-        self.ctx.metrics.set_state(self.name, old.value, new.value, new is State.RUNNING)
+        log.info("%s: %s -> %s", self.id, old.name, new.name)
+        metrics = self.ctx.metrics
         if new in DOWN:
+            metrics.forget_instance(self.name, self.id)
             self.placement = None
-            self.ctx.vacate(self.name)
+            self.ctx.vacate(self.id)
             self.ctx.on_capacity()
+        else:
+            metrics.set_instance_state(self.name, self.id, old.value, new.value)
         self._changed.set()
         self._changed = asyncio.Event()
+        self._on_state(self, old)
 
-    async def _wait_change(self) -> None:
+    async def wait_change(self) -> None:
+        """Return at the next state change."""
         await self._changed.wait()
 
     # -- leases --------------------------------------------------------------------------
 
-    async def acquire(self) -> EngineProcess:
-        """Start the engine if needed and hold a lease on it; pair with `release()`."""
-        await self.ensure_running()
-        # No await between the RUNNING check above and taking the lease: nothing can stop the
-        # engine in between, and from here on the idle timer and eviction see the lease.
-        assert self.engine is not None
+    def acquire(self) -> EngineProcess:
+        """Hold a lease on a RUNNING instance (synchronous, so nothing can stop it between the
+        caller's check and the lease); pair with `release()` in ``finally``."""
+        if self.state is not State.RUNNING or self.engine is None:
+            raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        self._active_gauge.inc()
-        self._cancel_idle_timer()
+        self._active.inc()
+        self._model_active.inc()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
         return self.engine
 
     def release(self) -> None:
-        """Give a lease back (call in `finally`); arms the idle timer at zero."""
+        """Give a lease back; arms the idle timer at zero."""
         self.leases -= 1
         self.last_used = time.time()
-        self._active_gauge.dec()
-        if self._released is not None:
-            self._released.set()
+        self._active.dec()
+        self._model_active.dec()
+        self._released.set()
+        self._released = asyncio.Event()
         if self.leases == 0:
-            if self.state is State.RUNNING and not self.draining:
+            if self.state is State.RUNNING and not self.retired:
                 self._arm_idle_timer()
             self.ctx.on_capacity()
 
@@ -184,46 +216,27 @@ class Instance:
     def _idle_expired(self) -> None:
         self._idle_timer = None
         if self.evict("idle") is not None:
-            log.info("%s: idle for %gs, unloaded", self.name, self.spec.idle_timeout_s)
+            log.info("%s: idle for %gs, unloaded", self.id, self.spec.idle_timeout_s)
 
-    # -- lifecycle -----------------------------------------------------------------------
+    def rearm_idle(self) -> None:
+        """Restart the idle timer with the (reloaded) spec's timeout, if it is running."""
+        if self.state is State.RUNNING and self.leases == 0 and not self.retired:
+            self._arm_idle_timer()
 
-    async def ensure_running(self) -> None:
-        """Return once RUNNING; concurrent callers share one start and all see its error."""
-        starts = 0
-        while True:
-            if self.closed:
-                raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
-            if self.draining:
-                await self._wait_change()
-                continue
-            if self.state is State.RUNNING:
-                return
-            if self.state in (State.STOPPED, State.ERROR):
-                if starts >= START_ATTEMPTS:
-                    raise EngineFailed(self.last_error or f"model '{self.name}' failed to start")
-                starts += 1
-                self._set_state(State.STARTING)
-                self._start_task = asyncio.create_task(self._start())
-                self._start_task.add_done_callback(retrieve)
-            if self.state is State.STARTING and self._start_task is not None:
-                await self._wait_start(self._start_task)
-            elif self.state is State.STOPPING:
-                await self._wait_change()
+    # -- start ---------------------------------------------------------------------------
 
-    async def _wait_start(self, task: asyncio.Task[None]) -> None:
-        if self.waiting >= self.ctx.max_queue:
-            raise Unavailable(
-                f"model '{self.name}': {self.waiting} requests already wait for it to start",
-                code="queue_full",
-            )
-        self.waiting += 1
-        self.ctx.metrics.queue_depth.labels(self.name).set(self.waiting)
-        try:
-            await asyncio.shield(task)
-        finally:
-            self.waiting -= 1
-            self.ctx.metrics.queue_depth.labels(self.name).set(self.waiting)
+    def start(self) -> asyncio.Task[None]:
+        """Begin the one start of this instance: admission, spawn, readiness.
+
+        The task raises `Stopped` when the instance is stopped meanwhile, `OutOfMemory` when the
+        engine died for lack of GPU memory, `PortInUse` when it lost its port, and other
+        `ProxyError`s for everything else; the instance is then done.
+        """
+        assert self._start_task is None, f"{self.id} is started once"
+        self._set_state(State.STARTING)
+        self._start_task = asyncio.ensure_future(self._start())
+        self._start_task.add_done_callback(retrieve)
+        return self._start_task
 
     async def _start(self) -> None:
         try:
@@ -232,65 +245,45 @@ class Instance:
             if self.state is State.STARTING:
                 self._set_state(State.STOPPED)
             raise
+        if self.placement is not None:
+            self.devices = self.placement.devices
         self._raise_if_stopped()
-        port_attempts, oom_retried = 0, False
-        while True:
-            try:
-                await self._start_once()
-                return
-            except PortInUse:
-                port_attempts += 1
-                if port_attempts < PORT_ATTEMPTS:
-                    continue
-                msg = f"model '{self.name}': no port could be bound after {PORT_ATTEMPTS} attempts"
-                self._fail(msg, "start_failed")
-                raise EngineFailed(msg, code="engine_start_failed") from None
-            except EngineFailed as err:
-                if oom_retried or not self._out_of_memory():
-                    self._fail(err.message, "start_failed")
-                    raise
-                oom_retried = True
-                if not await self._evict_more():
-                    self._fail(err.message, "out_of_memory")
-                    raise Unavailable(err.message, code="insufficient_gpu_memory") from None
-                self._raise_if_stopped()
-                log.warning("%s: out of GPU memory at start; evicted one more, retrying", self.name)
-            except Unavailable:
-                raise  # stopped while starting: the stop owns the state
-            except ProxyError as err:
-                self._fail(err.message, "start_failed")
-                raise
+        try:
+            await self._spawn_and_wait()
+        except Stopped:
+            raise  # stopped while starting: the stop owns the state
+        except ProxyError as err:
+            if self._out_of_memory():
+                err = OutOfMemory(err.message, code="insufficient_gpu_memory")
+            self._fail(err.message)
+            raise err from None
 
-    async def _start_once(self) -> None:
-        """Spawn and wait for readiness once; serialised per device when memory is managed."""
-        devices = self.placement.devices if self.placement else ()
-        lock = self.ctx.memory_lock(devices, self.name) if self.ctx.memory_lock else _nothing()
+    async def _spawn_and_wait(self) -> None:
+        """Spawn and wait for readiness; serialised per device when memory is managed."""
+        devices = self.devices
+        lock = self.ctx.memory_lock(devices, self.id) if self.ctx.memory_lock else _nothing()
         async with lock:
             engine = await self._spawn()
             try:
                 seconds = await engine.wait_ready(self.ctx.session)
-            except ProxyError as err:
+            except ProxyError:
                 await engine.stop(STARTING_STOP_GRACE_S)
                 self._raise_if_stopped()
-                if isinstance(err, PortInUse):
-                    log.warning("%s: port %d was taken, retrying", self.name, engine.port)
                 raise
         self._raise_if_stopped()
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
-        log.info("%s: ready on port %d after %.2fs", self.name, engine.port, seconds)
+        log.info("%s: ready on port %d after %.2fs", self.id, engine.port, seconds)
         self.ready_at = time.monotonic()
+        self.last_used = time.time()
         self._set_state(State.RUNNING)
         if self.leases == 0:
             self._arm_idle_timer()
 
     def _out_of_memory(self) -> bool:
-        if self.placement is None or self.engine is None:
+        if not self.devices or self.engine is None:
             return False
         tail = read_tail(self.engine.log_path, lines=200)
         return any(marker in tail for marker in OOM_MARKERS)
-
-    async def _evict_more(self) -> bool:
-        return self.ctx.evict_more is not None and await self.ctx.evict_more(self)
 
     async def _spawn(self) -> EngineProcess:
         port = self.ctx.ports.allocate(self.spec.port_range)
@@ -298,6 +291,7 @@ class Instance:
         engine = EngineProcess(
             self.spec,
             port,
+            self.log_path,
             tag=self.ctx.registry.tag,
             overrides=p.overrides if p else None,
             env=p.env if p else None,
@@ -310,7 +304,7 @@ class Instance:
             raise EngineFailed(msg, code="engine_start_failed") from None
         assert engine.pid is not None
         self.engine = engine
-        self.ctx.registry.add(engine.pid, self.name)
+        self.ctx.registry.add(engine.pid, self.id)
         asyncio.get_running_loop().create_task(self._monitor(engine))
         if self.state is not State.STARTING:
             await engine.stop(STARTING_STOP_GRACE_S)
@@ -319,80 +313,36 @@ class Instance:
 
     def _raise_if_stopped(self) -> None:
         if self.state is not State.STARTING:
-            raise Unavailable(f"model '{self.name}' was stopped while starting", code="stopped")
+            raise Stopped(f"model '{self.name}' was stopped while starting", code="stopped")
 
-    def _fail(self, message: str, reason: str) -> None:
+    def _fail(self, message: str) -> None:
+        """The engine is gone or unusable: ERROR (unless a stop got there first)."""
         if self.state not in (State.STARTING, State.RUNNING):
-            return  # a stop got there first and owns the state
+            return
         self.last_error = message
-        self.restarts += 1
-        self.ctx.metrics.restarts.labels(self.name, reason).inc()
-        log.error("%s", message)
+        self._cancel_idle_timer()
+        log.error("%s: %s", self.id, message)
         self._set_state(State.ERROR)
 
     async def _monitor(self, engine: EngineProcess) -> None:
-        """Watch one engine process until it exits; a RUNNING engine that exits is an ERROR."""
+        """Watch the engine process until it exits; a RUNNING engine that exits is an ERROR."""
         await engine.wait_exit()
         assert engine.pid is not None
         self.ctx.registry.remove(engine.pid)
         self.ctx.ports.release(engine.port)
-        if self.engine is engine and self.state is State.RUNNING:
-            self._cancel_idle_timer()
-            self._fail(engine.failure_message("exited unexpectedly"), "crash")
+        if self.state is State.RUNNING:
+            self.ctx.metrics.restarts.labels(self.name, "crash").inc()
+            self._fail(engine.failure_message("exited unexpectedly"))
+
+    # -- stop ----------------------------------------------------------------------------
 
     async def stop(self) -> None:
         """Stop the engine (SIGTERM, grace, SIGKILL). Idempotent; in-flight requests are cut."""
         while self.state is State.STOPPING:
-            await self._wait_change()
-        if self.state is State.STOPPED:
-            return
-        self._cancel_idle_timer()
-        if self.state is State.ERROR:  # the engine is already gone
-            self.engine = None
-            self._set_state(State.STOPPED)
+            await self.wait_change()
+        if self.state in DOWN:
             return
         await self._finish_stop(*self._claim_stop())
-
-    async def drain_and_stop(self, timeout: float) -> None:
-        """Unload: new requests wait, in-flight ones get up to `timeout` to finish, then stop."""
-        self.draining = True
-        self._cancel_idle_timer()
-        try:
-            deadline = time.monotonic() + timeout
-            while self.leases > 0 and time.monotonic() < deadline:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._lease_change(), deadline - time.monotonic())
-            await self.stop()
-        finally:
-            self.draining = False
-            self._changed.set()
-            self._changed = asyncio.Event()
-
-    async def _lease_change(self) -> None:
-        self._released = asyncio.Event()
-        await self._released.wait()
-
-    def status(self) -> dict[str, object]:
-        """What an operator sees of this instance (admin API, status page)."""
-        engine = self.engine
-        up = self.state is State.RUNNING and engine is not None
-        return {
-            "name": self.name,
-            "model": self.spec.model,
-            "aliases": list(self.spec.aliases),
-            "state": self.state.value,
-            "pid": engine.pid if engine else None,
-            "port": engine.port if engine else None,
-            "devices": list(self.placement.devices) if self.placement else [],
-            "leases": self.leases,
-            "queue": self.waiting,
-            "last_used": self.last_used or None,
-            "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
-            "restarts": self.restarts,
-            "last_error": self.last_error,
-            "pinned": self.pinned,
-            "draining": self.draining,
-        }
 
     def evict(self, reason: str) -> asyncio.Task[None] | None:
         """Stop now if RUNNING with no lease, else do nothing; decided without yielding.
@@ -404,28 +354,82 @@ class Instance:
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
         return asyncio.ensure_future(self._finish_stop(*self._claim_stop()))
 
+    async def drain_and_stop(self, timeout: float) -> None:
+        """In-flight requests get up to `timeout` to finish, then the engine stops.
+
+        The caller has made sure no new request is routed here (retired, or its model drains).
+        """
+        self._cancel_idle_timer()
+        deadline = time.monotonic() + timeout
+        while self.leases > 0 and self.state is State.RUNNING:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
+                break
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._released.wait(), remaining)
+        await self.stop()
+
+    def retire(self, timeout: float) -> asyncio.Task[None]:
+        """Take no new requests from now on; drain for up to `timeout`, then stop."""
+        self.retired = True
+        self._cancel_idle_timer()
+        task = asyncio.ensure_future(self.drain_and_stop(timeout))
+        task.add_done_callback(retrieve)
+        return task
+
     def _claim_stop(self) -> tuple[EngineProcess | None, bool]:
         """Enter STOPPING synchronously, so no new lease can be taken from here on."""
         starting = self.state is State.STARTING
         self._cancel_idle_timer()
         self._set_state(State.STOPPING)
-        engine, self.engine = self.engine, None
-        return engine, starting
+        return self.engine, starting
 
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
             code = await engine.stop(grace)
-            log.info("%s: engine stopped (exit code %s)", self.name, code)
+            log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None:
             await asyncio.wait({self._start_task}, timeout=KILL_WAIT_S)
         self._set_state(State.STOPPED)
 
+    def kill(self) -> None:
+        """SIGKILL the engine group now (forced exit)."""
+        if self.engine is not None:
+            self.engine.kill()
+
     async def failure_detail(self, engine: EngineProcess, timeout: float = 3.0) -> str:
-        """Why an upstream connection broke: the exit code and log tail if the engine died."""
+        """Why an upstream connection broke: the exit code if the engine died.
+
+        The engine's log lines stay in the proxy's log and the admin API: they may hold other
+        users' prompts.
+        """
         if await engine.wait_exit(timeout) is not None:
-            return engine.failure_message("exited while serving the request")
+            log.error("%s", engine.failure_message("exited while serving a request"))
+            return engine.short_failure("exited while serving the request")
         return f"model '{self.name}': connection to the engine was lost"
+
+    # -- views ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        """What an operator sees of this instance; pid and port only while its process lives."""
+        engine = self.engine
+        live = engine is not None and engine.exit_code is None and self.state not in DOWN
+        up = self.state is State.RUNNING and live
+        return {
+            "id": self.id,
+            "state": self.state.value,
+            "pid": engine.pid if live and engine else None,
+            "port": engine.port if live and engine else None,
+            "devices": list(self.devices) if self.state not in DOWN else [],
+            "leases": self.leases,
+            "last_used": self.last_used or None,
+            "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
+            "retired": self.retired,
+            "last_error": self.last_error,
+            "log": str(self.log_path),
+        }
 
 
 @asynccontextmanager

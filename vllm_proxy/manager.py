@@ -1,8 +1,9 @@
 """The set of models: names and aliases, admission by GPU memory, reload, drain and shutdown.
 
-The `Manager` maps names and aliases to `Instance`s (each the single owner of its engine's
-state), decides admission with the pure `scheduler.plan()` and asks instances to evict
-themselves; it never changes an instance's state directly.
+The `Manager` maps names and aliases to `Model`s (each the owner of its instances), decides
+admission with the pure `scheduler.plan()` over every live instance, and asks instances to
+evict themselves; it never changes an instance's state directly. Admin and proxy read
+`snapshot()`, never Memory's or an instance's internals.
 """
 
 from __future__ import annotations
@@ -11,31 +12,33 @@ import asyncio
 import contextlib
 import logging
 import time
+from typing import Any
 
 from .config import ModelSpec
 from .engine import EngineProcess
-from .errors import NotFound, ProxyError, Unavailable
+from .errors import NotFound, Unavailable
 from .instance import EngineContext, Instance, State, retrieve
 from .memory import Memory, Placement
+from .model import Model
 from .scheduler import ModelView, NoFit, Plan, plan
 
 log = logging.getLogger(__name__)
 
 
 class Lease:
-    """The request path's hold on an engine: acquired on entry, released in ``__aexit__``.
+    """The request path's hold on an instance: acquired on entry, released in ``__aexit__``.
 
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("engine", "inst")
+    __slots__ = ("inst", "model")
 
-    def __init__(self, inst: Instance) -> None:
-        self.inst = inst
+    def __init__(self, model: Model) -> None:
+        self.model = model
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.engine = await self.inst.acquire()
-        return self.inst, self.engine
+        self.inst, engine = await self.model.acquire()
+        return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
         self.inst.release()
@@ -50,35 +53,44 @@ class Manager:
         ctx: EngineContext,
         memory: Memory | None = None,
         queue_timeout_s: float = 30.0,
+        max_queue: int = 1024,
     ) -> None:
         self.ctx = ctx
         self.memory = memory
         self.queue_timeout_s = queue_timeout_s
+        self.max_queue = max_queue
         ctx.on_capacity = self._capacity_changed
         if memory is not None:
             ctx.admit = self._admit
-            ctx.evict_more = self._evict_more
             ctx.memory_lock = memory.starting_on
             ctx.vacate = memory.vacate
-        self.instances: dict[str, Instance] = {n: Instance(s, ctx) for n, s in specs.items()}
-        #: Instances removed or replaced by a reload that are still draining or stopping.
-        self.retiring: set[Instance] = set()
+        self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
+        #: Models removed by a reload whose instances still drain or stop.
+        self.removed: set[Model] = set()
         self.names: dict[str, str] = {}
         self._index_names()
         self.closing = False
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
 
+    def _new_model(self, spec: ModelSpec) -> Model:
+        evict_more = self._evict_more if self.memory is not None else None
+        return Model(spec, self.ctx, self.ctx.registry.new_id, self.max_queue, evict_more)
+
     def _index_names(self) -> None:
         names = {}
-        for name, inst in self.instances.items():
+        for name, model in self.models.items():
             names[name] = name
-            for alias in inst.spec.aliases:
+            for alias in model.spec.aliases:
                 names[alias] = name
         self.names = names
 
     def all_instances(self) -> list[Instance]:
-        return [*self.instances.values(), *self.retiring]
+        """Every live instance, of configured and of removed models."""
+        return [i for m in (*self.models.values(), *self.removed) for i in m.instances]
+
+    def instance(self, iid: str) -> Instance | None:
+        return next((i for i in self.all_instances() if i.id == iid), None)
 
     def start(self) -> None:
         """Start background work (the NVML refresher); call inside the running loop."""
@@ -87,13 +99,13 @@ class Manager:
 
     def _engine_groups(self) -> dict[str, int]:
         return {
-            i.name: i.engine.pid
-            for i in self.instances.values()
+            i.id: i.engine.pid
+            for i in self.all_instances()
             if i.state is State.RUNNING and i.engine is not None and i.engine.pid is not None
         }
 
-    def resolve(self, requested: str) -> Instance:
-        """The instance serving `requested` (a model name or alias), or `NotFound`."""
+    def resolve(self, requested: str) -> Model:
+        """The model serving `requested` (a model name or alias), or `NotFound`."""
         name = self.names.get(requested)
         if name is None:
             valid = ", ".join(sorted(self.names)) or "(none configured)"
@@ -101,9 +113,9 @@ class Manager:
                 f"The model '{requested}' does not exist. Available models: {valid}",
                 param="model",
             )
-        return self.instances[name]
+        return self.models[name]
 
-    def lease(self, model: str | Instance) -> Lease:
+    def lease(self, model: str | Model) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
         Raises `NotFound` for an unknown name and `Unavailable` while shutting down.
@@ -122,56 +134,62 @@ class Manager:
     # -- admission -----------------------------------------------------------------------
 
     def _views(self) -> tuple[list[ModelView], dict[int, int]]:
-        """The planner's view of our engines, and memory promised to starts not yet allocated."""
+        """The planner's view of every placed instance (a model's old and new instance during a
+        handover both count), and memory promised to starts not yet allocated."""
         assert self.memory is not None
-        models: list[ModelView] = []
+        views: list[ModelView] = []
         pending: dict[int, int] = {}
+        pinned = {m.name: m.pinned for m in self.models.values()}
         for i in self.all_instances():
             if i.placement is None:
                 continue
-            footprint = max(i.placement.footprint_mb, self.memory.measured.get(i.name, 0))
+            footprint = max(i.placement.footprint_mb, self.memory.measured.get(i.id, 0))
             starting = i.state is State.STARTING
-            models.append(
-                ModelView(i.name, footprint, i.placement.devices, i.state is State.RUNNING,
-                          i.leases, i.last_used, i.pinned, starting)
+            views.append(
+                ModelView(i.id, footprint, i.placement.devices, i.state is State.RUNNING,
+                          i.leases, i.last_used, pinned.get(i.name, False), starting,
+                          stopping=i.state is State.STOPPING)
             )  # fmt: skip
             if starting and self.memory.kind == "nvml":
                 for d in i.placement.devices:
                     pending[d] = pending.get(d, 0) + footprint
-        return models, pending
+        return views, pending
 
     def plan_for(self, inst: Instance) -> Plan | NoFit:
         """The scheduler's decision for starting `inst` now (pure; no side effects)."""
         assert self.memory is not None
-        models, pending = self._views()
-        return plan(self.memory.demand(inst.spec), self.memory.device_views(pending), models)
+        views, pending = self._views()
+        demand = self.memory.demand(inst.spec, inst.id)
+        return plan(demand, self.memory.device_views(pending), views)
 
     async def _admit(self, inst: Instance) -> Placement | None:
-        """Wait until `inst` fits (evicting idle models LRU first), up to the queue timeout."""
+        """Wait until `inst` fits (evicting idle instances LRU first), up to the queue timeout."""
         memory = self.memory
         assert memory is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
         deadline = started + self.queue_timeout_s
+        wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
         while True:
-            if inst.state is not State.STARTING or inst.closed:
+            if inst.state is not State.STARTING:
                 raise Unavailable(f"model '{inst.name}' was stopped while waiting", code="stopped")
             decision = self.plan_for(inst)
             if isinstance(decision, Plan):
                 # Claim memory and victims before the first await: later plans see both.
                 placement = memory.placement(inst.spec, decision.devices)
                 inst.placement = placement
-                memory.occupy(inst.name, placement)
-                stops = [self.instances[n].evict("memory") for n in decision.evict]
-                if decision.evict:
-                    log.info("%s: evicting %s to make room", inst.name, ", ".join(decision.evict))
+                memory.occupy(inst.id, placement)
+                victims = [v for v in map(self.instance, decision.evict) if v is not None]
+                stops = [v.evict("memory") for v in victims]
+                if victims:
+                    log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
                     await asyncio.gather(*(t for t in stops if t is not None))
                     await memory.wait_free(decision.devices, placement.footprint_mb)
-                self.ctx.metrics.queue_wait.labels(inst.name).observe(loop.time() - started)
+                wait_metric.observe(loop.time() - started)
                 return placement
             remaining = deadline - loop.time()
             if remaining <= 0 or not decision.blockers:
-                self.ctx.metrics.queue_wait.labels(inst.name).observe(loop.time() - started)
+                wait_metric.observe(loop.time() - started)
                 raise Unavailable(
                     f"model '{inst.name}' does not fit in GPU memory: {decision.reason}",
                     code="insufficient_gpu_memory",
@@ -182,7 +200,7 @@ class Manager:
     async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
         waits = [
             asyncio.ensure_future(self._capacity.wait()),
-            asyncio.ensure_future(inst._wait_change()),
+            asyncio.ensure_future(inst.wait_change()),
         ]
         try:
             await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
@@ -190,75 +208,110 @@ class Manager:
             for w in waits:
                 w.cancel()
 
-    async def _evict_more(self, inst: Instance) -> bool:
-        """After an out-of-memory start: stop the least recently used idle model on its devices."""
-        if inst.placement is None or self.memory is None:
+    async def _evict_more(self, devices: tuple[int, ...]) -> bool:
+        """After an out-of-memory start: stop the least recently used idle instance there."""
+        if not devices or self.memory is None:
             return False
-        devices = set(inst.placement.devices)
+        pinned = {m.name for m in self.models.values() if m.pinned}
         idle = [
             i for i in self.all_instances()
-            if i is not inst and i.placement and devices & set(i.placement.devices)
-            and i.state is State.RUNNING and i.leases == 0 and not i.pinned
+            if i.placement and set(devices) & set(i.placement.devices)
+            and i.state is State.RUNNING and i.leases == 0 and i.name not in pinned
         ]  # fmt: skip
         for victim in sorted(idle, key=lambda i: i.last_used):
             task = victim.evict("out_of_memory")
             if task is not None:
                 await task
-                await self.memory.wait_free(inst.placement.devices, inst.placement.footprint_mb)
+                need = self.memory.demand_mb(victim.spec)
+                await self.memory.wait_free(devices, need)
                 return True
         return False
 
     # -- reload --------------------------------------------------------------------------
 
     def reload(self, specs: dict[str, ModelSpec], drain_timeout_s: float) -> dict[str, list[str]]:
-        """Reconcile model by model; unchanged models keep their engine (same pid and port).
+        """Reconcile model by model; unchanged models keep their instances (same pid and port).
 
-        Added models become routable, removed ones stop being routable and drain, models whose
-        engine (command, model, args, env) changed are replaced by a new instance and restarted
-        if they were up. The caller has validated `specs` as a whole (and the memory plan).
+        Added models become routable; removed ones stop being routable and their instances
+        drain and stop; a model whose engine (command, model, args, env) changed, or whose
+        memory or devices now need another placement, gets a new instance while the old ones
+        drain. The caller has validated `specs` as a whole (and the memory plan).
         """
-        old = self.instances
         report: dict[str, list[str]] = {"added": [], "removed": [], "restarted": [], "kept": []}
-        instances: dict[str, Instance] = {}
+        models: dict[str, Model] = {}
         for name, spec in specs.items():
-            cur = old.get(name)
+            cur = self.models.get(name)
             if cur is None:
-                instances[name] = Instance(spec, self.ctx)
+                models[name] = self._new_model(spec)
                 report["added"].append(name)
-            elif cur.spec.engine_key() != spec.engine_key():
-                instances[name] = Instance(spec, self.ctx)
-                self._retire(cur, drain_timeout_s, successor=instances[name])
-                report["restarted"].append(name)
-            else:
-                cur.spec, cur.pinned = spec, spec.pinned
-                instances[name] = cur
-                report["kept"].append(name)
-        for name, cur in old.items():
+                continue
+            restart = self._needs_new_instance(cur, spec)
+            cur.update(spec, drain_timeout_s, restart)
+            cur.max_queue = self.max_queue
+            models[name] = cur
+            report["restarted" if restart else "kept"].append(name)
+        for name, cur in self.models.items():
             if name not in specs:
-                self._retire(cur, drain_timeout_s, successor=None)
+                self._remove(cur, drain_timeout_s)
                 report["removed"].append(name)
-        self.instances = instances
+        self.models = models
         self._index_names()
+        self._capacity_changed()
         log.info("reloaded: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v) or "none")
         return report
 
-    def _retire(self, inst: Instance, drain_timeout_s: float, successor: Instance | None) -> None:
-        was_up = inst.state in (State.RUNNING, State.STARTING)
-        self.retiring.add(inst)
+    def _needs_new_instance(self, model: Model, spec: ModelSpec) -> bool:
+        """Whether the running instances cannot take `spec` in place: a different engine, or a
+        memory/devices change that moves the engine or changes what it is started with."""
+        if model.spec.engine_key() != spec.engine_key():
+            return True
+        if self.memory is None:
+            return False
+        for inst in model.instances:
+            if inst.placement is None:
+                continue
+            allowed = spec.devices is None or set(inst.placement.devices) <= set(spec.devices)
+            new = self.memory.placement(spec, inst.placement.devices) if allowed else None
+            if new is None or (new.overrides, new.env) != (
+                inst.placement.overrides,
+                inst.placement.env,
+            ):
+                return True
+            if new.footprint_mb != inst.placement.footprint_mb:  # same engine, new budget
+                inst.placement = new
+                self.memory.occupy(inst.id, new)
+        return False
 
-        async def retire() -> None:
-            try:
-                await inst.drain_and_stop(drain_timeout_s)
-            finally:
-                self.retiring.discard(inst)
-                if successor is None and inst.name not in self.instances:
-                    self.ctx.metrics.forget(inst.name, [s.value for s in State])
-            if successor is not None and was_up and not self.closing:
-                with contextlib.suppress(ProxyError):
-                    await successor.ensure_running()
+    def _remove(self, model: Model, drain_timeout_s: float) -> None:
+        stops = model.remove(drain_timeout_s)
+        if not model.instances:
+            self.ctx.metrics.forget_model(model.name)
+            return
+        self.removed.add(model)
 
-        task = asyncio.ensure_future(retire())
-        task.add_done_callback(retrieve)
+        async def gone() -> None:
+            await asyncio.gather(*stops, return_exceptions=True)
+            self.removed.discard(model)
+            if model.name not in self.models:
+                self.ctx.metrics.forget_model(model.name)
+
+        asyncio.ensure_future(gone()).add_done_callback(retrieve)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Every configured model with its instances (and the memory each holds), for the admin
+        API and the status page; removed models still draining are listed with ``removed``."""
+        rows = []
+        for model in (*self.models.values(), *self.removed):
+            row = model.status()
+            row["removed"] = model.removed
+            if self.memory is not None:
+                row["memory"] = self.memory.describe(model.spec)
+                for inst in row["instances"]:  # type: ignore[attr-defined]
+                    inst["memory"] = self.memory.describe_instance(inst["id"])
+            rows.append(row)
+        return rows
 
     # -- shutdown ------------------------------------------------------------------------
 
@@ -279,15 +332,12 @@ class Manager:
         self.closing = True
         if self._background is not None:
             self._background.cancel()
-        everything = self.all_instances()
-        for inst in everything:
-            inst.closed = True
-        await asyncio.gather(*(i.stop() for i in everything), return_exceptions=True)
+        everything = [*self.models.values(), *self.removed]
+        await asyncio.gather(*(m.shutdown() for m in everything), return_exceptions=True)
         if self.memory is not None:
             self.memory.close()
 
     def kill_all(self) -> None:
         """SIGKILL every engine group now (forced exit)."""
         for inst in self.all_instances():
-            if inst.engine is not None:
-                inst.engine.kill()
+            inst.kill()

@@ -16,15 +16,8 @@ from dataclasses import dataclass, field
 
 from .config import ArgValue, Config, GpuDevice, ModelSpec
 from .errors import ConfigError
-from .gpu import (
-    Footprint,
-    GpuSnapshot,
-    GpuSource,
-    NvmlMonitor,
-    StaticBudget,
-    footprint_for_spec,
-    utilization_for,
-)
+from .footprint import Footprint, footprint_for_spec, utilization_for
+from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
 from .metrics import Metrics
 from .scheduler import Demand, DeviceView, never_fits
 
@@ -86,10 +79,16 @@ class Memory:
         self._locks: dict[int, asyncio.Lock] = {}
         self.snapshots = source.read()
         self.totals = {s.id: s.total_mb for s in self.snapshots}
+        #: Planned footprint per model name (a property of its spec).
         self.estimates: dict[str, Footprint] = {}
+        #: What each live instance was measured to hold, by instance id.
         self.measured: dict[str, int] = {}
-        #: Models whose measurement comes from NVML per-process memory (else: the device delta).
+        #: Instances whose measurement comes from NVML per-process memory (else: device delta).
         self.by_process: set[str] = set()
+        #: The last measurement of a model's engine, with the engine it was taken of: the next
+        #: instance of the same engine is planned with it.
+        self.learned: dict[str, tuple[tuple[object, ...], int]] = {}
+        self._keys: dict[str, tuple[object, ...]] = {}
         self.set_specs(specs)
 
     def set_specs(self, specs: dict[str, ModelSpec]) -> None:
@@ -111,18 +110,27 @@ class Memory:
                 problems.append(f"models.{name}: {why}")
         if problems:
             raise ConfigError("\n".join(problems))
+        for name in set(self.estimates) - set(estimates):
+            with contextlib.suppress(KeyError):
+                self.metrics.memory_estimate.remove(name)
         self.estimates = estimates
-        self.measured = {n: mb for n, mb in self.measured.items() if n in estimates}
+        self._keys = {name: spec.engine_key() for name, spec in specs.items()}
+        self.learned = {n: v for n, v in self.learned.items() if self._keys.get(n) == v[0]}
         for name, fp in self.estimates.items():
             self.metrics.memory_estimate.labels(name).set(fp.per_device_mb)
 
     def footprint(self, name: str) -> int:
-        """The larger of the estimate and what the running engine was measured to take."""
-        return max(self.estimates[name].per_device_mb, self.measured.get(name, 0))
+        """The larger of the estimate and what the model's engine was last measured to take."""
+        learned = self.learned.get(name)
+        return max(self.estimates[name].per_device_mb, learned[1] if learned else 0)
 
-    def demand(self, spec: ModelSpec) -> Demand:
+    def demand_mb(self, spec: ModelSpec) -> int:
+        return self.footprint(spec.name)
+
+    def demand(self, spec: ModelSpec, instance_id: str) -> Demand:
+        """What starting instance `instance_id` of `spec` asks of the planner."""
         fp = self.estimates[spec.name]
-        return Demand(spec.name, self.footprint(spec.name), fp.tp, spec.devices, self.reserve_mb)
+        return Demand(instance_id, self.footprint(spec.name), fp.tp, spec.devices, self.reserve_mb)
 
     def refresh(self) -> list[GpuSnapshot]:
         """Current snapshots: static budgets are read now, NVML's come from the refresher."""
@@ -156,13 +164,37 @@ class Memory:
                 overrides["gpu_memory_utilization"] = utilization_for(mb, total)
         return Placement(devices, mb, overrides, env)
 
-    def occupy(self, owner: str, placement: Placement) -> None:
+    def occupy(self, instance_id: str, placement: Placement) -> None:
+        """Claim the placement's memory for the instance (the static budget counts claims)."""
         if isinstance(self.source, StaticBudget):
-            self.source.set_usage(owner, placement.devices, placement.footprint_mb)
+            self.source.set_usage(instance_id, placement.devices, placement.footprint_mb)
 
-    def vacate(self, owner: str) -> None:
+    def vacate(self, instance_id: str) -> None:
+        """The instance is down: its claim and measurement go."""
         if isinstance(self.source, StaticBudget):
-            self.source.clear_usage(owner)
+            self.source.clear_usage(instance_id)
+        self.by_process.discard(instance_id)
+        if self.measured.pop(instance_id, None) is not None:
+            with contextlib.suppress(KeyError):
+                self.metrics.memory_measured.remove(_model_of(instance_id), instance_id)
+
+    def describe(self, spec: ModelSpec) -> dict[str, object]:
+        """The model's planned footprint, for the admin view."""
+        est = self.estimates.get(spec.name)
+        if est is None:
+            return {"estimate_mb": None, "planned_mb": None, "source": None}
+        return {
+            "estimate_mb": est.per_device_mb,
+            "planned_mb": self.footprint(spec.name),
+            "source": est.source,
+            "detail": est.detail,
+        }
+
+    def describe_instance(self, instance_id: str) -> dict[str, object]:
+        """What one instance was measured to hold, and how."""
+        mb = self.measured.get(instance_id)
+        how = "process" if instance_id in self.by_process else "device delta"
+        return {"measured_mb": mb, "measured_from": how if mb is not None else None}
 
     @contextlib.asynccontextmanager
     async def starting_on(self, devices: tuple[int, ...], owner: str) -> AsyncIterator[None]:
@@ -190,9 +222,12 @@ class Memory:
         snaps = {s.id: s.used_mb for s in await asyncio.to_thread(self.source.read)}
         return {d: snaps[d] for d in devices if d in snaps} if snaps else None
 
-    def _set_measured(self, owner: str, mb: int) -> None:
-        self.measured[owner] = mb
-        self.metrics.memory_measured.labels(owner).set(mb)
+    def _set_measured(self, instance_id: str, mb: int) -> None:
+        self.measured[instance_id] = mb
+        name = _model_of(instance_id)
+        if name in self._keys:
+            self.learned[name] = (self._keys[name], mb)
+        self.metrics.memory_measured.labels(name, instance_id).set(mb)
 
     async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
         """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""
@@ -211,21 +246,21 @@ class Memory:
             await asyncio.sleep(FREE_POLL_S)
 
     def measure(self, groups: dict[str, int]) -> None:
-        """Record what each running engine (name -> process group) holds, from NVML per-process.
+        """Record what each running instance (id -> process group) holds, from NVML per-process.
 
         Per-process readings win over the device delta taken at start when the driver has them.
         """
         if self.kind != "nvml":
             return
-        for name, pgid in groups.items():
+        for iid, pgid in groups.items():
             per_device = []
             for snap in self.snapshots:
                 mb = sum(m for pid, m in snap.processes.items() if _pgid(pid) == pgid)
                 if mb:
                     per_device.append(mb)
             if per_device:
-                self.by_process.add(name)
-                self._set_measured(name, max(per_device))
+                self.by_process.add(iid)
+                self._set_measured(iid, max(per_device))
 
     async def run(self, groups: Callable[[], dict[str, int]]) -> None:
         """Keep NVML snapshots fresh (in a thread) and measure running engines."""
@@ -252,6 +287,10 @@ class Memory:
     def close(self) -> None:
         if isinstance(self.source, NvmlMonitor):
             self.source.close()
+
+
+def _model_of(instance_id: str) -> str:
+    return instance_id.rpartition("#")[0]
 
 
 def _pgid(pid: int) -> int | None:

@@ -34,76 +34,97 @@ class Metrics:
             registry=r,
         )
         self.ttfb = Histogram(
-            "vllm_time_to_first_byte_seconds",
+            "vllm_proxy_time_to_first_byte_seconds",
             "Time from request arrival to the first response byte sent (cold starts included)",
             ["model_id"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "vllm_prompt_tokens", "Prompt tokens (from responses' usage)", ["model_id"], registry=r
+            "vllm_proxy_prompt_tokens",
+            "Prompt tokens (from responses' usage)",
+            ["model_id"],
+            registry=r,
         )
         self.completion_tokens = Counter(
-            "vllm_completion_tokens",
+            "vllm_proxy_completion_tokens",
             "Completion tokens (from responses' usage; streams: the final usage chunk)",
             ["model_id"],
             registry=r,
         )
         self.loaded = Gauge(
-            "vllm_model_loaded", "1 while the model's engine is running", ["model_id"], registry=r
-        )
-        self.active = Gauge(
-            "vllm_model_requests_active",
-            "Requests holding a lease on the model",
+            "vllm_model_loaded",
+            "1 while any instance of the model serves requests",
             ["model_id"],
             registry=r,
         )
+        self.active = Gauge(
+            "vllm_model_requests_active",
+            "Requests holding a lease on an instance of the model",
+            ["model_id"],
+            registry=r,
+        )
+        self.instance_active = Gauge(
+            "vllm_proxy_instance_requests_active",
+            "Requests holding a lease on the instance",
+            ["model_id", "instance"],
+            registry=r,
+        )
         self.state = Gauge(
-            "vllm_model_state", "1 for the model's current state", ["model_id", "state"], registry=r
+            "vllm_proxy_model_state",
+            "1 for the model's summary state (running while any instance serves)",
+            ["model_id", "state"],
+            registry=r,
+        )
+        self.instance_state = Gauge(
+            "vllm_proxy_instance_state",
+            "1 for the current state of each live engine instance",
+            ["model_id", "instance", "state"],
+            registry=r,
         )
         self.starts = Histogram(
-            "vllm_engine_start_duration_seconds",
+            "vllm_proxy_engine_start_duration_seconds",
             "Engine cold start: spawn to first healthy answer",
             ["model_id"],
             buckets=START_BUCKETS,
             registry=r,
         )
         self.restarts = Counter(
-            "vllm_engine_restarts_total",
+            "vllm_proxy_engine_restarts_total",
             "Engines that exited unexpectedly or failed to start",
             ["model_id", "reason"],
             registry=r,
         )
 
         self.evictions = Counter(
-            "vllm_evictions_total",
+            "vllm_proxy_evictions_total",
             "Engines stopped to free memory or because they sat idle",
             ["model_id", "reason"],
             registry=r,
         )
         self.queue_depth = Gauge(
-            "vllm_admission_queue_depth",
+            "vllm_proxy_admission_queue_depth",
             "Requests waiting for the model to be admitted (memory) and started",
             ["model_id"],
             registry=r,
         )
         self.queue_wait = Histogram(
-            "vllm_admission_wait_seconds",
+            "vllm_proxy_admission_wait_seconds",
             "Time a start waited for GPU memory",
             ["model_id"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.memory_estimate = Gauge(
-            "vllm_model_memory_estimate_mb",
+            "vllm_proxy_model_memory_estimate_mb",
             "Planned GPU memory per device for the model",
             ["model_id"],
             registry=r,
         )
         self.memory_measured = Gauge(
-            "vllm_model_memory_measured_mb",
-            "GPU memory per device the running engine was measured to hold (NVML)",
-            ["model_id"],
+            "vllm_proxy_instance_memory_measured_mb",
+            "GPU memory per device the running instance was measured to hold (NVML)",
+            ["model_id", "instance"],
             registry=r,
         )
         self.gpu_total = Gauge(
@@ -116,24 +137,43 @@ class Metrics:
             "vllm_gpu_utilization_percent", "GPU compute utilisation", ["gpu_id"], registry=r
         )
 
-    def set_state(self, model: str, old: str | None, new: str, loaded: bool) -> None:
+    def set_model_state(self, model: str, old: str | None, new: str, loaded: bool) -> None:
         if old is not None:
             self.state.labels(model, old).set(0)
         self.state.labels(model, new).set(1)
         self.loaded.labels(model).set(1 if loaded else 0)
 
-    def forget(self, model: str, states: list[str]) -> None:
-        """Drop a removed model's series."""
-        for metric in (self.loaded, self.active):
-            try:
-                metric.remove(model)
-            except KeyError:
-                pass
-        for s in states:
-            try:
-                self.state.remove(model, s)
-            except KeyError:
-                pass
+    def set_instance_state(self, model: str, instance: str, old: str | None, new: str) -> None:
+        if old is not None:
+            _remove(self.instance_state, model, instance, old)
+        self.instance_state.labels(model, instance, new).set(1)
+
+    def forget_instance(self, model: str, instance: str) -> None:
+        """Drop an ended instance's series (ids are never reused: they would pile up)."""
+        for labels in _label_sets(self.instance_state):
+            if labels["model_id"] == model and labels["instance"] == instance:
+                _remove(self.instance_state, model, instance, labels["state"])
+        _remove(self.instance_active, model, instance)
+        _remove(self.memory_measured, model, instance)
+
+    def forget_model(self, model: str) -> None:
+        """Drop a removed model's gauges (its counters and histograms stay)."""
+        for metric in (self.loaded, self.active, self.queue_depth, self.memory_estimate):
+            _remove(metric, model)
+        for labels in _label_sets(self.state):
+            if labels["model_id"] == model:
+                _remove(self.state, model, labels["state"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _remove(metric: Gauge, *labels: str) -> None:
+    try:
+        metric.remove(*labels)
+    except KeyError:
+        pass
+
+
+def _label_sets(metric: Gauge) -> list[dict[str, str]]:
+    return [sample.labels for family in metric.collect() for sample in family.samples]

@@ -235,14 +235,14 @@ class Proxy:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         body = await request.read()
         data, requested = model_of(body, forced)
-        inst = self.manager.resolve(requested)
-        if data.get("model") != inst.name:  # an alias: the engine only knows the canonical name
-            data["model"] = inst.name
+        model = self.manager.resolve(requested)
+        if data.get("model") != model.name:  # an alias: the engine only knows the canonical name
+            data["model"] = model.name
             body = json.dumps(data).encode()
         tap = Tap()
         status = "error"
         try:
-            async with self.manager.lease(inst) as (inst, engine):
+            async with self.manager.lease(model) as (inst, engine):
                 resp = await self._relay(request, path, body, inst, engine, tap)
             status = str(resp.status)
             return resp
@@ -253,7 +253,7 @@ class Proxy:
             status = CLIENT_CLOSED
             raise
         finally:
-            self._observe(inst.name, status, started, tap)
+            self._observe(model.name, status, started, tap)
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self._series.get(model) or self._series_for(model)
@@ -375,16 +375,16 @@ class Proxy:
     def _cards(self) -> list[dict[str, Any]]:
         cards = []
         for name, target in self.manager.names.items():
-            inst = self.manager.instances[target]
+            model = self.manager.models[target]
             cards.append(
                 {
                     "id": name,
                     "object": "model",
                     "created": self.created,
                     "owned_by": "vllm-proxy",
-                    "root": inst.spec.model,
+                    "root": model.spec.model,
                     "parent": None if name == target else target,
-                    "state": inst.state.value,
+                    "state": model.state().value,
                 }
             )
         return cards

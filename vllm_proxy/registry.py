@@ -16,6 +16,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -25,30 +26,65 @@ log = logging.getLogger(__name__)
 
 
 class EngineRegistry:
-    """Persists ``{pgid: model}`` for the engines alive now; one writer (the manager)."""
+    """Persists the engine instances alive now and the last instance number of every model.
+
+    ``engines.json`` holds ``{"engines": {pgid: {"instance", "started"}}, "last_ids": {model: n}}``.
+    ``started`` is the guard process's start time, so the sweep can tell our process from a
+    stranger that got the same pid later. One writer: the instances, through `add`/`remove`.
+    """
 
     def __init__(self, state_dir: str) -> None:
         self.dir = Path(state_dir)
         self.path = self.dir / "engines.json"
         self.tag = str(self.dir.resolve())
-        self._groups: dict[int, str] = {}
+        self._groups: dict[int, dict[str, Any]] = {}
+        self._last_ids: dict[str, int] = self._load().get("last_ids", {})
 
-    def add(self, pgid: int, model: str) -> None:
-        self._groups[pgid] = model
+    def new_id(self, model: str) -> str:
+        """A fresh instance id ``<model>#<n>``; never handed out twice, across restarts too."""
+        n = int(self._last_ids.get(model, 0)) + 1
+        self._last_ids[model] = n
+        self._save()
+        return f"{model}#{n}"
+
+    def add(self, pgid: int, instance_id: str) -> None:
+        started = None
+        with contextlib.suppress(psutil.Error):
+            started = psutil.Process(pgid).create_time()
+        self._groups[pgid] = {"instance": instance_id, "started": started}
         self._save()
 
     def remove(self, pgid: int) -> None:
         if self._groups.pop(pgid, None) is not None:
             self._save()
 
+    def entries(self) -> dict[int, str]:
+        """Live engine process groups: pgid -> instance id."""
+        return {pgid: e["instance"] for pgid, e in self._groups.items()}
+
     def _save(self) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps({str(k): v for k, v in self._groups.items()}))
+        data = {
+            "engines": {str(k): v for k, v in self._groups.items()},
+            "last_ids": self._last_ids,
+        }
+        tmp.write_text(json.dumps(data))
         os.replace(tmp, self.path)
 
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
     def sweep(self, timeout_s: float = 10.0) -> list[int]:
-        """Kill engine groups left by a previous proxy with this state dir; returns their pgids."""
+        """Kill engine groups left by a previous proxy with this state dir; returns their pgids.
+
+        A recorded group is killed only when its leader is still the process we started (same
+        start time, our guard's command line); a pid reused by someone else is left alone.
+        """
         pgids = set(self._recorded()) | set(self._tagged_guards())
         pgids.discard(os.getpgid(0))
         live = [g for g in pgids if _group_alive(g)]
@@ -64,10 +100,20 @@ class EngineRegistry:
         return live
 
     def _recorded(self) -> list[int]:
-        try:
-            return [int(k) for k in json.loads(self.path.read_text())]
-        except (OSError, ValueError, AttributeError):
-            return []
+        engines = self._load().get("engines", {})
+        ours = []
+        for key, entry in engines.items() if isinstance(engines, dict) else ():
+            try:
+                pgid = int(key)
+            except ValueError:
+                continue
+            if _is_our_guard(pgid, entry.get("started") if isinstance(entry, dict) else None):
+                ours.append(pgid)
+            elif psutil.pid_exists(pgid):
+                log.warning(
+                    "engines.json names pid %d, which is not our engine now: left alone", pgid
+                )
+        return ours
 
     def _tagged_guards(self) -> list[int]:
         found = []
@@ -77,6 +123,17 @@ class EngineRegistry:
                 with contextlib.suppress(psutil.Error, ProcessLookupError):
                     found.append(os.getpgid(p.pid))
         return found
+
+
+def _is_our_guard(pid: int, started: float | None) -> bool:
+    """The process is a guard of ours that started when we recorded it."""
+    try:
+        proc = psutil.Process(pid)
+        if started is not None and abs(proc.create_time() - started) > 0.01:
+            return False
+        return MARKER in proc.cmdline()
+    except psutil.Error:
+        return False
 
 
 def _tag_of(cmdline: list[str]) -> str | None:

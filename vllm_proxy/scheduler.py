@@ -60,6 +60,8 @@ class ModelView:
     last_used: float
     pinned: bool
     starting: bool = False
+    #: Being stopped: its memory comes back soon, so a demand that needs it waits.
+    stopping: bool = False
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,7 @@ def plan(
     """Choose devices for `demand`, evicting idle models if needed (see the module docstring).
 
     Returns a `Plan`, or a `NoFit` whose reason says what is missing and whose blockers name the
-    busy, pinned or starting models that hold memory on the allowed devices.
+    busy, pinned, starting or stopping models that hold memory on the allowed devices.
     """
     by_id = {d.id: d for d in devices}
     reason = never_fits(demand, {d.id: d.total_mb for d in devices})
@@ -235,7 +237,7 @@ def _no_fit(
     held = [
         m
         for m in models
-        if (m.running or m.starting)
+        if (m.running or m.starting or m.stopping)
         and m.name != demand.name
         and m not in evictable
         and any(i in allowed for i in m.devices)
@@ -257,6 +259,8 @@ def _no_fit(
 def _why_held(m: ModelView) -> str:
     if m.starting:
         why = "starting"
+    elif m.stopping:
+        why = "stopping"
     elif m.leases:
         why = f"{m.leases} request(s) in flight"
     else:

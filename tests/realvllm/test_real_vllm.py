@@ -23,8 +23,8 @@ import pytest
 import yaml
 from conftest import free_port, group_alive, wait_for, wait_for_sync
 
-from vllm_proxy.demo import CPU_ARGS, CPU_ENV
-from vllm_proxy.tiny_model import ensure_tiny_model
+from tiny_llama import ensure_tiny_model
+from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
 pytestmark = pytest.mark.realvllm
 
@@ -41,7 +41,9 @@ class Proxy:
 
     def engine_groups(self) -> list[int]:
         registry = self.state / "engines.json"
-        return [int(k) for k in json.loads(registry.read_text())] if registry.exists() else []
+        if not registry.exists():
+            return []
+        return [int(k) for k in json.loads(registry.read_text())["engines"]]
 
     def text(self) -> str:
         return self.log.read_text()
@@ -123,7 +125,7 @@ async def test_cold_start_chat_stream_and_sigterm_cleanup(real_proxy: Any) -> No
         )
         assert chat.model == "tiny0"
         assert chat.usage is not None and chat.usage.completion_tokens == 5
-        assert "tiny0: STARTING -> RUNNING" in proxy.text()
+        assert "tiny0#1: STARTING -> RUNNING" in proxy.text()
 
         stream = await client.chat.completions.create(
             model="tiny0",

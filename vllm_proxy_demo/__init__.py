@@ -1,8 +1,9 @@
-"""A ready-to-call proxy on a machine without a GPU: ``make demo``.
+"""A ready-to-call proxy on a machine without a GPU: ``make demo`` / ``make demo-fake``.
 
-Generates two tiny random-weight Llama models, writes a config that serves them through the CPU
-build of vLLM (or, with ``--fake``, through the built-in fake engine), and runs the proxy. The
-engines start on the first request for each model; watch them in the proxy's log.
+Generates two tiny random-weight Llama models (``tiny_llama``), writes a config that serves them
+through the CPU build of vLLM, and runs the proxy. With ``--fake`` no model is generated: the fake
+engine (``fake_vllm``) serves both names, and neither torch nor vLLM is needed. The engines start
+on the first request for each model; watch them in the proxy's log.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tiny_llama import ensure_tiny_model
 
 MODELS = ("tiny-chat", "tiny-story")
 
@@ -51,13 +54,11 @@ def build_config(root: Path, port: int, fake: bool) -> dict[str, Any]:
         if fake:
             models[name] = {"model": f"demo/{name}", "env": {"FAKE_ENGINE_STARTUP_DELAY": "2"}}
             continue
-        from .tiny_model import ensure_tiny_model
-
         path = ensure_tiny_model(root / "models" / name, seed=i)
         models[name] = {"model": str(path.resolve())}
     engine: dict[str, Any] = {"idle_timeout_s": 300, "port_range": [8001, 8999]}
     if fake:
-        engine["command"] = [sys.executable, "-m", "vllm_proxy.fake_engine"]
+        engine["command"] = [sys.executable, "-m", "fake_vllm"]
     else:
         engine.update(args=CPU_ARGS, env=CPU_ENV, startup_timeout_s=300)
     return {
@@ -68,7 +69,7 @@ def build_config(root: Path, port: int, fake: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m vllm_proxy_demo", description=__doc__)
     p.add_argument("--dir", default=".demo", help="where models, config and state go")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--fake", action="store_true", help="use the fake engine instead of vLLM")
@@ -92,7 +93,3 @@ def main(argv: list[str] | None = None) -> int:
     argv_exec = [sys.executable, "-m", "vllm_proxy", "--config", str(path)]
     os.execv(sys.executable, argv_exec)
     return 0  # pragma: no cover
-
-
-if __name__ == "__main__":
-    sys.exit(main())

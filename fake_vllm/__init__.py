@@ -2,7 +2,7 @@
 
 Run it the way the proxy runs vLLM::
 
-    python -m vllm_proxy.fake_engine --model m --served-model-name m alias --port 8001
+    python -m fake_vllm --model m --served-model-name m alias --port 8001
 
 Understood flags: ``--model`` (default ``fake-model``), ``--served-model-name A [B ...]``
 (first name is the response ``model``; any listed name is accepted), ``--host`` (default

@@ -8,5 +8,5 @@ from typing import Any
 
 def log(message: str, level: str = "INFO", stream: Any = None) -> None:
     stamp = time.strftime("%m-%d %H:%M:%S")
-    line = f"(APIServer pid={os.getpid()}) {level} {stamp} [fake_engine.py] {message}"
+    line = f"(APIServer pid={os.getpid()}) {level} {stamp} [fake_vllm.py] {message}"
     print(line, file=stream or sys.stdout, flush=True)

@@ -10,7 +10,7 @@ seed. The output directory is a regular Hugging Face model directory::
 
 Usage::
 
-    python -m vllm_proxy.tiny_model OUT_DIR [--seed N] [--vocab-size N] [--force]
+    python -m tiny_llama OUT_DIR [--seed N] [--vocab-size N] [--force]
 
 Generation needs ``torch``, ``transformers``, ``tokenizers`` and ``safetensors`` (all of which
 vLLM brings along); they are imported lazily so that this module imports without them.
@@ -205,7 +205,7 @@ def _write_model(spec: TinyModelSpec, tokenizer: Any, out: Path) -> None:
 
 
 def _marker_payload(spec: TinyModelSpec) -> dict[str, Any]:
-    return {"generator": "vllm_proxy.tiny_model", **asdict(spec)}
+    return {"generator": "tiny_llama", **asdict(spec)}
 
 
 def read_marker(path: str | Path) -> dict[str, Any] | None:
@@ -343,7 +343,7 @@ def ensure_tiny_model(path: str | Path, seed: int = 0) -> Path:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     d = TinyModelSpec()
     ap = argparse.ArgumentParser(
-        prog="python -m vllm_proxy.tiny_model",
+        prog="python -m tiny_llama",
         description="Generate a tiny random-weight Llama (with tokenizer) servable by vLLM.",
     )
     ap.add_argument("out_dir", help="output model directory")
@@ -384,7 +384,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"vocab_size={vocab}")
     print(f"{out}: generated in {time.monotonic() - started:.1f}s")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = load_settings(sys.argv[1:] if argv is None else argv, os.environ)
     except ValueError as exc:
-        print(f"fake_engine: error: {exc}", file=sys.stderr, flush=True)
+        print(f"fake_vllm: error: {exc}", file=sys.stderr, flush=True)
         return 2
     if settings.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

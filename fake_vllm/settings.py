@@ -61,7 +61,7 @@ def _model_len(text: str) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fake_engine", allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="fake_vllm", allow_abbrev=False)
     parser.add_argument("--model", default="fake-model")
     parser.add_argument("--served-model-name", nargs="+", default=None)
     parser.add_argument("--host", default="127.0.0.1")

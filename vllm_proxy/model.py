@@ -1,0 +1,299 @@
+"""A configured model: its spec, names, the instances running it, and which one serves a request.
+
+A `Model` owns the set of its `Instance`s (one engine process each) and the decision of which
+instance serves a request: today the newest RUNNING instance that is not retired (the replica
+issue adds more). When none serves, it brings one up: one start task shared by every waiting
+request, which creates a new instance per attempt (a lost port race and one out-of-memory retry
+each get a fresh instance and id). A reload that changes the engine retires the old instances
+(they drain and stop) and the next start uses the new spec.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from .config import ModelSpec
+from .engine import EngineProcess, PortInUse, prune_logs
+from .errors import EngineFailed, NotFound, ProxyError, Unavailable
+from .instance import DOWN, EngineContext, Instance, OutOfMemory, State, Stopped, retrieve
+
+log = logging.getLogger(__name__)
+
+#: Port races retried per start (new vLLM exits 1 on "Address already in use").
+PORT_ATTEMPTS = 3
+#: Starts one request may sit through (an engine that crashes right after starting is retried).
+START_ATTEMPTS = 2
+#: Log files of ended instances kept per model (besides those of live instances).
+LOGS_KEPT = 4
+
+#: After an out-of-memory start: evict one more idle instance on these devices (False: none).
+EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
+
+
+class Model:
+    """One configured model and its instances; the only code that creates them."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        ctx: EngineContext,
+        new_id: Callable[[str], str],
+        max_queue: int = 1024,
+        evict_more: EvictMore | None = None,
+    ) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self._new_id = new_id
+        self.max_queue = max_queue
+        self._evict_more = evict_more
+        #: Live instances, oldest first (done ones are dropped).
+        self.instances: list[Instance] = []
+        #: The most recent instance that ended (for the summary state and its error).
+        self.last_ended: Instance | None = None
+        self.last_error: str | None = None
+        self.restarts = 0
+        #: Never evicted for memory; from the config, changed at run time by the admin API.
+        self.pinned = spec.pinned
+        #: Requests waiting for an instance to start (the per-model admission queue).
+        self.waiting = 0
+        #: Set while an unload drains; new requests wait for it.
+        self.draining = False
+        #: No longer configured (reload); requests still waiting get an error.
+        self.removed = False
+        #: The proxy is shutting down.
+        self.closed = False
+        self._bringup: asyncio.Task[None] | None = None
+        self._changed = asyncio.Event()
+        self._summary = State.STOPPED
+        ctx.metrics.set_model_state(self.name, None, self._summary.value, loaded=False)
+        ctx.metrics.active.labels(self.name).set(0)
+        self._queue_gauge = ctx.metrics.queue_depth.labels(self.name)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    # -- routing -------------------------------------------------------------------------
+
+    def serving(self) -> Instance | None:
+        """The instance a new request goes to: the newest RUNNING, not retired one."""
+        for inst in reversed(self.instances):
+            if inst.state is State.RUNNING and not inst.retired:
+                return inst
+        return None
+
+    async def acquire(self) -> tuple[Instance, EngineProcess]:
+        """Wait until an instance serves (starting one if needed) and hold a lease on it.
+
+        Concurrent callers share one start and all see its error. Pair with
+        ``instance.release()`` in ``finally``.
+        """
+        starts = 0
+        while True:
+            if self.closed:
+                raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
+            if self.removed:
+                raise NotFound(
+                    f"model '{self.name}' was removed from the configuration while the request"
+                    " waited",
+                    code="model_removed",
+                    param="model",
+                )
+            inst = self.serving()
+            if inst is not None and not self.draining:
+                # No await between finding it RUNNING and the lease.
+                return inst, inst.acquire()
+            if self.draining:
+                await self._wait_change()
+                continue
+            if self._bringup is None:
+                if starts >= START_ATTEMPTS:
+                    raise EngineFailed(self.last_error or f"model '{self.name}' failed to start")
+                starts += 1
+                self._bringup = asyncio.ensure_future(self._bring_up())
+                self._bringup.add_done_callback(self._bringup_done)
+            try:
+                await self._wait_bringup(self._bringup)
+            except Stopped:
+                if self.draining or self.removed or self.closed:
+                    continue  # the loop answers for the unload, removal or shutdown
+                raise
+
+    def ensure_started(self) -> asyncio.Task[None] | None:
+        """Start an instance in the background unless one serves or is starting (reload,
+        admin load); returns the start task."""
+        if self.serving() is None and self._bringup is None and not self.closed:
+            self._bringup = asyncio.ensure_future(self._bring_up())
+            self._bringup.add_done_callback(self._bringup_done)
+        return self._bringup
+
+    def _bringup_done(self, task: asyncio.Task[None]) -> None:
+        if self._bringup is task:
+            self._bringup = None
+        retrieve(task)
+
+    async def _wait_bringup(self, task: asyncio.Task[None]) -> None:
+        if self.waiting >= self.max_queue:
+            raise Unavailable(
+                f"model '{self.name}': {self.waiting} requests already wait for it to start",
+                code="queue_full",
+            )
+        self.waiting += 1
+        self._queue_gauge.set(self.waiting)
+        try:
+            await asyncio.shield(task)
+        finally:
+            self.waiting -= 1
+            self._queue_gauge.set(self.waiting)
+
+    async def _bring_up(self) -> None:
+        """Start new instances until one is RUNNING: a lost port race is retried on a new
+        port, an out-of-memory start once after evicting one more idle instance."""
+        port_attempts, oom_retried = 0, False
+        while True:
+            inst = self._new_instance()
+            try:
+                await inst.start()
+                self.last_error = None
+                return
+            except Stopped:
+                if inst.retired and not (self.removed or self.closed):
+                    continue  # replaced by a reload while starting: start the new spec
+                raise
+            except PortInUse as err:
+                port_attempts += 1
+                log.warning("%s: port taken, retrying with a new instance", inst.id)
+                if port_attempts < PORT_ATTEMPTS:
+                    continue
+                msg = f"model '{self.name}': no port could be bound after {PORT_ATTEMPTS} attempts"
+                self._failed(msg, "start_failed")
+                raise EngineFailed(msg, code="engine_start_failed") from err
+            except OutOfMemory as err:
+                evict = self._evict_more
+                if not oom_retried and evict is not None and await evict(inst.devices):
+                    oom_retried = True
+                    log.warning("%s: out of GPU memory at start; evicted one more", inst.id)
+                    continue
+                self._failed(err.message, "out_of_memory")
+                raise Unavailable(err.message, code="insufficient_gpu_memory") from None
+            except EngineFailed as err:
+                self._failed(err.message, "start_failed")
+                raise
+            except ProxyError as err:
+                if inst.state is State.ERROR:  # a failed start (timeout), not a refusal
+                    self._failed(err.message, "start_failed")
+                raise
+
+    def _failed(self, message: str, reason: str) -> None:
+        self.last_error = message
+        self.restarts += 1
+        self.ctx.metrics.restarts.labels(self.name, reason).inc()
+
+    def _new_instance(self) -> Instance:
+        inst = Instance(self.spec, self._new_id(self.name), self.ctx, self._instance_changed)
+        self.instances.append(inst)
+        keep = {int(i.id.rpartition("#")[2]) for i in self.instances}
+        prune_logs(self.spec, keep, LOGS_KEPT)
+        return inst
+
+    def _instance_changed(self, inst: Instance, old: State) -> None:
+        """Every state change of one of our instances: keep the books and the summary."""
+        if inst.state in DOWN and inst.done:
+            if inst in self.instances:
+                self.instances.remove(inst)
+            self.last_ended = inst
+            if inst.state is State.ERROR and inst.last_error:
+                self.last_error = inst.last_error
+        summary = self.state()
+        if summary is not self._summary:
+            self.ctx.metrics.set_model_state(
+                self.name, self._summary.value, summary.value, loaded=summary is State.RUNNING
+            )
+            self._summary = summary
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_change(self) -> None:
+        await self._changed.wait()
+
+    def state(self) -> State:
+        """One state for the model: RUNNING while any instance serves, else the most advanced
+        live one, else how the last one ended."""
+        live = {i.state for i in self.instances}
+        for s in (State.RUNNING, State.STARTING, State.STOPPING):
+            if s in live:
+                return s
+        if self.last_ended is not None and self.last_ended.state is State.ERROR:
+            return State.ERROR
+        return State.STOPPED
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def update(self, spec: ModelSpec, drain_timeout_s: float, restart: bool) -> None:
+        """Take a reloaded spec. With `restart` the running instances are retired (they drain
+        and stop) and, if one was up, a new one starts with the new spec."""
+        self.spec = spec
+        self.pinned = spec.pinned
+        if not restart:
+            for inst in self.instances:
+                inst.spec = spec
+                inst.rearm_idle()
+            return
+        was_up = any(i.state in (State.RUNNING, State.STARTING) for i in self.instances)
+        self.retire_all(drain_timeout_s)
+        if was_up:
+            self.ensure_started()
+
+    def retire_all(self, drain_timeout_s: float) -> list[asyncio.Task[None]]:
+        """Retire every instance: no new requests, drain, stop."""
+        return [i.retire(drain_timeout_s) for i in self.instances if not i.retired]
+
+    def remove(self, drain_timeout_s: float) -> list[asyncio.Task[None]]:
+        """No longer configured: waiting requests get an error, instances drain and stop."""
+        self.removed = True
+        self._changed.set()
+        return self.retire_all(drain_timeout_s)
+
+    async def unload(self, timeout: float) -> None:
+        """Admin unload: new requests wait; in-flight ones get `timeout`; every instance stops."""
+        self.draining = True
+        try:
+            while self.instances:
+                await asyncio.gather(*(i.drain_and_stop(timeout) for i in list(self.instances)))
+        finally:
+            self.draining = False
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def shutdown(self) -> None:
+        """Fail waiters, stop every instance."""
+        self.closed = True
+        self._changed.set()
+        await asyncio.gather(*(i.stop() for i in list(self.instances)), return_exceptions=True)
+
+    # -- views ---------------------------------------------------------------------------
+
+    def status(self) -> dict[str, object]:
+        """What an operator sees of the model and its instances."""
+        last = self.last_ended
+        return {
+            "name": self.name,
+            "model": self.spec.model,
+            "aliases": list(self.spec.aliases),
+            "state": self.state().value,
+            "leases": sum(i.leases for i in self.instances),
+            "queue": self.waiting,
+            "restarts": self.restarts,
+            "last_error": self.last_error,
+            "pinned": self.pinned,
+            "draining": self.draining,
+            "last_used": max((i.last_used for i in self.instances), default=0.0)
+            or (last.last_used if last else None)
+            or None,
+            "instances": [i.status() for i in self.instances],
+            "last_instance": last.status() if last is not None else None,
+            "checked_at": time.time(),
+        }
