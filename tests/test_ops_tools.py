@@ -14,13 +14,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
 from conftest import StartProxy, free_port, make_config, wait_for
+from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_proxy.config import EngineConfig, ServerConfig
+from vllm_proxy.config import EngineConfig, ServerConfig, parse_config
 from vllm_proxy.metrics import Metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,30 +32,52 @@ SYSTEMD_ANALYZE = "/usr/bin/systemd-analyze"
 PROMETHEUS = "/usr/bin/prometheus"
 JOB = "vllm-proxy"
 
-#: The series the proxy exports, by type: what the dashboard may query.
-EXPORTED: dict[str, str] = {
-    "vllm_requests_total": "counter",
-    "vllm_request_duration_seconds": "histogram",
-    "vllm_time_to_first_byte_seconds": "histogram",
-    "vllm_prompt_tokens_total": "counter",
-    "vllm_completion_tokens_total": "counter",
-    "vllm_model_loaded": "gauge",
-    "vllm_model_requests_active": "gauge",
-    "vllm_model_state": "gauge",
-    "vllm_engine_start_duration_seconds": "histogram",
-    "vllm_engine_restarts_total": "counter",
-    "vllm_evictions_total": "counter",
-    "vllm_admission_queue_depth": "gauge",
-    "vllm_admission_wait_seconds": "histogram",
-    "vllm_model_memory_estimate_mb": "gauge",
-    "vllm_model_memory_measured_mb": "gauge",
-    "vllm_gpu_memory_total_mb": "gauge",
-    "vllm_gpu_memory_used_mb": "gauge",
-    "vllm_gpu_utilization_percent": "gauge",
+
+class Series(NamedTuple):
+    kind: str
+    labels: tuple[str, ...]
+
+
+#: The series the proxy exports (type, label names): what the dashboard may query. The design
+#: document's names stay; the proxy's own additions carry the ``vllm_proxy_`` prefix.
+EXPORTED: dict[str, Series] = {
+    "vllm_requests_total": Series("counter", ("model_id", "status")),
+    "vllm_request_duration_seconds": Series("histogram", ("model_id",)),
+    "vllm_model_loaded": Series("gauge", ("model_id",)),
+    "vllm_model_requests_active": Series("gauge", ("model_id",)),
+    "vllm_gpu_memory_total_mb": Series("gauge", ("gpu_id",)),
+    "vllm_gpu_memory_used_mb": Series("gauge", ("gpu_id",)),
+    "vllm_gpu_utilization_percent": Series("gauge", ("gpu_id",)),
+    "vllm_proxy_time_to_first_byte_seconds": Series("histogram", ("model_id",)),
+    "vllm_proxy_prompt_tokens_total": Series("counter", ("model_id",)),
+    "vllm_proxy_completion_tokens_total": Series("counter", ("model_id",)),
+    "vllm_proxy_instance_requests_active": Series("gauge", ("model_id", "instance")),
+    "vllm_proxy_model_state": Series("gauge", ("model_id", "state")),
+    "vllm_proxy_instance_state": Series("gauge", ("model_id", "instance", "state")),
+    "vllm_proxy_engine_start_duration_seconds": Series("histogram", ("model_id",)),
+    "vllm_proxy_engine_restarts_total": Series("counter", ("model_id", "reason")),
+    "vllm_proxy_evictions_total": Series("counter", ("model_id", "reason")),
+    "vllm_proxy_admission_queue_depth": Series("gauge", ("model_id",)),
+    "vllm_proxy_admission_wait_seconds": Series("histogram", ("model_id",)),
+    "vllm_proxy_model_memory_estimate_mb": Series("gauge", ("model_id",)),
+    "vllm_proxy_instance_memory_measured_mb": Series("gauge", ("model_id", "instance")),
+}
+#: Gauges a proxy with a static GPU budget has once one request went through (no NVML: no
+#: utilisation, no measured footprint); the dashboard's plain reads of them must return data.
+PRESENT_AFTER_A_REQUEST = {
+    "vllm_model_loaded",
+    "vllm_model_requests_active",
+    "vllm_gpu_memory_total_mb",
+    "vllm_gpu_memory_used_mb",
+    "vllm_proxy_instance_requests_active",
+    "vllm_proxy_model_state",
+    "vllm_proxy_instance_state",
+    "vllm_proxy_admission_queue_depth",
+    "vllm_proxy_model_memory_estimate_mb",
 }
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 #: Grafana's variables, replaced by what they mean for "all" when the query runs in Prometheus.
-GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$instance": ".*", "$model": ".*"}
+GRAFANA_VARS = {"$__rate_interval": "1m", "$__interval": "15s", "$proxy": ".*", "$model": ".*"}
 
 
 def need(binary: str) -> None:
@@ -165,7 +189,7 @@ def exported_name(name: str) -> tuple[str, str]:
         return name, ""
     for suffix in HISTOGRAM_SUFFIXES:
         base = name.removesuffix(suffix)
-        if base != name and EXPORTED.get(base) == "histogram":
+        if base != name and base in EXPORTED and EXPORTED[base].kind == "histogram":
             return base, suffix
     raise AssertionError(f"{name} is not a series the proxy exports")
 
@@ -197,7 +221,10 @@ def test_dashboard_is_importable() -> None:
         "p50 / p95 / p99",
         "first byte",
         "active requests",
+        "active requests by instance",
+        "engine instances",
         "model state",
+        "instance state",
         "engine start",
         "restarts",
         "evictions",
@@ -221,7 +248,7 @@ def test_dashboard_queries_exported_series() -> None:
         for name in names:
             base, suffix = exported_name(name)
             used.add(base)
-            kind = EXPORTED[base]
+            kind = EXPORTED[base].kind
             if kind == "histogram":
                 assert suffix, f"{name}: query a histogram through _bucket/_sum/_count"
             if kind == "counter" or suffix:
@@ -232,11 +259,41 @@ def test_dashboard_queries_exported_series() -> None:
 
 
 def test_exported_series_match_the_registry() -> None:
-    """The names the dashboard is checked against are what metrics.py registers."""
-    families = {f.name: f.type for f in Metrics().registry.collect()}
-    for name, kind in EXPORTED.items():
-        family = name.removesuffix("_total") if kind == "counter" else name
-        assert families.get(family) == kind, f"{name}: registry has {families.get(family)}"
+    """EXPORTED, what the dashboard and the docs are checked against, is exactly what metrics.py
+    registers and renders: the same names, types and label names, nothing more, nothing less."""
+    metrics = Metrics()
+    registered = {
+        f.name + "_total" if f.type == "counter" else f.name: f.type
+        for f in metrics.registry.collect()
+    }
+    assert registered == {name: s.kind for name, s in EXPORTED.items()}
+
+    wrappers = [v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)]
+    assert len(wrappers) == len(EXPORTED)
+    for wrapper in wrappers:
+        (family,) = wrapper.describe()
+        name = family.name + "_total" if family.type == "counter" else family.name
+        # .labels() takes exactly the metric's label names (ValueError otherwise)
+        wrapper.labels(**dict.fromkeys(EXPORTED[name].labels, "x"))
+
+    rendered: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for sample in family.samples:
+            rendered.setdefault(sample.name, set()).update(sample.labels)
+    for name, series in EXPORTED.items():
+        shown = name + "_bucket" if series.kind == "histogram" else name
+        extra = {"le"} if series.kind == "histogram" else set()
+        assert rendered.get(shown) == set(series.labels) | extra, f"{shown}: {rendered.get(shown)}"
+
+
+def test_operations_doc_lists_exported_series() -> None:
+    """docs/operations.md's metrics table names exactly the exported series."""
+    text = (ROOT / "docs" / "operations.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `vllm_")]
+    documented = {name for row in rows for name in metric_names(row.split("|")[1])}
+    assert documented == set(EXPORTED), (
+        f"missing: {set(EXPORTED) - documented}, unknown: {documented - set(EXPORTED)}"
+    )
 
 
 # --- Prometheus -----------------------------------------------------------------------------
@@ -267,7 +324,10 @@ def prometheus_config(target: str) -> str:
 
 async def test_prometheus_scrapes_metrics(start_proxy: StartProxy, tmp_path: Path) -> None:
     need(PROMETHEUS)
-    proxy = await start_proxy(make_config(tmp_path, models={"m1": {"model": "fake/m1"}}))
+    base_config = make_config(tmp_path, models={"m1": {"model": "fake/m1", "memory_mb": 100}})
+    data = base_config.model_dump(mode="json")
+    data["gpu"] = {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]}
+    proxy = await start_proxy(parse_config(data))
     async with await proxy.chat("m1") as resp:
         assert resp.status == 200, await resp.text()
         await resp.read()
@@ -320,13 +380,44 @@ async def test_prometheus_scrapes_metrics(start_proxy: StartProxy, tmp_path: Pat
         up = await prom_query(http, base, f'up{{job="{JOB}"}}')
         assert [float(s["value"][1]) for s in up] == [1.0], up
 
+        # The proxy's `instance` label (the engine instance) meets Prometheus's target label
+        # of the same name: Prometheus keeps the target's and stores ours as exported_instance.
+        # The dashboard's per-instance panels rely on that.
+        states = await prom_query(http, base, "vllm_proxy_instance_state")
+        assert [s["metric"] for s in states] == [
+            {
+                "__name__": "vllm_proxy_instance_state",
+                "exported_instance": "m1#1",
+                "instance": f"127.0.0.1:{proxy.server.port}",
+                "job": JOB,
+                "model_id": "m1",
+                "state": "running",
+            }
+        ], states
+
         deadline = time.monotonic() + 30
+        with_data: list[str] = []
         for expr in dashboard_exprs():
+            query = expr
             for var, value in GRAFANA_VARS.items():
-                expr = expr.replace(var, value)
-            assert "$" not in expr, f"unreplaced variable in {expr}"
-            await prom_query(http, base, expr)
+                query = query.replace(var, value)
+            assert "$" not in query, f"unreplaced variable in {query}"
+            result = await prom_query(http, base, query)
             assert time.monotonic() < deadline
+            if re.search(r"\b(rate|increase|irate)\(", query):
+                continue  # one scrape may be too few for a rate
+            if not metric_names(query) <= PRESENT_AFTER_A_REQUEST:
+                continue
+            assert result, f"no data for a series the proxy exports: {query}"
+            with_data.append(query)
+            if "exported_instance" in query:
+                assert {r["metric"].get("exported_instance") for r in result} == {"m1#1"}, (
+                    query,
+                    result,
+                )
+        print("\n".join(["dashboard queries with data:", *with_data]))
+        assert len(with_data) >= 10, with_data
+        assert sum("exported_instance" in q for q in with_data) >= 2, with_data
     finally:
         try:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -3,19 +3,23 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
 import signal
 import struct
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import aiohttp
 import pytest
 from conftest import RunningProxy, StartProxy, make_config, wait_for
 
-from vllm_proxy.config import Config, parse_config
+from vllm_proxy.app import Server
+from vllm_proxy.config import Config, load_config, parse_config
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
@@ -33,19 +37,57 @@ CHROMIUM_TIMEOUT_S = 90.0
 SCREENSHOT_COPY_ENV = "VLLM_PROXY_STATUS_SCREENSHOT"
 
 
-def status_config(tmp_path: Path) -> Config:
-    """Two fake-engine models on a static 1000 MiB GPU budget, admin API open."""
-    base = make_config(
-        tmp_path,
-        models={
-            "alpha": {"model": "fake/alpha", "aliases": ["a"], "memory_mb": 400},
-            "beta": {"model": "fake/beta", "memory_mb": 300},
-        },
-        server={"admin_open": True},
-    )
+#: A stream on this engine holds its lease for minutes (until the client goes away).
+SLOW = {"FAKE_ENGINE_TOKENS": "10000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+GPU_MB = 1200
+
+
+def status_models(alpha_env: dict[str, str], gamma: bool = True) -> dict[str, dict[str, Any]]:
+    models: dict[str, dict[str, Any]] = {
+        "alpha": {"model": "fake/alpha", "aliases": ["a"], "memory_mb": 300, "env": alpha_env},
+        "beta": {"model": "fake/beta", "memory_mb": 250},
+    }
+    if gamma:
+        models["gamma"] = {"model": "fake/gamma", "memory_mb": 200, "env": SLOW}
+    return models
+
+
+def status_config(tmp_path: Path, models: dict[str, dict[str, Any]]) -> Config:
+    """Fake-engine models on a static GPU budget, admin API open, long drains."""
+    base = make_config(tmp_path, models=models, server={"admin_open": True, "drain_timeout_s": 120})
     data = base.model_dump(mode="json")
-    data["gpu"] = {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]}
+    data["gpu"] = {"monitor": "static", "devices": [{"id": 0, "memory_mb": GPU_MB}]}
     return parse_config(data)
+
+
+def write_config(tmp_path: Path, models: dict[str, dict[str, Any]]) -> Path:
+    path = tmp_path / "config.yaml"
+    path.write_text(json.dumps(status_config(tmp_path, models).model_dump(mode="json")))
+    return path
+
+
+class StatusProxy(NamedTuple):
+    proxy: RunningProxy
+    path: Path
+    #: Streams the test holds open; closed at teardown, so the draining instances stop.
+    held: list[aiohttp.ClientResponse]
+
+
+@pytest.fixture
+async def status_proxy(tmp_path: Path) -> AsyncIterator[StatusProxy]:
+    """A proxy started from a config file (so it can reload), with a client session of its own."""
+    path = write_config(tmp_path, status_models(SLOW))
+    server = Server(load_config(path), str(path))
+    session = aiohttp.ClientSession()
+    held: list[aiohttp.ClientResponse] = []
+    await server.start()
+    try:
+        yield StatusProxy(RunningProxy(server, session), path, held)
+    finally:
+        for resp in held:
+            resp.close()
+        await session.close()
+        await server.shutdown()
 
 
 async def run_chromium(url: str, profile: Path, *args: str) -> tuple[int, str, str]:
@@ -99,33 +141,73 @@ def png_summary(path: Path) -> tuple[int, int, int]:
     return width, height, len(rows)
 
 
-def row_html(dom: str, model: str) -> str:
-    match = re.search(rf'<tr[^>]*data-model="{re.escape(model)}"[^>]*>.*?</tr>', dom, re.S)
-    assert match, f"no row for {model!r} in the rendered page"
+def row_html(dom: str, attr: str, value: str) -> str:
+    """The rendered table row with ``data-<attr>="<value>"``."""
+    pattern = rf'<tr[^>]*data-{attr}="{re.escape(value)}"[^>]*>.*?</tr>'
+    match = re.search(pattern, dom, re.S)
+    assert match, f"no row with data-{attr}={value!r} in the rendered page"
     return match.group(0)
 
 
-async def make_alpha_running(proxy: RunningProxy) -> dict[str, Any]:
-    async with await proxy.chat("a") as resp:
+async def admin_models(proxy: RunningProxy) -> dict[str, Any]:
+    async with proxy.http.get(proxy.url + "/admin/models") as resp:
         assert resp.status == 200, await resp.text()
-        await resp.read()
+        body: dict[str, Any] = await resp.json()
+        return body
 
-    async def admin_models() -> dict[str, Any]:
-        async with proxy.http.get(proxy.url + "/admin/models") as resp:
-            assert resp.status == 200, await resp.text()
-            body: dict[str, Any] = await resp.json()
-            return body
 
-    async def alpha_counted() -> bool:
-        body = await admin_models()
-        return bool(body["gpus"]) and body["gpus"][0]["used_mb"] >= 400
+async def hold_stream(scene: StatusProxy, model: str) -> None:
+    """A streamed request that keeps its lease until the client closes it."""
+    resp = await scene.proxy.chat(model, stream=True)
+    scene.held.append(resp)
+    assert resp.status == 200, await resp.text()
+    assert await resp.content.readany()
 
-    await wait_for(alpha_counted, what="alpha's memory on the GPU budget")
-    return await admin_models()
+
+class Scene(NamedTuple):
+    snapshot: dict[str, Any]
+    #: alpha's instance that the reload replaced, draining its request
+    old: str
+    #: alpha's instance the reload started, serving new requests
+    new: str
+    #: the removed model's instance, draining its request
+    gamma: str
+
+
+async def reload_scene(scene: StatusProxy) -> Scene:
+    """alpha's engine changes while a request holds its instance, and gamma is removed while one
+    holds gamma's: both drain (retired) beside alpha's new instance; beta never started.
+
+    Instance ids are read, not assumed: a start that lost its port takes an id too."""
+    proxy, path = scene.proxy, scene.path
+    await hold_stream(scene, "a")
+    await hold_stream(scene, "gamma")
+    before = {m["name"]: m for m in (await admin_models(proxy))["models"]}
+    (old,) = [i["id"] for i in before["alpha"]["instances"]]
+    (gamma,) = [i["id"] for i in before["gamma"]["instances"]]
+    write_config(path.parent, status_models({**SLOW, "X": "2"}, gamma=False))
+    async with proxy.http.post(proxy.url + "/admin/reload") as resp:
+        report = await resp.json()
+    assert resp.status == 200, report
+    assert (report["restarted"], report["removed"]) == (["alpha"], ["gamma"]), report
+
+    async def settled() -> bool:
+        body = await admin_models(proxy)
+        alpha = next(m for m in body["models"] if m["name"] == "alpha")
+        states = [(i["id"] == old, i["state"], i["retired"]) for i in alpha["instances"]]
+        used = body["gpus"][0]["used_mb"] if body["gpus"] else 0
+        return states == [(True, "running", True), (False, "running", False)] and (
+            used == 300 + 300 + 200
+        )
+
+    await wait_for(settled, timeout=30, what=f"a new alpha instance beside the draining {old}")
+    snapshot = await admin_models(proxy)
+    alpha = next(m for m in snapshot["models"] if m["name"] == "alpha")
+    return Scene(snapshot, old, alpha["instances"][1]["id"], gamma)
 
 
 async def test_status_page_serves_html(start_proxy: StartProxy, tmp_path: Path) -> None:
-    proxy = await start_proxy(status_config(tmp_path))
+    proxy = await start_proxy(status_config(tmp_path, status_models({})))
     async with proxy.http.get(proxy.url + "/") as resp:
         assert resp.status == 200
         assert resp.content_type == "text/html"
@@ -134,13 +216,23 @@ async def test_status_page_serves_html(start_proxy: StartProxy, tmp_path: Path) 
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "page must be self-contained"
 
 
-async def test_status_page_renders_in_chromium(start_proxy: StartProxy, tmp_path: Path) -> None:
-    proxy = await start_proxy(status_config(tmp_path))
-    snapshot = await make_alpha_running(proxy)
-    states = {m["name"]: m["state"] for m in snapshot["models"]}
-    assert states == {"alpha": "running", "beta": "stopped"}
+async def test_status_page_renders_in_chromium(status_proxy: StatusProxy, tmp_path: Path) -> None:
+    proxy = status_proxy.proxy
+    scene = await reload_scene(status_proxy)
+    snapshot = scene.snapshot
+    models = {m["name"]: m for m in snapshot["models"]}
+    assert {n: (m["state"], m["removed"]) for n, m in models.items()} == {
+        "alpha": ("running", False),
+        "beta": ("stopped", False),
+        "gamma": ("running", True),
+    }
+    live = {i["id"]: i for m in models.values() for i in m["instances"]}
+    assert set(live) == {scene.old, scene.new, scene.gamma}
+    assert [scene.old, scene.new] == [i["id"] for i in models["alpha"]["instances"]]
+    assert all(re.fullmatch(rf"{m}#\d+", i["id"]) for m in models for i in models[m]["instances"])
+    assert all(i["pid"] and i["port"] for i in live.values())
     gpu = snapshot["gpus"][0]
-    assert (gpu["id"], gpu["total_mb"], gpu["used_mb"]) == (0, 1000, 400)
+    assert (gpu["id"], gpu["total_mb"], gpu["used_mb"]) == (0, GPU_MB, 800)
     assert snapshot["proxy"]["memory"] == "static"
     url = proxy.url + "/"
 
@@ -166,15 +258,57 @@ async def test_status_page_renders_in_chromium(start_proxy: StartProxy, tmp_path
         url, tmp_path / "profile-dom", "--dump-dom", "--virtual-time-budget=5000"
     )
     assert rc == 0, err[-2000:]
-    alpha = row_html(dom, "alpha")
-    beta = row_html(dom, "beta")
+    assert 'id="banner" class="banner hidden"' in dom, "the error banner is showing"
+    assert 'id="version">0.1.0<' in dom
+    assert 'id="memory-mode">static<' in dom
+    assert 'id="engines">3<' in dom and 'id="active">2<' in dom
+
+    # Models: summary state, names, tags.
+    alpha = row_html(dom, "model", "alpha")
     assert 'data-state="running"' in alpha
     assert re.search(r'class="badge s-running">running<', alpha)
     assert "fake/alpha · a" in alpha
+    assert "removed" not in alpha and "draining" not in alpha
+    beta = row_html(dom, "model", "beta")
     assert 'data-state="stopped"' in beta and ">stopped<" in beta
+    gamma = row_html(dom, "model", "gamma")
+    assert 'data-removed="true"' in gamma and ">removed<" in gamma
+
+    # Both OpenAI base URLs, as text, for every configured model (not the removed one).
+    for name in ("alpha", "beta"):
+        urls = row_html(dom, "urls", name)
+        assert f"<code>{proxy.url}/v1</code>" in urls, urls
+        assert f"<code>{proxy.url}/serve/{name}/v1</code>" in urls, urls
+        assert models[name]["base_urls"] == {
+            "v1": f"{proxy.url}/v1",
+            "serve": f"{proxy.url}/serve/{name}/v1",
+        }
+    assert 'data-urls="gamma"' not in dom
+
+    # One row per live instance: id, state, pid : port, devices, leases; retired ones draining.
+    for iid, inst in live.items():
+        assert dom.count(f'data-instance="{iid}"') == 1, f"{iid} shown more than once"
+        row = row_html(dom, "instance", iid)
+        assert f'data-state="{inst["state"]}"' in row and ">running<" in row
+        assert f"{inst['pid']} : {inst['port']}" in row, row
+        assert re.search(r"<td>0</td>", row), f"no device in {row}"
+        assert re.search(rf'class="num">{inst["leases"]}<', row), row
+        retired = ">draining<" in row
+        assert retired == inst["retired"] == (iid != scene.new), row
+        assert ('data-retired="true"' in row) == retired
+    assert re.search(r'class="num">1<', row_html(dom, "instance", scene.old))
+    assert "no engine yet" in dom  # beta
+    order = [
+        'data-model="alpha"',
+        'data-urls="alpha"',
+        f'data-instance="{scene.old}"',
+        f'data-instance="{scene.new}"',
+        'data-model="beta"',
+        'data-model="gamma"',
+        f'data-instance="{scene.gamma}"',
+    ]
+    assert sorted(order, key=dom.index) == order, "rows out of order"
+
     assert re.search(r'data-gpu="0"', dom), "no GPU section"
-    assert re.search(r'class="bar\s*"[^>]*aria-valuenow="400"', dom), "no GPU memory bar"
-    assert "400 MiB / 1000 MiB (40%)" in dom
-    assert 'id="version">0.1.0<' in dom
-    assert 'id="memory-mode">static<' in dom
-    assert 'id="banner" class="banner hidden"' in dom, "the error banner is showing"
+    assert re.search(r'class="bar\s*"[^>]*aria-valuenow="800"', dom), "no GPU memory bar"
+    assert "800 MiB / 1200 MiB (67%)" in dom

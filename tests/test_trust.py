@@ -31,6 +31,7 @@ async def test_foreign_listener_on_the_engine_port_is_never_trusted(
     await web.TCPSite(runner, "127.0.0.1", foreign_port).start()
     try:
         # The race: the free-port check passed just before the stranger bound the port.
+        monkeypatch.setattr(engine_module.random, "randrange", lambda n: 0)  # first port first
         real_check = engine_module.port_is_free
         monkeypatch.setattr(
             engine_module, "port_is_free", lambda port: port == foreign_port or real_check(port)

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import random
 import re
 import signal
 import socket
@@ -50,7 +51,8 @@ class PortAllocator:
     def allocate(self, port_range: tuple[int, int]) -> int:
         lo, hi = port_range
         span = hi - lo + 1
-        start = self._cursor.get(port_range, 0)
+        # A random first port: proxies that share a range (several on one host) rarely race.
+        start = self._cursor.setdefault(port_range, random.randrange(span))
         for i in range(span):
             port = lo + (start + i) % span
             if port not in self._held and port_is_free(port):
@@ -270,6 +272,11 @@ class EngineProcess:
         listeners = listening_inodes(self.port)
         ours = tree_socket_inodes(self.proc.pid)
         if not listeners or not listeners <= ours:
+            log.error(
+                "%s: listeners on port %d: %s held by pid(s) %s; the engine's tree holds %s",
+                self.spec.name, self.port, sorted(listeners),
+                [(p, _cmd(p)) for p in _holders(listeners - ours)], sorted(ours),
+            )  # fmt: skip
             return False
         self.listener = listeners
         return True
@@ -341,3 +348,22 @@ def tree_socket_inodes(pid: int) -> frozenset[int]:
             if target.startswith("socket:["):
                 found.add(int(target[8:-1]))
     return frozenset(found)
+
+
+def _holders(inodes: frozenset[int]) -> list[int]:
+    """Pids holding any of these socket inodes (a full /proc scan: for error reports only)."""
+    wanted = {f"socket:[{i}]" for i in inodes}
+    pids = []
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):
+            fd_dir = f"/proc/{pid}/fd"
+            if any(os.readlink(f"{fd_dir}/{fd}") in wanted for fd in os.listdir(fd_dir)):
+                pids.append(pid)
+    return pids
+
+
+def _cmd(pid: int) -> str:
+    try:
+        return " ".join(psutil.Process(pid).cmdline())[:200]
+    except psutil.Error:
+        return "?"

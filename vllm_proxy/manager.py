@@ -140,18 +140,20 @@ class Manager:
         views: list[ModelView] = []
         pending: dict[int, int] = {}
         pinned = {m.name: m.pinned for m in self.models.values()}
+        claims = self.memory.claims
         for i in self.all_instances():
-            if i.placement is None:
+            claim = claims.get(i.id)
+            if claim is None:
                 continue
-            footprint = max(i.placement.footprint_mb, self.memory.measured.get(i.id, 0))
+            footprint = max(claim.footprint_mb, self.memory.measured.get(i.id, 0))
             starting = i.state is State.STARTING
             views.append(
-                ModelView(i.id, footprint, i.placement.devices, i.state is State.RUNNING,
+                ModelView(i.id, footprint, claim.devices, i.state is State.RUNNING,
                           i.leases, i.last_used, pinned.get(i.name, False), starting,
                           stopping=i.state is State.STOPPING)
             )  # fmt: skip
             if starting and self.memory.kind == "nvml":
-                for d in i.placement.devices:
+                for d in claim.devices:
                     pending[d] = pending.get(d, 0) + footprint
         return views, pending
 
@@ -177,7 +179,6 @@ class Manager:
             if isinstance(decision, Plan):
                 # Claim memory and victims before the first await: later plans see both.
                 placement = memory.placement(inst.spec, decision.devices)
-                inst.placement = placement
                 memory.occupy(inst.id, placement)
                 victims = [v for v in map(self.instance, decision.evict) if v is not None]
                 stops = [v.evict("memory") for v in victims]
@@ -213,9 +214,10 @@ class Manager:
         if not devices or self.memory is None:
             return False
         pinned = {m.name for m in self.models.values() if m.pinned}
+        claims = self.memory.claims
         idle = [
             i for i in self.all_instances()
-            if i.placement and set(devices) & set(i.placement.devices)
+            if i.id in claims and set(devices) & set(claims[i.id].devices)
             and i.state is State.RUNNING and i.leases == 0 and i.name not in pinned
         ]  # fmt: skip
         for victim in sorted(idle, key=lambda i: i.last_used):
@@ -267,19 +269,18 @@ class Manager:
             return True
         if self.memory is None:
             return False
+        updates = {}
         for inst in model.instances:
-            if inst.placement is None:
+            claim = self.memory.claims.get(inst.id)
+            if claim is None:
                 continue
-            allowed = spec.devices is None or set(inst.placement.devices) <= set(spec.devices)
-            new = self.memory.placement(spec, inst.placement.devices) if allowed else None
-            if new is None or (new.overrides, new.env) != (
-                inst.placement.overrides,
-                inst.placement.env,
-            ):
+            allowed = spec.devices is None or set(claim.devices) <= set(spec.devices)
+            new = self.memory.placement(spec, claim.devices) if allowed else None
+            if new is None or (new.overrides, new.env) != (claim.overrides, claim.env):
                 return True
-            if new.footprint_mb != inst.placement.footprint_mb:  # same engine, new budget
-                inst.placement = new
-                self.memory.occupy(inst.id, new)
+            updates[inst.id] = new
+        for iid, new in updates.items():  # the same engines, a new budget
+            self.memory.occupy(iid, new)
         return False
 
     def _remove(self, model: Model, drain_timeout_s: float) -> None:

@@ -79,6 +79,8 @@ class Memory:
         self._locks: dict[int, asyncio.Lock] = {}
         self.snapshots = source.read()
         self.totals = {s.id: s.total_mb for s in self.snapshots}
+        #: Memory claimed by each placed instance (admitted and not yet down), by instance id.
+        self.claims: dict[str, Placement] = {}
         #: Planned footprint per model name (a property of its spec).
         self.estimates: dict[str, Footprint] = {}
         #: What each live instance was measured to hold, by instance id.
@@ -165,12 +167,15 @@ class Memory:
         return Placement(devices, mb, overrides, env)
 
     def occupy(self, instance_id: str, placement: Placement) -> None:
-        """Claim the placement's memory for the instance (the static budget counts claims)."""
+        """Claim the placement's memory for the instance (replacing an earlier claim); the
+        planner counts every claim, and the static budget's "used" is their sum."""
+        self.claims[instance_id] = placement
         if isinstance(self.source, StaticBudget):
             self.source.set_usage(instance_id, placement.devices, placement.footprint_mb)
 
     def vacate(self, instance_id: str) -> None:
         """The instance is down: its claim and measurement go."""
+        self.claims.pop(instance_id, None)
         if isinstance(self.source, StaticBudget):
             self.source.clear_usage(instance_id)
         self.by_process.discard(instance_id)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable
 
 from .config import ModelSpec
@@ -295,5 +294,4 @@ class Model:
             or None,
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
-            "checked_at": time.time(),
         }
