@@ -28,7 +28,8 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 PYTHON = sys.executable
-READY_RE = re.compile(r"(\S+): ready on port (\d+) after ([0-9.]+)s")
+#: ``<model>#<n>: ready on port P after Ss`` (one line per engine instance).
+READY_RE = re.compile(r"(\S+)#\d+: ready on port (\d+) after ([0-9.]+)s")
 
 # A real (16-token) vLLM chat.completion as the fake engine renders it: every upstream answers
 # with this much JSON, so the proxies copy the same bytes whichever upstream they are in front of.
@@ -270,9 +271,7 @@ class ProxyHandle:
 
     def starts(self, model: str) -> int:
         text = self.log_path.read_text(errors="replace")
-        return text.count(f"{model}: STOPPED -> STARTING") + text.count(
-            f"{model}: ERROR -> STARTING"
-        )
+        return len(re.findall(rf"\b{re.escape(model)}#\d+: STOPPED -> STARTING", text))
 
 
 def start_proxy(

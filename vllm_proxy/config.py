@@ -60,6 +60,14 @@ class _EngineKeys(_Strict):
     port_range: tuple[int, int] | None = None
     #: Bound on a silent upstream read (seconds without a byte from the engine).
     read_timeout_s: float | None = Field(None, gt=0)
+    #: Health watcher: probe every RUNNING engine this often (0 = off) ...
+    health_interval_s: float | None = Field(None, ge=0)
+    #: ... each probe bounded by this ...
+    health_timeout_s: float | None = Field(None, gt=0)
+    #: ... and this many failed probes in a row mark the engine unhealthy (killed, restarted).
+    health_misses: int | None = Field(None, ge=1)
+    #: Crash loops: after consecutive failed starts the next waits 1, 2, 4 ... up to this.
+    backoff_max_s: float | None = Field(None, ge=0)
     log_dir: str | None = None
     log_max_mb: float | None = Field(None, gt=0)
     log_backups: int | None = Field(None, ge=0)
@@ -105,6 +113,10 @@ class EngineConfig(_EngineKeys):
     idle_timeout_s: float = Field(600, ge=0)
     port_range: tuple[int, int] = (8001, 8999)
     read_timeout_s: float = Field(600, gt=0)
+    health_interval_s: float = Field(5, ge=0)
+    health_timeout_s: float = Field(5, gt=0)
+    health_misses: int = Field(3, ge=1)
+    backoff_max_s: float = Field(60, ge=0)
     log_max_mb: float = Field(20, gt=0)
     log_backups: int = Field(2, ge=0)
 
@@ -194,6 +206,10 @@ class ModelSpec:
     idle_timeout_s: float
     read_timeout_s: float
     port_range: tuple[int, int]
+    health_interval_s: float
+    health_timeout_s: float
+    health_misses: int
+    backoff_max_s: float
     log_dir: str
     log_max_bytes: int
     log_backups: int
@@ -272,6 +288,10 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         stop_timeout_s=pick("stop_timeout_s"),
         idle_timeout_s=pick("idle_timeout_s"),
         read_timeout_s=pick("read_timeout_s"),
+        health_interval_s=pick("health_interval_s"),
+        health_timeout_s=pick("health_timeout_s"),
+        health_misses=pick("health_misses"),
+        backoff_max_s=pick("backoff_max_s"),
         port_range=tuple(pick("port_range")),
         log_dir=str(Path(log_dir).expanduser()),
         log_max_bytes=int(pick("log_max_mb") * 1024 * 1024),

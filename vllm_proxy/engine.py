@@ -281,6 +281,25 @@ class EngineProcess:
         self.listener = listeners
         return True
 
+    async def probe(self, session: aiohttp.ClientSession, timeout: float) -> bool:
+        """One health probe: ``GET /health`` answered 200 within `timeout`."""
+        try:
+            limit = aiohttp.ClientTimeout(total=timeout)
+            async with session.get(self.base_url + "/health", timeout=limit) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    def engine_alive(self) -> bool:
+        """Whether the engine under the guard still has a live (non-zombie) process."""
+        if self.proc is None or self._exited.is_set():
+            return False
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+            return any(c.status() != psutil.STATUS_ZOMBIE for c in children)
+        except psutil.Error:
+            return False
+
     def listener_unchanged(self) -> bool:
         """The socket that listens on our port is still the one verified at readiness."""
         return bool(self.listener) and listening_inodes(self.port) == self.listener

@@ -45,6 +45,10 @@ from .registry import EngineRegistry
 log = logging.getLogger(__name__)
 
 
+#: After a broken engine connection: how long to look for the exit of an engine that seems alive.
+EXIT_LOOK_S = 0.25
+
+
 class State(enum.Enum):
     STOPPED = "stopped"
     STARTING = "starting"
@@ -127,6 +131,8 @@ class Instance:
         self.ready_at = 0.0
         #: Replaced by a reload or its model removed: takes no new request, drains, stops.
         self.retired = False
+        #: Killed by the health watcher (hung, stopped, or its port taken over).
+        self.unhealthy = False
         self.created = time.time()
         self._changed = asyncio.Event()
         self._released = asyncio.Event()
@@ -278,6 +284,9 @@ class Instance:
         self._set_state(State.RUNNING)
         if self.leases == 0:
             self._arm_idle_timer()
+        if self.spec.health_interval_s > 0:
+            watcher = asyncio.ensure_future(self._watch_health(engine))
+            watcher.add_done_callback(retrieve)
 
     def _out_of_memory(self) -> bool:
         if not self.devices or self.engine is None:
@@ -333,6 +342,59 @@ class Instance:
         if self.state is State.RUNNING:
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._fail(engine.failure_message("exited unexpectedly"))
+
+    # -- health --------------------------------------------------------------------------
+
+    async def _watch_health(self, engine: EngineProcess) -> None:
+        """Probe the RUNNING engine every `health_interval_s`; `health_misses` failed probes in a
+        row (no 200 within `health_timeout_s`: hung, deadlocked, SIGSTOPped) or a listener that
+        is no longer the engine's own socket mark it unhealthy: it is killed, and the next
+        request starts a new instance."""
+        spec = self.spec
+        misses = 0
+        while True:
+            await asyncio.sleep(spec.health_interval_s)
+            if self.state is not State.RUNNING or self.engine is not engine:
+                return
+            if not engine.listener_unchanged():
+                self._unhealthy(engine, "its port is no longer held by the engine's own socket")
+                return
+            healthy = await engine.probe(self.ctx.session, spec.health_timeout_s)
+            misses = 0 if healthy else misses + 1
+            if misses >= spec.health_misses and self.state is State.RUNNING:
+                why = f"no answer to {misses} health probes in a row"
+                self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
+                return
+
+    def _unhealthy(self, engine: EngineProcess, why: str) -> None:
+        self.unhealthy = True
+        self.ctx.metrics.restarts.labels(self.name, "unhealthy").inc()
+        self._fail(f"model '{self.name}': engine not healthy: {why}; killed")
+        engine.kill()
+
+    def upstream_failure(self, engine: EngineProcess) -> ProxyError:
+        """What a request whose engine connection broke is told: 503 + Retry-After when the
+        health watcher killed the engine, else 502 with the exit code or signal if it died.
+        Never engine log lines (they may hold other users' prompts); those go to the log."""
+        if self.unhealthy:
+            return Unavailable(
+                f"model '{self.name}': the engine stopped answering health checks and was"
+                " restarted; retry",
+                code="engine_unhealthy",
+                retry_after_s=1,
+            )
+        if engine.exit_code is not None:
+            log.error("%s", engine.failure_message("exited while serving a request"))
+            return EngineFailed(engine.short_failure("exited while serving the request"))
+        return EngineFailed(f"model '{self.name}': connection to the engine was lost")
+
+    async def upstream_failure_after_exit(self, engine: EngineProcess) -> ProxyError:
+        """`upstream_failure()`, after waiting (bounded) for the exit code when the engine
+        process is gone, or briefly when it still seems alive."""
+        if engine.exit_code is None:
+            # A dying engine may still look alive for a moment: a short look, not a fixed wait.
+            await engine.wait_exit(EXIT_LOOK_S if engine.engine_alive() else KILL_WAIT_S)
+        return self.upstream_failure(engine)
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -398,17 +460,6 @@ class Instance:
         """SIGKILL the engine group now (forced exit)."""
         if self.engine is not None:
             self.engine.kill()
-
-    async def failure_detail(self, engine: EngineProcess, timeout: float = 3.0) -> str:
-        """Why an upstream connection broke: the exit code if the engine died.
-
-        The engine's log lines stay in the proxy's log and the admin API: they may hold other
-        users' prompts.
-        """
-        if await engine.wait_exit(timeout) is not None:
-            log.error("%s", engine.failure_message("exited while serving a request"))
-            return engine.short_failure("exited while serving the request")
-        return f"model '{self.name}': connection to the engine was lost"
 
     # -- views ---------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 
 from .config import ModelSpec
@@ -27,6 +28,8 @@ PORT_ATTEMPTS = 3
 START_ATTEMPTS = 2
 #: Log files of ended instances kept per model (besides those of live instances).
 LOGS_KEPT = 4
+#: An engine that dies within this long of becoming ready counts as a failed start (crash loop).
+STABLE_S = 30.0
 
 #: After an out-of-memory start: evict one more idle instance on these devices (False: none).
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
@@ -65,6 +68,11 @@ class Model:
         #: The proxy is shutting down.
         self.closed = False
         self._bringup: asyncio.Task[None] | None = None
+        #: Failed starts in a row (an engine that died soon after readiness counts); the next
+        #: start is not tried before `_retry_at` (event-loop time).
+        self.failures = 0
+        self._retry_at = 0.0
+        self._stable: dict[Instance, asyncio.TimerHandle] = {}
         self._changed = asyncio.Event()
         self._summary = State.STOPPED
         ctx.metrics.set_model_state(self.name, None, self._summary.value, loaded=False)
@@ -111,6 +119,7 @@ class Model:
             if self._bringup is None:
                 if starts >= START_ATTEMPTS:
                     raise EngineFailed(self.last_error or f"model '{self.name}' failed to start")
+                self._check_backoff()
                 starts += 1
                 self._bringup = asyncio.ensure_future(self._bring_up())
                 self._bringup.add_done_callback(self._bringup_done)
@@ -120,6 +129,17 @@ class Model:
                 if self.draining or self.removed or self.closed:
                     continue  # the loop answers for the unload, removal or shutdown
                 raise
+
+    def _check_backoff(self) -> None:
+        """Fail fast while a crash loop backs off: 503, Retry-After and the last cause."""
+        wait = self._retry_at - asyncio.get_running_loop().time()
+        if wait > 0:
+            raise Unavailable(
+                f"model '{self.name}': {self.failures} failed start(s) in a row, next attempt in"
+                f" {math.ceil(wait)}s; last error: {self.last_error}",
+                code="engine_backoff",
+                retry_after_s=math.ceil(wait),
+            )
 
     def ensure_started(self) -> asyncio.Task[None] | None:
         """Start an instance in the background unless one serves or is starting (reload,
@@ -200,12 +220,27 @@ class Model:
 
     def _instance_changed(self, inst: Instance, old: State) -> None:
         """Every state change of one of our instances: keep the books and the summary."""
+        if inst.state is State.RUNNING:
+            loop = asyncio.get_running_loop()
+            self._stable[inst] = loop.call_later(STABLE_S, self._proven, inst)
         if inst.state in DOWN and inst.done:
             if inst in self.instances:
                 self.instances.remove(inst)
             self.last_ended = inst
-            if inst.state is State.ERROR and inst.last_error:
-                self.last_error = inst.last_error
+            stable = self._stable.pop(inst, None)
+            if stable is not None:
+                stable.cancel()
+            if inst.state is State.ERROR:
+                if inst.last_error:
+                    self.last_error = inst.last_error
+                if inst.ready_at == 0:  # failed to start
+                    self._back_off()
+                elif stable is not None:  # died soon after readiness: a second time backs off
+                    self._back_off(grace=1)
+                else:
+                    self.failures = 0
+            elif old is State.STOPPING and inst.ready_at:  # ran and was stopped: it worked
+                self.failures = 0
         summary = self.state()
         if summary is not self._summary:
             self.ctx.metrics.set_model_state(
@@ -214,6 +249,23 @@ class Model:
             self._summary = summary
         self._changed.set()
         self._changed = asyncio.Event()
+
+    def _proven(self, inst: Instance) -> None:
+        """The instance has run for `STABLE_S`: the crash loop, if any, is over."""
+        self._stable.pop(inst, None)
+        self.failures = 0
+        self._retry_at = 0.0
+
+    def _back_off(self, grace: int = 0) -> None:
+        """One more failure in a row; the next start waits 1, 2, 4 ... s (after `grace` free
+        failures), up to ``backoff_max_s``."""
+        self.failures += 1
+        if self.failures <= grace:
+            return
+        delay = min(2.0 ** (self.failures - 1 - grace), self.spec.backoff_max_s)
+        self._retry_at = asyncio.get_running_loop().time() + delay
+        log.warning("%s: %d failed start(s) in a row; next start in %gs", self.name,
+                    self.failures, delay)  # fmt: skip
 
     async def _wait_change(self) -> None:
         await self._changed.wait()
@@ -286,6 +338,7 @@ class Model:
             "leases": sum(i.leases for i in self.instances),
             "queue": self.waiting,
             "restarts": self.restarts,
+            "failures_in_a_row": self.failures,
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,

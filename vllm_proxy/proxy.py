@@ -23,7 +23,6 @@ from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
     BadRequest,
-    EngineFailed,
     EngineTimeout,
     Forbidden,
     MethodNotAllowed,
@@ -298,7 +297,7 @@ class Proxy:
         except TimeoutError:
             raise self._read_timeout(inst) from None
         except UpstreamError:
-            raise EngineFailed(await inst.failure_detail(engine)) from None
+            raise await inst.upstream_failure_after_exit(engine) from None
         try:
             headers = _downstream_headers(up.headers)
             if headers.get("Content-Type", "").startswith("text/event-stream"):
@@ -308,7 +307,7 @@ class Proxy:
             except TimeoutError:
                 raise self._read_timeout(inst) from None
             except UpstreamError:
-                raise EngineFailed(await inst.failure_detail(engine)) from None
+                raise await inst.upstream_failure_after_exit(engine) from None
             tap.feed(payload)
             tap.first_byte = time.monotonic()
             return web.Response(status=up.status, body=payload, headers=headers)
@@ -344,8 +343,8 @@ class Proxy:
                 await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
                 return resp
             except UpstreamError:
-                msg = await inst.failure_detail(engine)
-                await _write_quietly(resp, sse_error(msg, "engine_error", "engine_failed"))
+                err = await inst.upstream_failure_after_exit(engine)
+                await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
                 return resp
             if not chunk:
                 break
