@@ -317,7 +317,8 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
         "the fake engine at 32 tokens x 5 ms."
     )
     w(
-        "* **Proxies:** vllm-proxy as shipped (`vllm-proxy --config …`, one process, uvloop); "
+        "* **Proxies:** vllm-proxy as shipped (`vllm-proxy --config …`, one process, uvloop), "
+        "its access log off (`server.access_log: false`) as nginx's is; "
         "nginx `proxy_pass` with `worker_processes 1`, HTTP/1.1 upstream keep-alive, "
         "`proxy_buffering off` for streams; LiteLLM proxy with `--num_workers 1`, an "
         "`openai/<name>` model with `api_base` at the upstream, uvicorn access log off, its "

@@ -285,6 +285,7 @@ def start_proxy(
             "state_dir": str(state),
             "api_keys": [key],
             "drain_timeout_s": 2,
+            "access_log": False,  # like nginx's `access_log off` here
         },
         "engine": {
             "command": [PYTHON, "-m", "fake_vllm"],

@@ -48,6 +48,8 @@ class ServerConfig(_Strict):
     #: Keys for /admin/*; with none, the admin API is refused unless admin_open is true.
     admin_api_keys: list[str] = []
     admin_open: bool = False
+    #: One log line per request on the model routes (logger ``vllm_proxy.access``).
+    access_log: bool = True
 
 
 class _EngineKeys(_Strict):

@@ -135,11 +135,10 @@ class Instance:
         self.unhealthy = False
         self.created = time.time()
         self._changed = asyncio.Event()
-        self._released = asyncio.Event()
+        #: Set by `release()` while a drain waits for leases to run out (None otherwise).
+        self._released: asyncio.Event | None = None
         self._start_task: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._active = ctx.metrics.instance_active.labels(spec.name, iid)  # on the request path
-        self._model_active = ctx.metrics.active.labels(spec.name)
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
     @property
@@ -188,8 +187,6 @@ class Instance:
         if self.state is not State.RUNNING or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        self._active.inc()
-        self._model_active.inc()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
@@ -199,10 +196,8 @@ class Instance:
         """Give a lease back; arms the idle timer at zero."""
         self.leases -= 1
         self.last_used = time.time()
-        self._active.dec()
-        self._model_active.dec()
-        self._released.set()
-        self._released = asyncio.Event()
+        if self._released is not None:
+            self._released.set()
         if self.leases == 0:
             if self.state is State.RUNNING and not self.retired:
                 self._arm_idle_timer()
@@ -429,6 +424,7 @@ class Instance:
                 log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
                 break
             with contextlib.suppress(TimeoutError):
+                self._released = asyncio.Event()
                 await asyncio.wait_for(self._released.wait(), remaining)
         await self.stop()
 

@@ -124,6 +124,17 @@ class Manager:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         return Lease(self.resolve(model) if isinstance(model, str) else model)
 
+    def update_metrics(self) -> None:
+        """Refresh the request gauges from the leases (at scrape time: the request path itself
+        touches no metric for a lease)."""
+        metrics = self.ctx.metrics
+        for model in self.models.values():
+            total = 0
+            for inst in model.instances:
+                total += inst.leases
+                metrics.instance_active.labels(model.name, inst.id).set(inst.leases)
+            metrics.active.labels(model.name).set(total)
+
     def active_leases(self) -> int:
         return sum(i.leases for i in self.all_instances())
 

@@ -130,9 +130,13 @@ class Model:
                     continue  # the loop answers for the unload, removal or shutdown
                 raise
 
+    def backoff_s(self) -> float:
+        """Seconds until the next start may be tried (0: now)."""
+        return max(0.0, self._retry_at - asyncio.get_running_loop().time())
+
     def _check_backoff(self) -> None:
         """Fail fast while a crash loop backs off: 503, Retry-After and the last cause."""
-        wait = self._retry_at - asyncio.get_running_loop().time()
+        wait = self.backoff_s()
         if wait > 0:
             raise Unavailable(
                 f"model '{self.name}': {self.failures} failed start(s) in a row, next attempt in"
@@ -220,7 +224,8 @@ class Model:
 
     def _instance_changed(self, inst: Instance, old: State) -> None:
         """Every state change of one of our instances: keep the books and the summary."""
-        if inst.state is State.RUNNING:
+        if inst.state is State.RUNNING:  # started: no more waiting, but not yet proven
+            self._retry_at = 0.0
             loop = asyncio.get_running_loop()
             self._stable[inst] = loop.call_later(STABLE_S, self._proven, inst)
         if inst.state in DOWN and inst.done:

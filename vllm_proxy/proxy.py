@@ -10,6 +10,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -54,7 +55,7 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect"}
+DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", "x-request-id"}
 DROP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 
 #: POST endpoints routed to an engine by the body's ``model``.
@@ -69,15 +70,26 @@ MODEL_ROUTES = (
     "/detokenize",
 )
 CLIENT_CLOSED = "499"
+REQUEST_ID = web.RequestKey("request_id", str)
+#: One line per request on the model routes (``server.access_log``).
+ACCESS = logging.getLogger("vllm_proxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def error_response(err: ProxyError) -> web.Response:
+def error_response(err: ProxyError, request_id: str | None = None) -> web.Response:
+    """The OpenAI-shaped error; with the request id in ``X-Request-ID`` and, for the proxy's and
+    engines' failures (5xx), in the message, so an operator can find it in the log."""
+    headers = dict(err.headers)
+    body = err.body()
+    if request_id is not None:
+        headers["X-Request-ID"] = request_id
+        if err.status >= 500:
+            body["error"]["message"] += f" (request id {request_id})"
     return web.Response(
         status=err.status,
-        body=err.body_bytes(),
+        body=json.dumps(body).encode(),
         content_type="application/json",
-        headers=err.headers,
+        headers=headers,
     )
 
 
@@ -96,13 +108,18 @@ class _Series:
 
 
 class Tap:
-    """What the request path notes about a response without buffering it: first byte, usage."""
+    """What the request path notes about a response without buffering it: first byte, usage,
+    bytes sent, and whether the client went away."""
 
-    __slots__ = ("first_byte", "usage")
+    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "usage")
 
     def __init__(self) -> None:
         self.first_byte: float | None = None
         self.usage = b""
+        self.bytes = 0
+        self.client_gone = False
+        self.model = "-"
+        self.instance = "-"
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
@@ -125,6 +142,7 @@ class Tap:
 
 
 _DECODER = json.JSONDecoder()
+TAP = web.RequestKey("tap", Tap)
 
 
 def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], str]:
@@ -135,6 +153,8 @@ def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], st
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:
         raise BadRequest(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise BadRequest("the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise BadRequest("the request body must be a JSON object")
     model = forced or data.get("model")
@@ -144,7 +164,10 @@ def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], st
 
 
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST]
+    """The client's headers minus hop-by-hop ones, with the request id (vLLM logs it)."""
+    out = [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST]
+    out.append(("X-Request-ID", request[REQUEST_ID]))
+    return out
 
 
 def _downstream_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
@@ -174,36 +197,78 @@ class Proxy:
         #: Labelled metric children per model: label lookups take a lock, so cache them.
         self._series: dict[str, _Series] = {}
         self.created = int(time.time())
+        #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
+        self._rid_prefix = secrets.token_hex(4)
+        self._rid_seq = 0
 
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
         self.api_keys = [k.encode() for k in server.api_keys]
         self.admin_keys = [k.encode() for k in server.admin_api_keys]
         self.admin_open = server.admin_open
+        self.access_log = server.access_log
 
     # -- middleware ----------------------------------------------------------------------
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """API keys on the OpenAI routes, and OpenAI-shaped errors for everything."""
+        """Request ids, API keys on the OpenAI routes, OpenAI-shaped errors for everything, and
+        one access-log line per request on the model routes."""
+        rid = self._request_id(request)
+        request[REQUEST_ID] = rid
+        tap = request[TAP] = Tap()
+        started = time.monotonic()
+        status = 500
+        try:
+            resp = await self._guarded_handle(request, handler, rid)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        finally:
+            if _guarded(request.path) and self.access_log:
+                if tap.client_gone:
+                    status = 499
+                ACCESS.info(
+                    "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f",
+                    rid, request.method, request.path, tap.model, tap.instance, status,
+                    tap.bytes, (time.monotonic() - started) * 1000,
+                )  # fmt: skip
+
+    async def _guarded_handle(
+        self, request: web.Request, handler: Handler, rid: str
+    ) -> web.StreamResponse:
         try:
             path = request.path
             if path.startswith("/admin"):
                 self._check_admin(request)
             elif self.api_keys and _guarded(path):
                 _check_key(request, self.api_keys)
-            return await handler(request)
+            resp = await handler(request)
+            if not resp.prepared:
+                resp.headers["X-Request-ID"] = rid
+            return resp
         except ProxyError as err:
-            return error_response(err)
+            return error_response(err, rid)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(_from_http_exception(exc, request, self.max_body_bytes))
+            return error_response(_from_http_exception(exc, request, self.max_body_bytes), rid)
         except (asyncio.CancelledError, ConnectionResetError):
             raise
         except Exception:
-            log.exception("unexpected error while handling %s %s", request.method, request.path)
-            return error_response(ProxyError("internal error in the proxy; see its log"))
+            log.exception("unexpected error while handling %s %s (request %s)",
+                          request.method, request.path, rid)  # fmt: skip
+            return error_response(ProxyError("internal error in the proxy; see its log"), rid)
+
+    def _request_id(self, request: web.Request) -> str:
+        """The client's ``X-Request-ID`` when it is a sane token, else a new one."""
+        given = request.headers.get("X-Request-ID")
+        if given and len(given) <= 128 and given.isascii() and given.isprintable():
+            return given
+        self._rid_seq += 1
+        return f"{self._rid_prefix}-{self._rid_seq:x}"
 
     def _check_admin(self, request: web.Request) -> None:
         if self.admin_keys:
@@ -238,12 +303,14 @@ class Proxy:
         if data.get("model") != model.name:  # an alias: the engine only knows the canonical name
             data["model"] = model.name
             body = json.dumps(data).encode()
-        tap = Tap()
+        tap = request[TAP]
+        tap.model = model.name
         status = "error"
         try:
             async with self.manager.lease(model) as (inst, engine):
+                tap.instance = inst.id
                 resp = await self._relay(request, path, body, inst, engine, tap)
-            status = str(resp.status)
+            status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
             return resp
         except ProxyError as err:
             status = str(err.status)
@@ -310,6 +377,7 @@ class Proxy:
                 raise await inst.upstream_failure_after_exit(engine) from None
             tap.feed(payload)
             tap.first_byte = time.monotonic()
+            tap.bytes = len(payload)
             return web.Response(status=up.status, body=payload, headers=headers)
         finally:
             up.release()  # not read to the end (client gone, error): closes, the engine aborts
@@ -333,6 +401,7 @@ class Proxy:
         resp = web.StreamResponse(status=up.status, headers=headers)
         resp.headers["X-Accel-Buffering"] = "no"
         resp.headers["Cache-Control"] = "no-cache"
+        resp.headers["X-Request-ID"] = request[REQUEST_ID]
         await resp.prepare(request)
         timeout = inst.spec.read_timeout_s
         while True:
@@ -351,9 +420,11 @@ class Proxy:
             try:
                 await resp.write(chunk)
             except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                tap.client_gone = True
                 return resp  # the client left; the unread response closes the engine connection
             if tap.first_byte is None:
                 tap.first_byte = time.monotonic()
+            tap.bytes += len(chunk)
             tap.feed(chunk)
         await resp.write_eof()
         return resp
@@ -399,6 +470,7 @@ class Proxy:
         return web.json_response({"status": "ok"})
 
     async def metrics_page(self, request: web.Request) -> web.Response:
+        self.manager.update_metrics()
         if self.manager.memory is not None:
             self.manager.memory.update_metrics()
         resp = web.Response(body=self.metrics.render())
@@ -409,7 +481,7 @@ class Proxy:
 def _check_key(request: web.Request, keys: list[bytes]) -> None:
     auth = request.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
-    given = token.strip().encode()
+    given = token.strip().encode("utf-8", "surrogateescape")  # any bytes a client sent
     ok = False
     for key in keys:  # compare with every key: no early exit on a match
         ok |= hmac.compare_digest(given, key)
@@ -440,7 +512,11 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: in
             f"unknown endpoint {request.method} {request.path}", code="unknown_endpoint"
         )
     if exc.status == 405:
-        return MethodNotAllowed(f"method {request.method} not allowed on {request.path}")
+        allowed = sorted(getattr(exc, "allowed_methods", ()) or ())
+        return MethodNotAllowed(
+            f"method {request.method} not allowed on {request.path}",
+            headers={"Allow": ", ".join(allowed)} if allowed else None,
+        )
     return BadRequest(exc.reason or "bad request", status=exc.status)
 
 

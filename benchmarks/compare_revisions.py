@@ -1,0 +1,151 @@
+#!/usr/bin/env python3
+"""Has a change made the request path slower? Two revisions of vllm-proxy side by side.
+
+    .venv/bin/python benchmarks/compare_revisions.py --base 65dc40e [--rounds 5] [--seconds 4]
+
+Checks the base revision out into a temporary git worktree and runs, in each round and for each
+revision in turn (the order alternating), vllm-proxy in front of the static nginx upstream
+(`nginx_engine.py`) and wrk against it at c=1 and c=64. Both revisions run from the same venv
+(the base through ``PYTHONPATH``), on the same cores, minutes apart at most; the table shows
+medians over rounds and the ratio new/base, which is what a noisy machine can compare.
+Everything binds 127.0.0.1 and is stopped at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import loadgen
+import run
+import servers
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCURRENCY = (1, 64)
+
+
+def proxy_config(tmp: Path, port: int, upstream: int) -> Path:
+    body = tmp / "static.json"
+    body.write_text(json.dumps(servers.STATIC_BODY, separators=(",", ":")))
+    config = {
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "state_dir": str(tmp / "state"),
+            "api_keys": [run.KEY],
+            "drain_timeout_s": 2,
+        },
+        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3},
+        "models": {
+            "bench": {
+                "model": "static/bench",
+                "command": [servers.PYTHON, str(servers.BENCH_DIR / "nginx_engine.py")],
+                "port_range": [upstream, upstream],
+                "env": {
+                    "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
+                    "NGINX_ENGINE_BODY": str(body),
+                },
+            }
+        },
+    }
+    path = tmp / "proxy.yaml"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def measure(tree: Path, tmp: Path, seconds: float) -> dict[int, dict[str, float]]:
+    """One proxy of the revision checked out at `tree`: wrk at each concurrency."""
+    procs = servers.Procs(tmp)
+    try:
+        port, upstream = servers.pick_ports(2)
+        cfg = proxy_config(tmp, port, upstream)
+        argv = [servers.PYTHON, "-m", "vllm_proxy", "--config", str(cfg), "--log-level", "warning"]
+        env = {"PYTHONPATH": str(tree)}
+        proxy = procs.start("vllm-proxy", argv, tmp / "proxy.log", env)
+        servers.wait_http(f"http://127.0.0.1:{port}/health", 30, proxy)
+        url = f"http://127.0.0.1:{port}"
+        run.arun(run._first_requests([(url, "bench")]))
+        loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, 64, 1)  # warm-up
+        out = {}
+        for c in CONCURRENCY:
+            r = loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, c, seconds)
+            out[c] = {"rps": r["rps"], "p50": r["p50_us"] / 1000, "p99": r["p99_us"] / 1000}
+        return out
+    finally:
+        procs.stop_all()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--base", required=True, help="the revision to compare with (e.g. a commit)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--seconds", type=float, default=4.0)
+    args = p.parse_args()
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    with tempfile.TemporaryDirectory(prefix="vllm-proxy-compare-") as tmp_name:
+        tmp = Path(tmp_name)
+        base_tree = tmp / "base"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "-f", str(base_tree), args.base],
+            cwd=ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+        try:
+            trees = {f"base {args.base}": base_tree, f"new {head} (+ work tree)": ROOT}
+            results: Results = {k: [] for k in trees}
+            for rnd in range(args.rounds):
+                order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+                for name in order:
+                    work = tmp / f"r{rnd}-{name.split()[0]}"
+                    work.mkdir()
+                    results[name].append(measure(trees[name], work, args.seconds))
+                    r = results[name][-1]
+                    servers.log(
+                        f"round {rnd + 1} {name}: "
+                        + ", ".join(f"c={c} {r[c]['rps']:,.0f} req/s" for c in CONCURRENCY)
+                    )
+        finally:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(base_tree)],
+                cwd=ROOT, capture_output=True,
+            )  # fmt: skip
+    print_table(results, args)
+    return 0
+
+
+Results = dict[str, list[dict[int, dict[str, float]]]]
+
+
+def print_table(results: Results, args: argparse.Namespace) -> None:
+    names = list(results)
+    print("\n| c | revision | req/s (median) | p50 ms | p99 ms |")
+    print("|---:|---|---:|---:|---:|")
+    med: dict[tuple[str, int], dict[str, float]] = {}
+    for c in CONCURRENCY:
+        for name in names:
+            m = {
+                k: statistics.median(r[c][k] for r in results[name]) for k in ("rps", "p50", "p99")
+            }
+            med[(name, c)] = m
+            print(f"| {c} | {name} | {m['rps']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} |")
+    print()
+    for c in CONCURRENCY:
+        base, new = med[(names[0], c)], med[(names[1], c)]
+        print(f"c={c}: new/base throughput {new['rps'] / base['rps']:.2f}x, "
+              f"p50 {new['p50'] / base['p50']:.2f}x")  # fmt: skip
+    cmd = " ".join(["benchmarks/compare_revisions.py", *sys.argv[1:]])
+    print(f"\n{args.rounds} interleaved rounds, wrk {args.seconds:g} s per run; command: "
+          f"`.venv/bin/python {cmd}` ({os.uname().nodename}, {os.cpu_count()} cores)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())

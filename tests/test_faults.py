@@ -1,0 +1,82 @@
+"""Faults injected through real processes: hung engines, crash loops."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+from conftest import FAKE_ENGINE, StartProxy, group_alive, make_config, wait_for
+
+from vllm_proxy.instance import State
+
+WATCH = {"health_interval_s": 0.2, "health_timeout_s": 0.3, "health_misses": 3}
+
+
+async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: StartProxy) -> None:
+    """SIGSTOP (a hung engine): the health watcher marks it unhealthy within a few probes; the
+    request waiting for an answer gets 503 + Retry-After, the stream an SSE error event, and the
+    next request is served by a new instance."""
+    env = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine=WATCH)
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+    hung = proxy.instance("m1")
+    assert hung.engine is not None and hung.engine.pid is not None
+    pgid = hung.engine.pid
+    stream = await proxy.chat("m1", stream=True)
+    await stream.content.readany()
+    waiting = asyncio.ensure_future(proxy.chat("m1"))  # ~5 s of tokens: still waiting
+    await wait_for(lambda: hung.leases == 2, what="both requests in flight")
+    os.killpg(pgid, signal.SIGSTOP)
+
+    resp = await asyncio.wait_for(waiting, 30)
+    assert resp.status == 503, await resp.text()
+    assert int(resp.headers["Retry-After"]) >= 1
+    err = (await resp.json())["error"]
+    assert err["code"] == "engine_unhealthy" and "health checks" in err["message"]
+    body = (await asyncio.wait_for(stream.read(), 30)).decode()
+    assert '"engine_unhealthy"' in body and body.endswith("data: [DONE]\n\n")
+    assert hung.state is State.ERROR and hung.unhealthy
+    await wait_for(lambda: not group_alive(pgid), what="the hung group killed")
+
+    resp = await proxy.chat("m1", max_tokens=1)
+    assert resp.status == 200
+    fresh = proxy.instance("m1")
+    assert fresh is not hung and fresh.state is State.RUNNING
+    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    assert 'vllm_proxy_engine_restarts_total{model_id="m1",reason="unhealthy"} 1.0' in text
+
+
+async def test_crash_loop_backs_off_and_a_success_resets(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    marker = tmp_path / "healthy-now"
+    script = f'[ -e {marker} ] || {{ echo "boom" >&2; exit 7; }}; exec {" ".join(FAKE_ENGINE)} "$@"'
+    models = {"m1": {"model": "x", "command": ["sh", "-c", script, "sh"]}}
+    proxy = await start_proxy(make_config(tmp_path, models, engine={"backoff_max_s": 2}))
+    model = proxy.model("m1")
+
+    resp = await proxy.chat("m1")  # a real start: the engine exits with 7
+    assert resp.status == 502 and "exit code 7" in (await resp.json())["error"]["message"]
+    for retry_after in (1, 2):
+        fast = await proxy.chat("m1")  # within the back-off: refused at once, no new engine
+        assert fast.status == 503, await fast.text()
+        assert fast.headers["Retry-After"] == str(retry_after)
+        err = (await fast.json())["error"]
+        assert err["code"] == "engine_backoff" and "exit code 7" in err["message"]
+        assert "boom" not in err["message"], "engine output stays out of client errors"
+        starts = proxy.engine_starts("m1")
+        await wait_for(lambda: model.backoff_s() == 0, timeout=5, what="back-off over")
+        if retry_after == 1:
+            resp = await proxy.chat("m1")  # the second real start fails again: 2 s next
+            assert resp.status == 502
+            assert proxy.engine_starts("m1") == starts + 1
+    assert model.failures == 2
+    marker.touch()
+    resp = await proxy.chat("m1")
+    assert resp.status == 200, await resp.text()
+    inst = proxy.instance("m1")
+    await inst.stop()  # it ran and was stopped: the loop is over
+    assert model.failures == 0 and model.backoff_s() == 0
