@@ -141,3 +141,23 @@ def test_cli_exits_2_on_unreadable_or_invalid_yaml(tmp_path: Path) -> None:
         )
         assert proc.returncode == 2, proc.stderr
         assert str(path) in proc.stderr
+
+
+def test_check_exits_2_naming_a_model_that_cannot_fit(tmp_path: Path) -> None:
+    """``--check`` applies the same memory rules as a start: a model larger than every device it
+    may use is named, with exit code 2; one that fits passes."""
+    data = {
+        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]},
+        "models": {"small": {"model": "x", "memory_mb": 500}, "huge": {"model": "y", "memory_mb": 5000}},
+    }
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    argv = [sys.executable, "-m", "vllm_proxy", "--config", str(path), "--check"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout
+    assert "models.huge" in proc.stderr and "5000 MiB" in proc.stderr
+    del data["models"]["huge"]  # type: ignore[attr-defined]
+    path.write_text(yaml.safe_dump(data))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "every model fits" in proc.stdout

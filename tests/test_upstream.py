@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from conftest import free_port, wait_for
 
-from vllm_proxy.upstream import UpstreamError, UpstreamPool
+from vllm_proxy.upstream import HIGH_WATER, UpstreamError, UpstreamPool
 
 
 class Upstream:
@@ -107,13 +107,18 @@ async def test_refused_connection_is_an_upstream_error() -> None:
             await asyncio.wait_for(pool.request(free_port(), "POST", "/", [], b"", 5), 5)
 
 
-async def test_slow_reader_gets_every_byte(upstream: Upstream) -> None:
+async def test_slow_reader_pauses_the_engine_socket_and_gets_every_byte(
+    upstream: Upstream,
+) -> None:
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/big", [], b"", 5)
+    # Nobody reads: the engine's 2 MiB pile up to the high-water mark, then the socket pauses.
+    await wait_for(lambda: resp._paused, what="socket paused above the high-water mark")
+    assert HIGH_WATER < resp._buffered < 2 * 1024 * 1024
     received = bytearray()
     while chunk := await resp.read_chunk(5):
         received += chunk
-        await asyncio.sleep(0)  # let the socket fill the buffer past its high-water mark
+    assert not resp._paused, "resumed once the reader caught up"
     resp.release()
     assert bytes(received) == bytes(range(256)) * 8192
     pool.close()
@@ -148,3 +153,130 @@ async def test_limit_bounds_connections_in_use(upstream: Upstream) -> None:
     assert await resp.read_all(5) == b"2"
     resp.release()
     pool.close()
+
+
+# -- conformance against a raw-socket engine ---------------------------------------------------
+
+
+class RawEngine:
+    """A loopback server that answers each request with scripted bytes, and counts requests."""
+
+    def __init__(self, *answers: bytes | None) -> None:
+        self.answers = list(answers)  # None: read the request, then close without answering
+        self.requests = 0
+        self.port = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> RawEngine:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                await reader.readexactly(length)
+                self.requests += 1
+                answer = self.answers.pop(0)
+                if answer is None:
+                    break
+                writer.write(answer)
+                await writer.drain()
+                if b"connection: close" in answer.lower() or (
+                    b"content-length" not in (answer.lower()) and b"chunked" not in answer.lower()
+                ):
+                    break
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def body_of(port: int, pool: UpstreamPool) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+    resp = await pool.request(port, "POST", "/x", [], b"{}", 5)
+    body = await resp.read_all(5)
+    resp.release()
+    return resp.status, resp.headers, body
+
+
+@pytest.mark.parametrize(
+    "interim",
+    [
+        b"HTTP/1.1 100 Continue\r\n\r\n",
+        b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n",
+    ],
+)
+async def test_interim_responses_are_skipped(interim: bytes) -> None:
+    async with RawEngine(interim + OK) as engine:
+        pool = UpstreamPool(limit=4)
+        status, headers, body = await body_of(engine.port, pool)
+        assert (status, body) == (200, b"ok")
+        assert all(k.lower() != b"link" for k, _ in headers), "the interim head is not kept"
+        pool.close()
+
+
+async def test_switching_protocols_is_refused() -> None:
+    answer = (
+        b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+    )
+    async with RawEngine(answer) as engine:
+        pool = UpstreamPool(limit=4)
+        with pytest.raises(UpstreamError, match="101"):
+            await pool.request(engine.port, "POST", "/x", [], b"{}", 5)
+        pool.close()
+
+
+async def test_close_delimited_body_is_relayed_to_its_end() -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n" + b"x" * 100_000
+    async with RawEngine(answer) as engine:
+        pool = UpstreamPool(limit=4)
+        status, _, body = await body_of(engine.port, pool)
+        assert status == 200 and body == b"x" * 100_000
+        assert not pool._idle.get(engine.port), "a close-delimited connection is not reused"
+        pool.close()
+
+
+async def test_chunk_extensions_and_trailers_parse() -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-Sum\r\n\r\n"
+        b"5;name=value\r\nhello\r\n6\r\n world\r\n0\r\nX-Sum: 11\r\n\r\n"
+    )
+    async with RawEngine(answer, OK) as engine:
+        pool = UpstreamPool(limit=4)
+        status, headers, body = await body_of(engine.port, pool)
+        assert (status, body) == (200, b"hello world")
+        assert all(k.lower() != b"x-sum" for k, _ in headers), "trailers are not forwarded"
+        assert (await body_of(engine.port, pool))[2] == b"ok"  # the connection stays usable
+        assert engine.requests == 2
+        pool.close()
+
+
+async def test_a_huge_response_head_is_an_error() -> None:
+    fields = b"".join(b"X-F%d: %s\r\n" % (i, b"v" * 900) for i in range(100))
+    async with RawEngine(b"HTTP/1.1 200 OK\r\n" + fields + b"Content-Length: 0\r\n\r\n") as e:
+        pool = UpstreamPool(limit=4)
+        with pytest.raises(UpstreamError, match="too large"):
+            await pool.request(e.port, "POST", "/x", [], b"{}", 5)
+        pool.close()
+
+
+async def test_a_request_that_went_out_is_never_sent_again() -> None:
+    """The engine reads the second request on a kept-alive connection and closes without an
+    answer: that is an error for the client, never a resend (the generation may have begun)."""
+    async with RawEngine(OK, None) as engine:
+        pool = UpstreamPool(limit=4)
+        assert (await body_of(engine.port, pool))[2] == b"ok"
+        with pytest.raises(UpstreamError):
+            await pool.request(engine.port, "POST", "/x", [], b"{}", 5)
+        await asyncio.sleep(0.1)  # a resend would arrive now (bounded look, nothing to wait on)
+        assert engine.requests == 2
+        pool.close()

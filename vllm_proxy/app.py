@@ -97,6 +97,16 @@ def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) 
     return memory
 
 
+def check_memory(config: Config) -> str:
+    """What ``--check`` says of GPU memory: `ConfigError` naming a model that cannot fit on any
+    device it may use, else how memory is managed."""
+    memory = build_memory(config, config.specs(), Metrics())
+    if memory is None:
+        return "not managed"
+    memory.close()
+    return f"{memory.kind}, every model fits"
+
+
 async def create_app(
     config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
 ) -> web.Application:

@@ -64,13 +64,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"vllm-proxy: {err}", file=sys.stderr)
         return EXIT_CONFIG
-    if args.check:
-        print(f"{args.config}: OK, {len(config.models)} model(s)")
-        return 0
-
     import uvloop
 
-    from .app import serve
+    from .app import check_memory, serve
+
+    if args.check:
+        try:  # also: does every model fit on a device it may use (as at start)?
+            memory = check_memory(config)
+        except ConfigError as err:
+            print(f"vllm-proxy: {err}", file=sys.stderr)
+            return EXIT_CONFIG
+        print(f"{args.config}: OK, {len(config.models)} model(s); GPU memory: {memory}")
+        return 0
 
     try:
         return uvloop.run(serve(config, args.config, overrides))

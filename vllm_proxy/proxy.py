@@ -12,9 +12,10 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
@@ -55,7 +56,10 @@ HOP_BY_HOP = frozenset(
         "upgrade",
     }
 )
-DROP_REQUEST = HOP_BY_HOP | {"host", "content-length", "authorization", "expect", "x-request-id"}
+#: ``content-encoding``: aiohttp has decoded the body already (gzip, deflate): it goes on plain.
+DROP_REQUEST = HOP_BY_HOP | {
+    "host", "content-length", "authorization", "expect", "x-request-id", "content-encoding"
+}  # fmt: skip
 DROP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 
 #: POST endpoints routed to an engine by the body's ``model``.
@@ -164,19 +168,35 @@ def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], st
 
 
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
-    """The client's headers minus hop-by-hop ones, with the request id (vLLM logs it)."""
-    out = [(k, v) for k, v in request.headers.items() if k.lower() not in DROP_REQUEST]
+    """The client's headers minus hop-by-hop ones (and those its ``Connection`` names), with
+    the request id (vLLM logs it)."""
+    drop = DROP_REQUEST | _connection_named(request.headers.getall("Connection", ()))
+    out = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
     out.append(("X-Request-ID", request[REQUEST_ID]))
     return out
 
 
 def _downstream_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
+    """The engine's headers minus hop-by-hop ones and those its ``Connection`` names."""
+    drop = DROP_RESPONSE
+    for k, v in raw:
+        if k.lower() == b"connection":
+            drop = drop | _connection_named([v.decode("latin-1")])
     headers: CIMultiDict[str] = CIMultiDict()
     for k, v in raw:
         name = k.decode("latin-1")
-        if name.lower() not in DROP_RESPONSE:
+        if name.lower() not in drop:
             headers.add(name, v.decode("latin-1"))
     return headers
+
+
+def _connection_named(values: Iterable[str]) -> frozenset[str]:
+    """Header names listed in ``Connection`` (RFC 9110 7.6.1: hop-by-hop too)."""
+    return frozenset(t.strip().lower() for v in values for t in v.split(",") if t.strip())
+
+
+#: The ``/v1/...`` routes a ``/serve/{model}/v1/{tail}`` path may reach.
+PREFIXED_TAILS = frozenset(r.removeprefix("/v1/") for r in MODEL_ROUTES if r.startswith("/v1/"))
 
 
 class Proxy:
@@ -286,9 +306,16 @@ class Proxy:
 
     async def forward_prefixed(self, request: web.Request) -> web.StreamResponse:
         """``/serve/{model}/v1/...``: the model comes from the path; the body's is optional."""
-        path = "/v1/" + request.match_info["tail"]
-        if request.query_string:
-            path += "?" + request.query_string
+        tail = request.match_info["tail"]
+        if tail not in PREFIXED_TAILS:  # never copy a client's path into the request line
+            raise NotFound(
+                f"unknown endpoint POST {request.path}; /serve/<model>/v1/ takes: "
+                + ", ".join(sorted(PREFIXED_TAILS)),
+                code="unknown_endpoint",
+            )
+        path = "/v1/" + tail
+        if request.query:
+            path += "?" + urlencode(list(request.query.items()))  # re-encoded, not raw
         return await self._forward(request, path, request.match_info["model"])
 
     async def _forward(
@@ -367,20 +394,60 @@ class Proxy:
             raise await inst.upstream_failure_after_exit(engine) from None
         try:
             headers = _downstream_headers(up.headers)
-            if headers.get("Content-Type", "").startswith("text/event-stream"):
+            if headers.get("Content-Type", "").lower().startswith("text/event-stream"):
                 return await self._stream(request, up, headers, inst, engine, tap)
             try:
-                payload = await up.read_all(timeout)
+                first = await up.read_chunk(timeout)
+                if up.complete():  # the whole body is here (the usual case): one response
+                    payload = first + await up.read_all(timeout)
+                    tap.feed(payload)
+                    tap.first_byte = time.monotonic()
+                    tap.bytes = len(payload)
+                    return web.Response(status=up.status, body=payload, headers=headers)
             except TimeoutError:
                 raise self._read_timeout(inst) from None
             except UpstreamError:
                 raise await inst.upstream_failure_after_exit(engine) from None
-            tap.feed(payload)
-            tap.first_byte = time.monotonic()
-            tap.bytes = len(payload)
-            return web.Response(status=up.status, body=payload, headers=headers)
+            return await self._body(request, up, headers, first, inst, tap)
         finally:
             up.release()  # not read to the end (client gone, error): closes, the engine aborts
+
+    async def _body(
+        self,
+        request: web.Request,
+        up: UpstreamResponse,
+        headers: CIMultiDict[str],
+        first: bytes,
+        inst: Instance,
+        tap: Tap,
+    ) -> web.StreamResponse:
+        """A large or slow non-stream body: passed on as it arrives, never held whole. Past
+        `prepare()` an engine failure can only cut the response short (the client sees a
+        truncated body), and is logged."""
+        resp = web.StreamResponse(status=up.status, headers=headers)
+        if up.content_length is not None:
+            resp.content_length = up.content_length
+        await resp.prepare(request)
+        chunk, timeout = first, inst.spec.read_timeout_s
+        try:
+            while chunk:
+                await resp.write(chunk)
+                if tap.first_byte is None:
+                    tap.first_byte = time.monotonic()
+                tap.bytes += len(chunk)
+                tap.feed(chunk)
+                chunk = await up.read_chunk(timeout)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            tap.client_gone = True
+            return resp
+        except (TimeoutError, UpstreamError) as err:
+            log.error("%s: response body cut short (request %s): %s", inst.id,
+                      request[REQUEST_ID], err or "no data")  # fmt: skip
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp
 
     @staticmethod
     def _read_timeout(inst: Instance) -> EngineTimeout:

@@ -22,6 +22,8 @@ IDLE_TIMEOUT_S = 4.0
 MAX_IDLE_PER_PORT = 256
 #: Socket reads pause while this much body is buffered, and resume below the low mark.
 HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
+#: Bounds on an engine's response head (its count of fields, and bytes in all of them).
+MAX_HEADERS, MAX_HEADER_BYTES = 128, 64 * 1024
 
 
 class UpstreamError(Exception):
@@ -32,8 +34,8 @@ class UpstreamResponse:
     """Status, headers and the body as a stream of chunks; `release()` when done."""
 
     __slots__ = (
-        "_buffered", "_chunks", "_conn", "_done", "_error", "_paused", "_pool", "_waiter",
-        "got_data", "headers", "keep_alive", "status",
+        "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_paused", "_pool",
+        "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool) -> None:
@@ -42,6 +44,9 @@ class UpstreamResponse:
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
         self.got_data = False
+        #: No Content-Length and not chunked: the body ends when the engine closes.
+        self.until_close = False
+        self._head_bytes = 0
         self._chunks: collections.deque[bytes] = collections.deque()
         self._buffered = 0
         self._paused = False
@@ -102,6 +107,20 @@ class UpstreamResponse:
             self._paused = False
         return data
 
+    def complete(self) -> bool:
+        """The whole body has arrived (and is buffered here), without error."""
+        return self._done and self._error is None
+
+    @property
+    def content_length(self) -> int | None:
+        for k, v in self.headers:
+            if k.lower() == b"content-length":
+                try:
+                    return int(v)
+                except ValueError:
+                    return None
+        return None
+
     async def read_all(self, timeout: float) -> bytes:
         parts = []
         while chunk := await self.read_chunk(timeout):
@@ -129,6 +148,8 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.resp: UpstreamResponse | None = None
         self.parser: httptools.HttpResponseParser | None = None
+        #: Why a parser callback refused the response.
+        self.refused: str | None = None
 
     def start(self, resp: UpstreamResponse) -> None:
         self.resp = resp
@@ -145,8 +166,9 @@ class _Conn(asyncio.Protocol):
         self.resp.got_data = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as err:
-            self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {err}"))
+        except (httptools.HttpParserError, UpstreamError) as err:
+            why = self.refused or str(err)  # a callback's own reason, not the parser's wrapper
+            self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
             self.close()
 
     def eof_received(self) -> bool:
@@ -160,8 +182,13 @@ class _Conn(asyncio.Protocol):
 
     def _lost(self, why: str) -> None:
         self.closed = True
-        if self.resp is not None and not self.resp._done:
-            self.resp._finish(UpstreamError(why))
+        resp = self.resp
+        if resp is not None and not resp._done:
+            if resp.status and resp.until_close:  # a close-delimited body ends here
+                resp.keep_alive = False
+                resp._finish()
+            else:
+                resp._finish(UpstreamError(why))
 
     def close(self) -> None:
         self.closed = True
@@ -170,14 +197,36 @@ class _Conn(asyncio.Protocol):
 
     # httptools callbacks
     def on_header(self, name: bytes, value: bytes) -> None:
-        assert self.resp is not None
-        self.resp.headers.append((name, value))
+        resp = self.resp
+        assert resp is not None
+        if resp.status:  # trailers after a chunked body: parsed, not forwarded
+            return
+        resp._head_bytes += len(name) + len(value)
+        if len(resp.headers) >= MAX_HEADERS or resp._head_bytes > MAX_HEADER_BYTES:
+            self.refused = "response head too large"
+            raise UpstreamError(self.refused)
+        resp.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        assert self.resp is not None and self.parser is not None
-        self.resp.status = self.parser.get_status_code()
-        self.resp.keep_alive = self.parser.should_keep_alive()
-        self.resp._wake()
+        resp, parser = self.resp, self.parser
+        assert resp is not None and parser is not None
+        status = parser.get_status_code()
+        if status == 101:
+            self.refused = "the engine switched protocols (101), which the proxy refuses"
+            raise UpstreamError(self.refused)
+        if 100 <= status < 200:  # 100 Continue, 103 Early Hints: not the final response
+            resp.headers.clear()
+            resp._head_bytes = 0
+            return
+        resp.status = status
+        resp.keep_alive = parser.should_keep_alive()
+        names = {k.lower() for k, _ in resp.headers}
+        resp.until_close = (
+            b"content-length" not in names
+            and b"transfer-encoding" not in names
+            and status not in (204, 304)
+        )
+        resp._wake()
 
     def on_body(self, body: bytes) -> None:
         assert self.resp is not None
@@ -185,7 +234,8 @@ class _Conn(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.resp is not None
-        self.resp._finish()
+        if self.resp.status:  # not the end of an interim (1xx) response
+            self.resp._finish()
 
 
 class UpstreamPool:
@@ -207,39 +257,46 @@ class UpstreamPool:
     ) -> UpstreamResponse:
         """Send a request and wait for the response head; `release()` the response after use.
 
-        A reused connection that the engine had closed meanwhile is retried once on a new one.
+        A request is written once: a pooled connection is used only while it is open, and a
+        connection that breaks after the request went out is an error, never a resend (the
+        engine may have started the generation).
         """
         head = _head(method, path, port, headers, len(body))
         await self._slots.acquire()
         try:
-            for attempt in (0, 1):
-                conn, reused = await self._connect(port)
-                resp = UpstreamResponse(conn, self)
-                conn.start(resp)
-                assert conn.transport is not None
+            conn = await self._connect(port)
+            resp = UpstreamResponse(conn, self)
+            conn.start(resp)
+            assert conn.transport is not None
+            if body:  # one call for head and body; (head, b"") breaks writelines on 3.12
                 conn.transport.writelines((head, body))
-                try:
-                    await resp.wait_headers(timeout)
-                    return resp
-                except UpstreamError:
-                    conn.close()
-                    if not (reused and not resp.got_data and attempt == 0):
-                        raise
-                except BaseException:
-                    conn.close()
-                    raise
-            raise AssertionError("unreachable")  # pragma: no cover
+            else:
+                conn.transport.write(head)
+            try:
+                await resp.wait_headers(timeout)
+                return resp
+            except BaseException:
+                conn.close()
+                raise
         except BaseException:
             self._slots.release()
             raise
 
-    async def _connect(self, port: int) -> tuple[_Conn, bool]:
+    async def _connect(self, port: int) -> _Conn:
+        """An open pooled connection to `port`, else a new one (nothing has been written yet,
+        so trying the next is safe)."""
         idle = self._idle.get(port)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
-            if not conn.closed and now - conn.idle_since < IDLE_TIMEOUT_S:
-                return conn, True
+            transport = conn.transport
+            if (
+                not conn.closed
+                and transport is not None
+                and not transport.is_closing()
+                and now - conn.idle_since < IDLE_TIMEOUT_S
+            ):
+                return conn
             conn.close()
         loop = asyncio.get_running_loop()
         try:
@@ -249,7 +306,7 @@ class UpstreamPool:
             )
         except OSError as err:
             raise UpstreamError(f"cannot connect to the engine on port {port}: {err}") from None
-        return proto, False
+        return proto
 
     def _release(self, conn: _Conn, reusable: bool) -> None:
         self._slots.release()

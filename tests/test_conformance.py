@@ -1,0 +1,118 @@
+"""The HTTP the proxy speaks to clients and engines, through a raw-socket engine (real processes).
+
+Each test scripts what the engine answers (tests/engines/raw_engine.py) and checks what the
+client receives and what the engine was sent.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from conftest import RunningProxy, StartProxy, make_config
+
+RAW_ENGINE = [sys.executable, str(Path(__file__).parent / "engines" / "raw_engine.py")]
+
+
+async def raw_proxy(tmp_path: Path, start_proxy: StartProxy, answer: bytes) -> RunningProxy:
+    (tmp_path / "answer").write_bytes(answer)
+    env = {"RAW_ENGINE_ANSWER": str(tmp_path / "answer"), "RAW_ENGINE_LOG": str(tmp_path / "seen")}
+    models = {"m1": {"model": "raw", "command": RAW_ENGINE, "env": env}}
+    return await start_proxy(make_config(tmp_path, models))
+
+
+def seen(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (tmp_path / "seen").read_text().splitlines()]
+
+
+CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+
+
+async def test_event_stream_is_matched_case_insensitively(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    events = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
+    answer += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT)
+    assert resp.headers["X-Accel-Buffering"] == "no", "treated as a stream"
+    assert await resp.read() == events
+
+
+async def test_close_delimited_body_reaches_the_client_whole(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    body = json.dumps({"object": "chat.completion", "pad": "y" * 600_000}).encode()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + body
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    for _ in range(2):  # and the next request gets a fresh connection
+        resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT)
+        assert resp.status == 200 and await resp.read() == body
+
+
+async def test_a_large_body_is_passed_on_with_its_length(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    body = json.dumps({"object": "list", "data": "z" * 3_000_000}).encode()
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+    answer += b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    resp = await proxy.http.post(proxy.url + "/v1/embeddings", json={"model": "m1", "input": "x"})
+    assert resp.status == 200 and resp.content_length == len(body)
+    assert await resp.read() == body
+
+
+async def test_hop_by_hop_and_connection_named_headers_are_dropped_both_ways(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    answer = (
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: keep-alive, X-Engine-Hop"
+        b"\r\nX-Engine-Hop: 1\r\nKeep-Alive: timeout=5\r\nX-Kept: 1\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    headers = {"Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "secret", "X-Other": "1"}
+    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=headers)
+    assert resp.status == 200
+    assert "X-Engine-Hop" not in resp.headers and "Keep-Alive" not in resp.headers
+    assert resp.headers["X-Kept"] == "1"
+    sent = seen(tmp_path)[-1]["headers"]
+    assert "x-client-hop" not in sent and sent["x-other"] == "1"
+    assert "authorization" not in sent and sent["x-request-id"]
+
+
+async def test_compressed_request_goes_on_decoded_without_the_header(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    raw = json.dumps(CHAT).encode()
+    resp = await proxy.http.post(
+        proxy.url + "/v1/chat/completions",
+        data=gzip.compress(raw),
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert resp.status == 200, await resp.text()
+    sent = seen(tmp_path)[-1]
+    assert "content-encoding" not in sent["headers"]
+    assert json.loads(sent["body"]) == CHAT
+
+
+async def test_serve_tail_is_checked_and_the_query_re_encoded(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    for tail in ("models/x", "admin", "chat/completions/../../admin", "chat%2Fcompletions%0d"):
+        resp = await proxy.http.post(proxy.url + f"/serve/m1/v1/{tail}", json=CHAT)
+        assert resp.status == 404, tail
+    async with aiohttp.ClientSession() as raw_client:
+        url = proxy.url + "/serve/m1/v1/chat/completions?a=b%20c&x=%0d%0aInjected:%201"
+        resp = await raw_client.post(url, json=CHAT)
+        assert resp.status == 200
+    line = seen(tmp_path)[-1]["line"]
+    assert line.startswith("POST /v1/chat/completions?a=b+c&x=%0D%0AInjected%3A+1 HTTP/1.1"), line
