@@ -2,14 +2,18 @@
 #   make demo       installs everything, generates two tiny models, runs the proxy on the CPU build of vLLM
 #   make demo-fake  the same proxy in front of the fake engine: installs neither torch nor vLLM
 #   make test       ruff + mypy + pytest (all tiers) -- exactly what CI runs
-PYTHON ?= python3
+# The project's Python, named: CI runs the whole suite on 3.11 and everything but the real-vLLM
+# tier on 3.12 as well (vLLM's CPU build is installed for 3.11 only).
+PYTHON ?= $(shell sh scripts/find-python.sh 3.11)
+PYTHON312 ?= $(shell sh scripts/find-python.sh 3.12)
 VENV   ?= .venv
+VENV312 ?= .venv-py312
 PY     := $(VENV)/bin/python
 DEMO   ?= .demo
 PORT   ?= 8080
 LINT_PATHS := vllm_proxy fake_vllm tiny_llama vllm_proxy_demo tests benchmarks
 
-.PHONY: setup setup-base system-deps test lint demo demo-fake clean
+.PHONY: setup setup-base system-deps test test-py312 lint demo demo-fake clean
 
 # Base: the proxy, the fake engine and the demo on the core dependencies (no torch, no vLLM).
 setup-base: $(VENV)/.base
@@ -41,6 +45,18 @@ system-deps:
 
 test: system-deps lint
 	$(PY) -m pytest
+	$(MAKE) test-py312
+
+# The same tests (less the real-vLLM tier) on Python 3.12, in a venv without torch or vLLM.
+test-py312: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -m "not realvllm"
+
+$(VENV312)/.installed: pyproject.toml
+	test -n "$(PYTHON312)"
+	$(PYTHON312) -m venv $(VENV312)
+	$(VENV312)/bin/python -m pip install -q --upgrade pip
+	$(VENV312)/bin/python -m pip install -q -e '.[test]'
+	touch $@
 
 demo: setup
 	$(PY) -m vllm_proxy_demo --dir $(DEMO) --port $(PORT)
@@ -49,4 +65,4 @@ demo-fake: setup-base
 	$(PY) -m vllm_proxy_demo --dir $(DEMO) --port $(PORT) --fake
 
 clean:
-	rm -rf $(VENV) $(DEMO)
+	rm -rf $(VENV) $(VENV312) $(DEMO)

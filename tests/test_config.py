@@ -148,7 +148,10 @@ def test_check_exits_2_naming_a_model_that_cannot_fit(tmp_path: Path) -> None:
     may use is named, with exit code 2; one that fits passes."""
     data = {
         "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]},
-        "models": {"small": {"model": "x", "memory_mb": 500}, "huge": {"model": "y", "memory_mb": 5000}},
+        "models": {
+            "small": {"model": "x", "memory_mb": 500},
+            "huge": {"model": "y", "memory_mb": 5000},
+        },
     }
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))

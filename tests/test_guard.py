@@ -80,10 +80,12 @@ CHILD = textwrap.dedent(
     """
     import os, signal, sys, time
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # One write per line: with PYTHONUNBUFFERED=1, print() writes word by word and the two
+    # processes' lines would interleave in the shared log.
     if os.fork() == 0:          # a grandchild that outlives its parent, like VLLM::EngineCore
-        print("child", os.getpid(), flush=True)
+        os.write(1, f"child {os.getpid()}\\n".encode())
         time.sleep(600)
-    print("main", os.getpid(), flush=True)
+    os.write(1, f"main {os.getpid()}\\n".encode())
     time.sleep(float(sys.argv[1]))
     sys.exit(int(sys.argv[2]))
     """
@@ -152,30 +154,55 @@ def test_guard_kills_group_when_its_parent_dies(tmp_path: Path) -> None:
 async def test_readiness_polling_stays_within_tens_of_milliseconds(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The engine is seen within one poll interval (<= 20 ms) of answering 200 on /health."""
+    """Against an engine that is refused, then not ready (503), then ready: the poller keeps
+    polling through refusals and 503s at intervals that start at 5 ms and never exceed 20 ms,
+    and returns at the first 200 (so the engine is seen within one interval of being ready)."""
     import asyncio
 
     import aiohttp
+    from aiohttp import web
+    from conftest import free_port
 
     import vllm_proxy.engine as engine_module
     from vllm_proxy.config import parse_config
-    from vllm_proxy.engine import POLL_MAX_S, EngineProcess
+    from vllm_proxy.engine import POLL_FIRST_S, POLL_MAX_S, EngineProcess
 
+    port = free_port()
     spec = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
-    engine = EngineProcess(spec.specs()["m"], 1, tmp_path / "m.log")  # nothing listens
+    engine = EngineProcess(spec.specs()["m"], port, tmp_path / "m.log")
+    monkeypatch.setattr(engine, "_verify_listener", lambda: True)  # served in-process here
+    hits: list[int] = []
+    runner: web.AppRunner | None = None
+
+    async def health(request: web.Request) -> web.Response:
+        hits.append(len(delays))
+        return web.Response(status=200 if len(hits) > 10 else 503)
+
     delays: list[float] = []
     real_sleep = asyncio.sleep
 
     async def record(delay: float) -> None:
+        nonlocal runner
         delays.append(delay)
-        if len(delays) >= 30:
-            raise asyncio.CancelledError
+        if len(delays) == 5:  # after 5 refused connections the engine starts listening
+            app = web.Application()
+            app.router.add_get("/health", health)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
         await real_sleep(0)
 
     monkeypatch.setattr(engine_module.asyncio, "sleep", record)
-    async with aiohttp.ClientSession() as session:
-        with pytest.raises(asyncio.CancelledError):
-            await engine._poll_health(session)
-    assert delays[0] <= 0.01
-    assert delays == sorted(delays), "backs off monotonically"
-    assert max(delays) == POLL_MAX_S <= 0.02
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await asyncio.wait_for(engine._poll_health(session), 30) is True
+            paused = len(delays)
+    finally:
+        if runner is not None:
+            await runner.cleanup()
+    assert len(hits) == 11, "ten 503s, then the 200 that ends the wait"
+    assert hits == list(range(5, 16)), "first polled after 5 refusals, then one pause per 503"
+    assert paused == hits[-1], "no pause after the 200"
+    assert delays[0] == POLL_FIRST_S <= 0.005
+    assert delays[:paused] == sorted(delays[:paused]), "backs off monotonically"
+    assert max(delays[:paused]) == POLL_MAX_S <= 0.02

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from conftest import free_port, wait_for
 
-from vllm_proxy.upstream import HIGH_WATER, UpstreamError, UpstreamPool
+from vllm_proxy.upstream import HIGH_WATER, NoSlot, UpstreamError, UpstreamPool
 
 
 class Upstream:
@@ -146,11 +146,29 @@ async def test_limit_bounds_connections_in_use(upstream: Upstream) -> None:
     second = asyncio.ensure_future(pool.request(upstream.port, "POST", "/echo", [], b"2", 5))
     for _ in range(20):  # let it run as far as it can: it must stop at the semaphore
         await asyncio.sleep(0)
-    assert pool._slots.locked() and not second.done()
+    assert pool._share("").locked() and not second.done()
     await first.read_all(5)
     first.release()
     resp = await asyncio.wait_for(second, 5)
     assert await resp.read_all(5) == b"2"
+    resp.release()
+    pool.close()
+
+
+async def test_one_model_cannot_take_every_connection(upstream: Upstream) -> None:
+    """Two models share 2 connections: one each. A slow model's second request waits (bounded)
+    while the other model's request goes through."""
+    pool = UpstreamPool(limit=2, slot_wait_s=0.3)
+    pool.set_shares(["slow", "other"])
+    held = await pool.request(upstream.port, "POST", "/stream?n=50&delay=0.1", [], b"", 5, "slow")
+    other = await pool.request(upstream.port, "POST", "/echo", [], b"o", 5, "other")
+    assert await other.read_all(5) == b"o"  # not starved by the slow model
+    other.release()
+    with pytest.raises(NoSlot, match="all 1 connections to model 'slow'"):
+        await pool.request(upstream.port, "POST", "/echo", [], b"s", 5, "slow")
+    held.release()
+    resp = await pool.request(upstream.port, "POST", "/echo", [], b"s", 5, "slow")
+    assert await resp.read_all(5) == b"s"
     resp.release()
     pool.close()
 

@@ -6,6 +6,7 @@ import asyncio
 import gc
 import logging
 import os
+import resource
 import signal
 import socket
 from dataclasses import dataclass, field
@@ -61,6 +62,7 @@ class Runtime:
         self.manager.max_queue = new.admission.max_queue
         report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
         self.proxy.configure(new.server)
+        self.proxy.upstream.set_shares(specs)
         report["needs_restart"] = _restart_only(self.config, new)
         if report["needs_restart"]:
             log.warning(
@@ -124,7 +126,10 @@ async def create_app(
     adm = config.admission
     manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue)
     manager.start()
-    upstream = UpstreamPool(config.server.max_upstream_connections)
+    upstream = UpstreamPool(
+        config.server.max_upstream_connections, slot_wait_s=config.server.connection_wait_s
+    )
+    upstream.set_shares(specs)
     proxy = Proxy(manager, metrics, upstream, config.server)
     app = web.Application(client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware])
     runtime = Runtime(config, session, manager, metrics, proxy, config_path, overrides or {})
@@ -160,7 +165,11 @@ class Server:
     async def start(self) -> None:
         self.app = await create_app(self.config, self.config_path, self.overrides)
         self.runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0
+            self.app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=5.0,
+            keepalive_timeout=self.config.server.keepalive_timeout_s,
         )
         await self.runner.setup()
         s = self.config.server
@@ -230,6 +239,18 @@ def sd_notify(message: str) -> None:
         log.warning("cannot notify systemd: %s", err)
 
 
+def raise_fd_limit() -> None:
+    """Lift the soft limit on open descriptors to the hard one: every stream holds two."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError) as err:
+            log.warning("cannot raise the open-file limit from %d: %s", soft, err)
+    log.info("open-file limit: %s", soft)
+
+
 def tune_gc() -> None:
     """Freeze start-up objects and collect young objects less often.
 
@@ -245,6 +266,7 @@ async def serve(
     config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
 ) -> int:
     """Run until SIGTERM/SIGINT (a second one forces exit); SIGHUP reloads the config."""
+    raise_fd_limit()
     server = Server(config, config_path, overrides)
     await server.start()
     tune_gc()

@@ -43,13 +43,22 @@ class ServerConfig(_Strict):
     drain_timeout_s: float = Field(30, ge=0)
     #: Where the proxy keeps its engine registry and (by default) engine logs.
     state_dir: str | None = None
-    #: Upper bound on simultaneous upstream connections to all engines.
+    #: Upper bound on simultaneous upstream connections to all engines, split in equal shares
+    #: between the models ...
     max_upstream_connections: int = Field(4096, ge=1)
+    #: ... and how long a request waits for a free connection of its model's share (then 503).
+    connection_wait_s: float = Field(30, gt=0)
     #: Keys for /admin/*; with none, the admin API is refused unless admin_open is true.
     admin_api_keys: list[str] = []
     admin_open: bool = False
     #: One log line per request on the model routes (logger ``vllm_proxy.access``).
     access_log: bool = True
+    #: A request body must arrive within this (else 408).
+    body_timeout_s: float = Field(60, gt=0)
+    #: An idle keep-alive connection (or one that never sends a whole request head) is closed.
+    keepalive_timeout_s: float = Field(75, gt=0)
+    #: A streaming client that takes nothing for this long is dropped, its lease released.
+    send_timeout_s: float = Field(60, gt=0)
 
 
 class _EngineKeys(_Strict):

@@ -77,6 +77,12 @@ class MethodNotAllowed(ProxyError):
     code = "method_not_allowed"
 
 
+class RequestTimeout(ProxyError):
+    status = 408
+    type_ = "invalid_request_error"
+    code = "request_timeout"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type_ = "invalid_request_error"

@@ -31,6 +31,7 @@ from .errors import (
     NotFound,
     PayloadTooLarge,
     ProxyError,
+    RequestTimeout,
     Unauthorized,
     Unavailable,
     error_body,
@@ -38,7 +39,7 @@ from .errors import (
 from .instance import Instance
 from .manager import Manager
 from .metrics import Metrics
-from .upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from .upstream import NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +75,14 @@ MODEL_ROUTES = (
     "/detokenize",
 )
 CLIENT_CLOSED = "499"
+#: Bytes queued for a client beyond which a write is timed (``server.send_timeout_s``).
+SEND_BACKLOG = 64 * 1024
+
+
+class ClientTooSlow(Exception):
+    """The client did not take its response for ``send_timeout_s``."""
+
+
 REQUEST_ID = web.RequestKey("request_id", str)
 #: One line per request on the model routes (``server.access_log``).
 ACCESS = logging.getLogger("vllm_proxy.access")
@@ -227,6 +236,8 @@ class Proxy:
         self.admin_keys = [k.encode() for k in server.admin_api_keys]
         self.admin_open = server.admin_open
         self.access_log = server.access_log
+        self.body_timeout_s = server.body_timeout_s
+        self.send_timeout_s = server.send_timeout_s
 
     # -- middleware ----------------------------------------------------------------------
 
@@ -324,7 +335,14 @@ class Proxy:
         started = time.monotonic()
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        body = await request.read()
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                body = await request.read()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.body_timeout_s:g}s"
+                " (server.body_timeout_s)"
+            ) from None
         data, requested = model_of(body, forced)
         model = self.manager.resolve(requested)
         if data.get("model") != model.name:  # an alias: the engine only knows the canonical name
@@ -386,10 +404,12 @@ class Proxy:
         timeout = inst.spec.read_timeout_s
         try:
             up = await self.upstream.request(
-                engine.port, "POST", path, _upstream_headers(request), body, timeout
+                engine.port, "POST", path, _upstream_headers(request), body, timeout, inst.name
             )
         except TimeoutError:
             raise self._read_timeout(inst) from None
+        except NoSlot as err:
+            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
         except UpstreamError:
             raise await inst.upstream_failure_after_exit(engine) from None
         try:
@@ -431,13 +451,13 @@ class Proxy:
         chunk, timeout = first, inst.spec.read_timeout_s
         try:
             while chunk:
-                await resp.write(chunk)
+                await self._send(request, resp, chunk)
                 if tap.first_byte is None:
                     tap.first_byte = time.monotonic()
                 tap.bytes += len(chunk)
                 tap.feed(chunk)
                 chunk = await up.read_chunk(timeout)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
             tap.client_gone = True
             return resp
         except (TimeoutError, UpstreamError) as err:
@@ -448,6 +468,22 @@ class Proxy:
             return resp
         await resp.write_eof()
         return resp
+
+    async def _send(self, request: web.Request, resp: web.StreamResponse, chunk: bytes) -> None:
+        """Write a chunk; a client whose socket buffer stays full for ``send_timeout_s`` is
+        dropped (`ClientTooSlow`). The timer runs only when the buffer is already backed up."""
+        transport = request.transport
+        if transport is None or transport.get_write_buffer_size() < SEND_BACKLOG:
+            await resp.write(chunk)
+            return
+        try:
+            async with asyncio.timeout(self.send_timeout_s):
+                await resp.write(chunk)
+        except TimeoutError:
+            log.warning("request %s: the client took nothing for %gs, dropped",
+                        request[REQUEST_ID], self.send_timeout_s)  # fmt: skip
+            transport.abort()
+            raise ClientTooSlow from None
 
     @staticmethod
     def _read_timeout(inst: Instance) -> EngineTimeout:
@@ -485,8 +521,8 @@ class Proxy:
             if not chunk:
                 break
             try:
-                await resp.write(chunk)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+                await self._send(request, resp, chunk)
+            except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
                 tap.client_gone = True
                 return resp  # the client left; the unread response closes the engine connection
             if tap.first_byte is None:

@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
+import logging
 import time
 from collections.abc import Iterable
 
 import httptools
+
+log = logging.getLogger(__name__)
 
 #: Idle keep-alive connections older than this are closed (uvicorn closes them after 5 s).
 IDLE_TIMEOUT_S = 4.0
@@ -35,11 +39,11 @@ class UpstreamResponse:
 
     __slots__ = (
         "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_paused", "_pool",
-        "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
+        "_slot", "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
     )  # fmt: skip
 
-    def __init__(self, conn: _Conn, pool: UpstreamPool) -> None:
-        self._conn, self._pool = conn, pool
+    def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
+        self._conn, self._pool, self._slot = conn, pool, slot
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
@@ -129,7 +133,7 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Return the connection for reuse if the response was read to its end, else close it."""
-        self._pool._release(self._conn, reusable=self._done and self._error is None
+        self._pool._release(self._conn, slot=self._slot, reusable=self._done and self._error is None
                             and not self._chunks and self.keep_alive)  # fmt: skip
 
 
@@ -238,13 +242,49 @@ class _Conn(asyncio.Protocol):
             self.resp._finish()
 
 
-class UpstreamPool:
-    """Keep-alive connections to 127.0.0.1:<port>, at most `limit` in use at once."""
+class NoSlot(UpstreamError):
+    """Every connection of the share was busy for the whole wait."""
 
-    def __init__(self, limit: int, connect_timeout_s: float = 10.0) -> None:
+
+class UpstreamPool:
+    """Keep-alive connections to 127.0.0.1:<port>; at most `limit` in use at once, split in
+    equal shares between the models (`set_shares`), so that one slow model cannot take every
+    connection; a request waits for a slot of its share at most `slot_wait_s`."""
+
+    def __init__(self, limit: int, connect_timeout_s: float = 10.0, slot_wait_s: float = 30.0):
         self._idle: dict[int, collections.deque[_Conn]] = {}
-        self._slots = asyncio.Semaphore(limit)
+        self.limit = limit
         self.connect_timeout_s = connect_timeout_s
+        self.slot_wait_s = slot_wait_s
+        self._shares: dict[str, asyncio.Semaphore] = {}
+        self.share_size = limit
+
+    def set_shares(self, names: Iterable[str]) -> None:
+        """One share per model: ``limit // len(names)`` connections each (at least one).
+        Requests in flight keep the share they hold until they finish."""
+        names = list(names)
+        self.share_size = max(1, self.limit // max(1, len(names)))
+        self._shares = {n: asyncio.Semaphore(self.share_size) for n in names}
+
+    def _share(self, name: str) -> asyncio.Semaphore:
+        share = self._shares.get(name)
+        if share is None:
+            share = self._shares[name] = asyncio.Semaphore(self.share_size)
+        return share
+
+    async def _take(self, name: str) -> asyncio.Semaphore:
+        share = self._share(name)
+        if not share.locked():
+            await share.acquire()  # free: no timer on the common path
+            return share
+        try:
+            await asyncio.wait_for(share.acquire(), self.slot_wait_s)
+        except TimeoutError:
+            raise NoSlot(
+                f"all {self.share_size} connections to model '{name}' stayed busy for "
+                f"{self.slot_wait_s:g}s"
+            ) from None
+        return share
 
     async def request(
         self,
@@ -254,6 +294,7 @@ class UpstreamPool:
         headers: Iterable[tuple[str, str]],
         body: bytes,
         timeout: float,
+        share: str = "",
     ) -> UpstreamResponse:
         """Send a request and wait for the response head; `release()` the response after use.
 
@@ -262,10 +303,10 @@ class UpstreamPool:
         engine may have started the generation).
         """
         head = _head(method, path, port, headers, len(body))
-        await self._slots.acquire()
+        slot = await self._take(share)
         try:
             conn = await self._connect(port)
-            resp = UpstreamResponse(conn, self)
+            resp = UpstreamResponse(conn, self, slot)
             conn.start(resp)
             assert conn.transport is not None
             if body:  # one call for head and body; (head, b"") breaks writelines on 3.12
@@ -279,7 +320,7 @@ class UpstreamPool:
                 conn.close()
                 raise
         except BaseException:
-            self._slots.release()
+            slot.release()
             raise
 
     async def _connect(self, port: int) -> _Conn:
@@ -305,11 +346,14 @@ class UpstreamPool:
                 self.connect_timeout_s,
             )
         except OSError as err:
+            if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
+                log.error("out of file descriptors: cannot open a connection to an engine")
+                raise NoSlot("the proxy is out of file descriptors") from None
             raise UpstreamError(f"cannot connect to the engine on port {port}: {err}") from None
         return proto
 
-    def _release(self, conn: _Conn, reusable: bool) -> None:
-        self._slots.release()
+    def _release(self, conn: _Conn, reusable: bool, slot: asyncio.Semaphore) -> None:
+        slot.release()
         conn.resp = conn.parser = None
         if not reusable or conn.closed:
             conn.close()
