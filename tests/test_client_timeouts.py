@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import resource
 import socket
@@ -82,3 +83,59 @@ def test_open_file_limit_is_raised_to_the_hard_limit() -> None:
         assert resource.getrlimit(resource.RLIMIT_NOFILE)[0] == hard
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, hard // 2), hard))
+
+
+async def test_a_slow_request_head_is_cut_off(
+    tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Slow loris: a head that trickles in is closed after header_timeout_s, even though the
+    keep-alive timeout is far longer."""
+    server = {"header_timeout_s": 0.5, "keepalive_timeout_s": 60}
+    proxy = await start_proxy(make_config(tmp_path, server=server))
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.connection"):
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        await writer.drain()
+        for _ in range(100):  # one header line at a time, never the blank line that ends it
+            if reader.at_eof():
+                break
+            writer.write(b"X-Slow: 1\r\n")
+            try:
+                await writer.drain()
+                assert await asyncio.wait_for(reader.read(), 0.1) == b""
+                break
+            except TimeoutError:
+                continue
+            except ConnectionError:
+                break
+        writer.close()
+    assert "did not arrive within 0.5s" in caplog.text
+    # A whole request on a fresh connection is unaffected.
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"GARBAGE\r\n\r\n",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n",
+        b"GET /" + b"a" * 10_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+)
+async def test_malformed_http_gets_an_openai_error_and_one_log_line(
+    tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture, raw: bytes
+) -> None:
+    proxy = await start_proxy(make_config(tmp_path))
+    with caplog.at_level(logging.DEBUG):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+        writer.write(raw)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 10)
+        writer.close()
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.split(b" ")[1] == b"400", head
+    assert b"application/json" in head
+    err = json.loads(body)["error"]
+    assert err["code"] == "bad_http_request" and err["type"] == "invalid_request_error"
+    assert not any(r.exc_info for r in caplog.records), "no traceback for a client's mistake"
+    assert (await proxy.http.get(proxy.url + "/health")).status == 200

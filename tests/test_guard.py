@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import alive, group_alive, wait_for_sync
 
@@ -206,3 +207,50 @@ async def test_readiness_polling_stays_within_tens_of_milliseconds(
     assert delays[0] == POLL_FIRST_S <= 0.005
     assert delays[:paused] == sorted(delays[:paused]), "backs off monotonically"
     assert max(delays[:paused]) == POLL_MAX_S <= 0.02
+
+
+ESCAPEE = textwrap.dedent(
+    """
+    import os, sys, time
+    if os.fork() == 0:               # a helper that daemonises: new session, double fork
+        os.setsid()
+        if os.fork() == 0:
+            os.write(1, f"escapee {os.getpid()}\\n".encode())
+            time.sleep(600)
+        os._exit(0)
+    os.write(1, f"main {os.getpid()}\\n".encode())
+    time.sleep(600)
+    """
+)
+
+
+def test_a_process_that_left_the_group_is_still_stopped(tmp_path: Path) -> None:
+    """An engine helper that calls setsid() escapes the group kill; the guard remembers its
+    tree (and, as subreaper, adopts its orphans) and stops it when the engine goes."""
+    script = tmp_path / "engine.py"
+    script.write_text(ESCAPEE)
+    log = tmp_path / "e.log"
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()),
+         "--log", str(log), "--", sys.executable, str(script)],
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for_sync(lambda: _pids(log, "escapee") and _pids(log, "main"), timeout=30,
+                      what="engine and its escaped helper")  # fmt: skip
+        (escapee,) = _pids(log, "escapee")
+        assert os.getpgid(escapee) != guard.pid, "it really left the group"
+        wait_for_sync(lambda: _parent(escapee) == guard.pid, what="the guard adopted the orphan")
+        os.killpg(guard.pid, signal.SIGTERM)  # what the proxy's stop sends: the group only
+        assert guard.wait(timeout=30) == 128 + signal.SIGTERM
+        wait_for_sync(lambda: not alive(escapee), what="the escaped helper stopped")
+    finally:
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGKILL)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).ppid()
+    except psutil.NoSuchProcess:
+        return None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -168,3 +170,35 @@ async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
     assert lines and all({"ts", "level", "logger", "msg"} <= set(e) for e in lines)
     assert any("m1#1: STARTING -> RUNNING" in e["msg"] for e in lines)
     assert secret not in err.decode()
+
+
+async def test_sighup_right_after_ready_reloads_and_never_kills(tmp_path: Path) -> None:
+    """systemd may deliver SIGHUP the moment it reads READY=1: the handler must be there."""
+    path, port = write_config(tmp_path, {})
+    notify = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(notify))
+    sock.settimeout(60)
+    log = open(tmp_path / "proxy.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
+        stderr=log,
+        env={**os.environ, "NOTIFY_SOCKET": str(notify)},
+    )
+    try:
+        message = await asyncio.to_thread(sock.recv, 4096)
+        assert message == b"READY=1"
+        proc.send_signal(signal.SIGHUP)  # at once, as systemctl reload right after start would
+        messages = [await asyncio.to_thread(sock.recv, 4096) for _ in range(2)]
+        assert messages == [b"RELOADING=1", b"READY=1"]
+        assert proc.poll() is None, "the proxy survived the SIGHUP"
+        async with aiohttp.ClientSession() as s:
+            await wait_listening(f"http://127.0.0.1:{port}", s)
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        sock.close()
+        log.close()
+    assert "SIGHUP: reloading" in (tmp_path / "proxy.log").read_text()

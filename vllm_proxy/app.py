@@ -17,6 +17,7 @@ from aiohttp import web
 
 from .admin import Admin, add_admin_routes
 from .config import Config, ModelSpec, load_for_reload, state_dir
+from .connection import Runner
 from .engine import PortAllocator
 from .errors import BadRequest, ConfigError, ProxyError
 from .instance import EngineContext
@@ -159,17 +160,18 @@ class Server:
         self.config = config
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.runner: web.AppRunner | None = None
+        self.runner: Runner | None = None
         self.app: web.Application | None = None
 
     async def start(self) -> None:
         self.app = await create_app(self.config, self.config_path, self.overrides)
-        self.runner = web.AppRunner(
+        self.runner = Runner(
             self.app,
             handler_cancellation=True,
             access_log=None,
             shutdown_timeout=5.0,
             keepalive_timeout=self.config.server.keepalive_timeout_s,
+            head_timeout_s=self.config.server.header_timeout_s,
         )
         await self.runner.setup()
         s = self.config.server

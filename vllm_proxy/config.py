@@ -53,6 +53,9 @@ class ServerConfig(_Strict):
     admin_open: bool = False
     #: One log line per request on the model routes (logger ``vllm_proxy.access``).
     access_log: bool = True
+    #: A request head must arrive whole within this from its first byte (else the connection
+    #: is closed: slow-loris clients would hold descriptors).
+    header_timeout_s: float = Field(30, gt=0)
     #: A request body must arrive within this (else 408).
     body_timeout_s: float = Field(60, gt=0)
     #: An idle keep-alive connection (or one that never sends a whole request head) is closed.

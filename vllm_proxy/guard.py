@@ -18,6 +18,7 @@ notes it and keeps draining output until the engine is gone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import os
 import signal
@@ -28,6 +29,8 @@ import time
 from types import FrameType
 
 PR_SET_PDEATHSIG = 1
+#: Orphans of the engine tree are reparented to the guard, not to init: they stay in its tree.
+PR_SET_CHILD_SUBREAPER = 36
 #: The parent-death signal; distinct from SIGTERM, which the proxy uses for graceful stops.
 DEATH_SIGNAL = signal.SIGUSR1
 MARKER = "vllm_proxy.guard"
@@ -67,9 +70,13 @@ class RotatingLog:
 
 def set_parent_death_signal(sig: int) -> bool:
     """Linux only: deliver `sig` to this process when its parent thread exits."""
+    return _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def _prctl(option: int, value: int) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return bool(libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0) == 0)
+        return bool(libc.prctl(option, value, 0, 0, 0) == 0)
     except (OSError, AttributeError):
         return False
 
@@ -86,6 +93,64 @@ def group_members(pgid: int, exclude: int) -> list[int]:
         except (ProcessLookupError, PermissionError):
             continue
     return pids
+
+
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, start time in clock ticks) of a live process, from /proc/<pid>/stat."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            fields = fh.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    if not fields or fields[0] == b"Z":
+        return None
+    return int(fields[1]), int(fields[19])
+
+
+class Tree:
+    """Every process that descended from the guard, remembered with its start time.
+
+    An engine may leave the process group (``setsid()``, a daemonising helper): the group kill
+    misses it, but it was seen as a descendant while its parent lived. `kill()` signals what is
+    still alive with the same start time (never a stranger that got a reused pid).
+    """
+
+    def __init__(self, root: int) -> None:
+        self.root = root
+        self.seen: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def refresh(self) -> None:
+        parents: dict[int, tuple[int, int]] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and (st := _stat(int(entry))) is not None:
+                parents[int(entry)] = st
+        found, frontier = {}, [self.root]
+        while frontier:
+            parent = frontier.pop()
+            for pid, (ppid, started) in parents.items():
+                if ppid == parent and pid not in found:
+                    found[pid] = started
+                    frontier.append(pid)
+        with self._lock:
+            self.seen.update(found)
+
+    def kill(self) -> int:
+        """SIGKILL every remembered descendant still alive as itself; how many there were."""
+        with self._lock:
+            seen = dict(self.seen)
+        hit = 0
+        for pid, started in seen.items():
+            st = _stat(pid)
+            if st is not None and st[1] == started:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    hit += 1
+        return hit
+
+    def watch(self, stop: threading.Event, interval_s: float = 0.5) -> None:
+        while not stop.wait(interval_s):
+            self.refresh()
 
 
 def kill_leftovers(pgid: int, grace_s: float = 2.0, deadline_s: float = 5.0) -> int:
@@ -152,7 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     ns = _parse(sys.argv[1:] if argv is None else argv)
     pgid = os.getpgid(0)
 
+    tree = Tree(os.getpid())
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
     def on_parent_death(_sig: int, _frame: FrameType | None) -> None:
+        tree.kill()
         os.killpg(pgid, signal.SIGKILL)
 
     signal.signal(DEATH_SIGNAL, on_parent_death)
@@ -176,13 +245,19 @@ def main(argv: list[str] | None = None) -> int:
     assert proc.stdout is not None
     pump = threading.Thread(target=_pump, args=(proc.stdout.fileno(), log), daemon=True)
     pump.start()
+    stop_watching = threading.Event()
+    tree.refresh()
+    threading.Thread(target=tree.watch, args=(stop_watching,), daemon=True).start()
     while True:
         try:
             code = proc.wait()
             break
         except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
             continue
+    stop_watching.set()
     killed = kill_leftovers(pgid)
+    tree.refresh()  # orphans that left the group are ours as the subreaper
+    killed += tree.kill()
     pump.join(timeout=2.0)
     status = exit_status(code)
     note = f", stopped {killed} leftover process(es)" if killed else ""
