@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 from pathlib import Path
 
+import aiohttp
+import pytest
 from conftest import FAKE_ENGINE, StartProxy, group_alive, make_config, wait_for
 
 from vllm_proxy.instance import State
@@ -80,3 +83,38 @@ async def test_crash_loop_backs_off_and_a_success_resets(
     inst = proxy.instance("m1")
     await inst.stop()  # it ran and was stopped: the loop is over
     assert model.failures == 0 and model.backoff_s() == 0
+
+
+async def test_a_port_taken_over_while_running_marks_the_engine_unhealthy(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The watcher re-checks that the listener is still the socket verified at readiness."""
+    proxy = await start_proxy(make_config(tmp_path, engine=WATCH))
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+    first = proxy.instance("m1")
+    assert first.engine is not None and first.engine.listener_unchanged()
+    monkeypatch.setattr(first.engine, "listener_unchanged", lambda: False)
+    await wait_for(lambda: first.state is State.ERROR, what="marked unhealthy")
+    assert first.unhealthy and "no longer held" in (first.last_error or "")
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+    assert proxy.instance("m1") is not first
+
+
+async def test_a_client_gone_during_a_cold_start_leaks_nothing(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    models = {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.5"}}}
+    proxy = await start_proxy(make_config(tmp_path, models))
+    model = proxy.model("m1")
+    async with aiohttp.ClientSession() as client:
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+        request = asyncio.ensure_future(client.post(proxy.url + "/v1/chat/completions", json=body))
+        await wait_for(lambda: model.waiting == 1, what="waiting for the cold start")
+        request.cancel()  # the client goes away while the engine loads
+        with contextlib.suppress(asyncio.CancelledError):
+            await request
+    await wait_for(lambda: model.waiting == 0, what="the waiter left the queue")
+    await wait_for(lambda: model.serving() is not None, what="the start finished anyway")
+    assert proxy.manager.active_leases() == 0
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+    assert proxy.engine_starts("m1") == 1, "the next request used the engine that was started"

@@ -254,3 +254,23 @@ def _parent(pid: int) -> int | None:
         return psutil.Process(pid).ppid()
     except psutil.NoSuchProcess:
         return None
+
+
+def test_sweep_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
+    """engines.json names a group whose leader is now someone else's process (the pid was
+    reused): the start-up sweep must not kill it."""
+    import json
+
+    from vllm_proxy.registry import EngineRegistry
+
+    stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        state = tmp_path / "state"
+        state.mkdir()
+        record = {"engines": {str(stranger.pid): {"instance": "m#1", "started": 1.0}}}
+        (state / "engines.json").write_text(json.dumps(record))
+        assert EngineRegistry(str(state)).sweep(timeout_s=1) == []
+        assert alive(stranger.pid), "a process that is not our guard was left alone"
+    finally:
+        stranger.kill()
+        stranger.wait()
