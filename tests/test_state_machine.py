@@ -42,6 +42,21 @@ def _instance(tmp_path: Path) -> tuple[Instance, Metrics]:
     return Instance(cfg.specs()["m"], "m#7", ctx, hook), metrics
 
 
+def test_an_instance_lives_once() -> None:
+    """The shape of the table, whatever its rows: an instance starts once from STOPPED, every
+    state is reachable from there, ERROR is final, and nothing goes back to STARTING."""
+    reachable, frontier = {State.STOPPED}, [State.STOPPED]
+    while frontier:
+        for nxt in TRANSITIONS[frontier.pop()]:
+            if nxt not in reachable:
+                reachable.add(nxt)
+                frontier.append(nxt)
+    assert reachable == set(State)
+    assert TRANSITIONS[State.ERROR] == frozenset()
+    assert [a for a, targets in TRANSITIONS.items() if State.STARTING in targets] == [State.STOPPED]
+    assert State.STOPPED not in TRANSITIONS[State.RUNNING], "a running engine stops via STOPPING"
+
+
 def test_table_is_exactly_the_documented_one() -> None:
     table = {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
     assert table == ALLOWED
