@@ -14,12 +14,12 @@ Everything binds 127.0.0.1 and is stopped at the end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,41 +32,12 @@ ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 64)
 
 
-def proxy_config(tmp: Path, port: int, upstream: int) -> Path:
-    body = tmp / "static.json"
-    body.write_text(json.dumps(servers.STATIC_BODY, separators=(",", ":")))
-    config = {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "api_keys": [run.KEY],
-            "drain_timeout_s": 2,
-        },
-        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3},
-        "models": {
-            "bench": {
-                "model": "static/bench",
-                "command": [servers.PYTHON, str(servers.BENCH_DIR / "nginx_engine.py")],
-                "port_range": [upstream, upstream],
-                "env": {
-                    "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
-                    "NGINX_ENGINE_BODY": str(body),
-                },
-            }
-        },
-    }
-    path = tmp / "proxy.yaml"
-    path.write_text(json.dumps(config))
-    return path
-
-
 def measure(tree: Path, tmp: Path, seconds: float) -> dict[int, dict[str, float]]:
     """One proxy of the revision checked out at `tree`: wrk at each concurrency."""
     procs = servers.Procs(tmp)
     try:
         port, upstream = servers.pick_ports(2)
-        cfg = proxy_config(tmp, port, upstream)
+        cfg = servers.static_proxy_config(tmp, port, upstream, run.KEY)
         argv = [servers.PYTHON, "-m", "vllm_proxy", "--config", str(cfg), "--log-level", "warning"]
         env = {"PYTHONPATH": str(tree)}
         proxy = procs.start("vllm-proxy", argv, tmp / "proxy.log", env)
@@ -88,6 +59,7 @@ def main() -> int:
     p.add_argument("--base", required=True, help="the revision to compare with (e.g. a commit)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
+    p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     args = p.parse_args()
     head = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
@@ -125,10 +97,27 @@ def main() -> int:
 Results = dict[str, list[dict[int, dict[str, float]]]]
 
 
+SECTION = "## Side by side with an earlier revision"
+
+
 def print_table(results: Results, args: argparse.Namespace) -> None:
+    lines = table(results, args)
+    print("\n".join(lines))
+    if args.append is not None:
+        text = args.append.read_text() if args.append.exists() else ""
+        text = text.split("\n" + SECTION)[0].rstrip("\n")
+        args.append.write_text(text + "\n\n" + SECTION + "\n\n" + "\n".join(lines) + "\n")
+
+
+def table(results: Results, args: argparse.Namespace) -> list[str]:
+    out = [
+        "Absolute figures on this machine move a lot from hour to hour (a shared 2-core VM);",
+        "a change is judged against an earlier revision measured in the same run, interleaved.",
+        "",
+    ]
     names = list(results)
-    print("\n| c | revision | req/s (median) | p50 ms | p99 ms |")
-    print("|---:|---|---:|---:|---:|")
+    out.append("| c | revision | req/s (median) | p50 ms | p99 ms |")
+    out.append("|---:|---|---:|---:|---:|")
     med: dict[tuple[str, int], dict[str, float]] = {}
     for c in CONCURRENCY:
         for name in names:
@@ -136,15 +125,20 @@ def print_table(results: Results, args: argparse.Namespace) -> None:
                 k: statistics.median(r[c][k] for r in results[name]) for k in ("rps", "p50", "p99")
             }
             med[(name, c)] = m
-            print(f"| {c} | {name} | {m['rps']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} |")
-    print()
+            out.append(f"| {c} | {name} | {m['rps']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} |")
+    out.append("")
     for c in CONCURRENCY:
         base, new = med[(names[0], c)], med[(names[1], c)]
-        print(f"c={c}: new/base throughput {new['rps'] / base['rps']:.2f}x, "
-              f"p50 {new['p50'] / base['p50']:.2f}x")  # fmt: skip
+        ratio, p50 = new["rps"] / base["rps"], new["p50"] / base["p50"]
+        out.append(f"* c={c}: new/base throughput **{ratio:.2f}x**, p50 {p50:.2f}x")
     cmd = " ".join(["benchmarks/compare_revisions.py", *sys.argv[1:]])
-    print(f"\n{args.rounds} interleaved rounds, wrk {args.seconds:g} s per run; command: "
-          f"`.venv/bin/python {cmd}` ({os.uname().nodename}, {os.cpu_count()} cores)")  # fmt: skip
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    out.append("")
+    out.append(
+        f"{args.rounds} interleaved rounds, wrk {args.seconds:g} s per run, static upstream; "
+        f"`.venv/bin/python {cmd}` ({when}, {os.cpu_count()} cores)"
+    )
+    return out
 
 
 if __name__ == "__main__":

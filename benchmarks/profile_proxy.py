@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import re
 import shutil
@@ -88,32 +87,7 @@ def one_run(args: argparse.Namespace, gc_mode: str, tmp: Path) -> None:
     procs = servers.Procs(tmp)
     try:
         port, upstream = servers.pick_ports(2)
-        body = tmp / "static.json"
-        body.write_text(json.dumps(servers.STATIC_BODY, separators=(",", ":")))
-        models = {
-            "bench": {
-                "model": "static/bench",
-                "command": [servers.PYTHON, str(servers.BENCH_DIR / "nginx_engine.py")],
-                "port_range": [upstream, upstream],
-                "env": {
-                    "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
-                    "NGINX_ENGINE_BODY": str(body),
-                },
-            }
-        }
-        config = {
-            "server": {
-                "host": "127.0.0.1",
-                "port": port,
-                "state_dir": str(tmp / "state"),
-                "api_keys": [run.KEY],
-                "drain_timeout_s": 2,
-            },
-            "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3},
-            "models": models,
-        }
-        cfg = tmp / "proxy.yaml"
-        cfg.write_text(json.dumps(config))
+        cfg = servers.static_proxy_config(tmp, port, upstream, run.KEY)
         log_path = tmp / "proxy.log"
         argv = [servers.PYTHON, str(PROBE), "--config", str(cfg), "--log-level", "warning"]
         proxy = procs.start("vllm-proxy", argv, log_path, {"GC_PROBE_MODE": gc_mode})

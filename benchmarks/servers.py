@@ -491,3 +491,34 @@ def versions(litellm_venv: Path) -> dict[str, str]:
         "memory": f"{psutil.virtual_memory().total / 2**30:.0f} GiB",
         "kernel": os.uname().release,
     }
+
+
+def static_proxy_config(tmp: Path, port: int, upstream: int, key: str) -> Path:
+    """A vllm-proxy config with one model, ``bench``, whose engine is the static nginx upstream
+    (`nginx_engine.py`) on port `upstream`; written to ``tmp/proxy.yaml``."""
+    body = tmp / "static.json"
+    body.write_text(json.dumps(STATIC_BODY, separators=(",", ":")))
+    config = {
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "state_dir": str(tmp / "state"),
+            "api_keys": [key],
+            "drain_timeout_s": 2,
+        },
+        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3},
+        "models": {
+            "bench": {
+                "model": "static/bench",
+                "command": [PYTHON, str(BENCH_DIR / "nginx_engine.py")],
+                "port_range": [upstream, upstream],
+                "env": {
+                    "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
+                    "NGINX_ENGINE_BODY": str(body),
+                },
+            }
+        },
+    }
+    path = tmp / "proxy.yaml"
+    path.write_text(json.dumps(config))
+    return path
