@@ -14,6 +14,7 @@ import random
 import re
 import signal
 import socket
+import struct
 import sys
 import time
 from collections.abc import Callable
@@ -328,11 +329,54 @@ class EngineProcess:
 
 
 def listening_inodes(port: int) -> frozenset[int]:
-    """Socket inodes listening on TCP `port` (any address, IPv4 and IPv6), from /proc/net.
+    """Socket inodes listening on TCP `port` (any address, IPv4 and IPv6).
 
-    One regular-expression pass over each table: a busy server lists tens of thousands of
-    connections there, and a Python loop over them would cost the event loop milliseconds.
+    Asks the kernel for listening sockets only (sock_diag netlink), so the cost does not grow
+    with the server's connections; falls back to reading /proc/net/tcp{,6}.
     """
+    try:
+        return frozenset(
+            inode
+            for family in (socket.AF_INET, socket.AF_INET6)
+            for sport, inode in _listeners(family)
+            if sport == port
+        )
+    except OSError:
+        return _listening_inodes_proc(port)
+
+
+_SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLM_F_DUMP = 20, 0x1, 0x300
+_NLMSG_ERROR, _NLMSG_DONE, _TCP_LISTEN = 2, 3, 10
+
+
+def _listeners(family: int) -> list[tuple[int, int]]:
+    """(local port, inode) of every listening TCP socket of `family`, from NETLINK_SOCK_DIAG."""
+    # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed sockid (48 B).
+    req = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN) + bytes(48)
+    head = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY,
+                       _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)  # fmt: skip
+    found: list[tuple[int, int]] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+        nl.settimeout(2.0)
+        nl.sendall(head + req)
+        while True:
+            data = nl.recv(65536)
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == _NLMSG_DONE:
+                    return found
+                if kind == _NLMSG_ERROR or length < 16:
+                    raise OSError("sock_diag refused the request")
+                msg = offset + 16  # struct inet_diag_msg: sport at +4 (big endian), inode at +68
+                sport = struct.unpack_from("!H", data, msg + 4)[0]
+                found.append((sport, struct.unpack_from("=I", data, msg + 68)[0]))
+                offset += (length + 3) & ~3
+            if not data:
+                return found
+
+
+def _listening_inodes_proc(port: int) -> frozenset[int]:
     # "sl local_address rem_address st ... inode": the local port, any remote, state 0A (LISTEN).
     pattern = re.compile(
         rf"^\s*\d+: [0-9A-F]+:{port:04X} [0-9A-F]+:0000 0A (?:\S+\s+){{5}}(\d+)", re.M
@@ -349,25 +393,44 @@ def listening_inodes(port: int) -> frozenset[int]:
 
 def tree_socket_inodes(pid: int) -> frozenset[int]:
     """Socket inodes held open by `pid` and its descendants."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return frozenset()
     found = set()
-    for proc in procs:
+    for proc in _tree(pid):
         try:
-            fds = os.listdir(f"/proc/{proc.pid}/fd")
+            fds = os.listdir(f"/proc/{proc}/fd")
         except OSError:
             continue
         for fd in fds:
             try:
-                target = os.readlink(f"/proc/{proc.pid}/fd/{fd}")
+                target = os.readlink(f"/proc/{proc}/fd/{fd}")
             except OSError:
                 continue
             if target.startswith("socket:["):
                 found.add(int(target[8:-1]))
     return frozenset(found)
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and its descendants, from /proc/<pid>/task/*/children (no scan of every process);
+    psutil's full scan where the kernel lacks those files."""
+    if not _PROC_CHILDREN:
+        try:
+            return [pid, *(c.pid for c in psutil.Process(pid).children(recursive=True))]
+        except psutil.Error:
+            return []
+    out, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        out.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as fh:
+                    frontier.extend(int(c) for c in fh.read().split())
+        except OSError:
+            continue  # it ended while the tree was walked
+    return out
+
+
+_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
 
 
 def _holders(inodes: frozenset[int]) -> list[int]:

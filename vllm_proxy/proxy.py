@@ -124,9 +124,10 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "usage")
+    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "started", "usage")
 
     def __init__(self) -> None:
+        self.started = time.monotonic()
         self.first_byte: float | None = None
         self.usage = b""
         self.bytes = 0
@@ -179,23 +180,28 @@ def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], st
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop ones (and those its ``Connection`` names), with
     the request id (vLLM logs it)."""
-    drop = DROP_REQUEST | _connection_named(request.headers.getall("Connection", ()))
-    out = [(k, v) for k, v in request.headers.items() if k.lower() not in drop]
+    headers = request.headers
+    drop = DROP_REQUEST
+    if "Connection" in headers:
+        drop = drop | _connection_named(headers.getall("Connection"))
+    out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
     out.append(("X-Request-ID", request[REQUEST_ID]))
     return out
 
 
 def _downstream_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
     """The engine's headers minus hop-by-hop ones and those its ``Connection`` names."""
-    drop = DROP_RESPONSE
-    for k, v in raw:
-        if k.lower() == b"connection":
-            drop = drop | _connection_named([v.decode("latin-1")])
     headers: CIMultiDict[str] = CIMultiDict()
+    named: list[str] = []
     for k, v in raw:
         name = k.decode("latin-1")
-        if name.lower() not in drop:
+        lower = name.lower()
+        if lower == "connection":
+            named.append(v.decode("latin-1"))
+        elif lower not in DROP_RESPONSE:
             headers.add(name, v.decode("latin-1"))
+    for extra in _connection_named(named):  # rare: headers the engine marked hop-by-hop
+        headers.popall(extra, None)
     return headers
 
 
@@ -244,54 +250,46 @@ class Proxy:
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Request ids, API keys on the OpenAI routes, OpenAI-shaped errors for everything, and
-        one access-log line per request on the model routes."""
+        one access-log line per request on the model routes (one frame: it is on every
+        request)."""
         rid = self._request_id(request)
         request[REQUEST_ID] = rid
         tap = request[TAP] = Tap()
-        started = time.monotonic()
-        status = 500
+        path = request.path
+        guarded = _guarded(path)
         try:
-            resp = await self._guarded_handle(request, handler, rid)
-            status = resp.status
-            return resp
-        except asyncio.CancelledError:
-            status = 499
-            raise
-        finally:
-            if _guarded(request.path) and self.access_log:
-                if tap.client_gone:
-                    status = 499
-                ACCESS.info(
-                    "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f",
-                    rid, request.method, request.path, tap.model, tap.instance, status,
-                    tap.bytes, (time.monotonic() - started) * 1000,
-                )  # fmt: skip
-
-    async def _guarded_handle(
-        self, request: web.Request, handler: Handler, rid: str
-    ) -> web.StreamResponse:
-        try:
-            path = request.path
             if path.startswith("/admin"):
                 self._check_admin(request)
-            elif self.api_keys and _guarded(path):
+            elif guarded and self.api_keys:
                 _check_key(request, self.api_keys)
             resp = await handler(request)
             if not resp.prepared:
                 resp.headers["X-Request-ID"] = rid
-            return resp
         except ProxyError as err:
-            return error_response(err, rid)
+            resp = error_response(err, rid)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(_from_http_exception(exc, request, self.max_body_bytes), rid)
+            resp = error_response(_from_http_exception(exc, request, self.max_body_bytes), rid)
         except (asyncio.CancelledError, ConnectionResetError):
+            if guarded and self.access_log:
+                self._access(request, rid, tap, 499)
             raise
         except Exception:
             log.exception("unexpected error while handling %s %s (request %s)",
-                          request.method, request.path, rid)  # fmt: skip
-            return error_response(ProxyError("internal error in the proxy; see its log"), rid)
+                          request.method, path, rid)  # fmt: skip
+            resp = error_response(ProxyError("internal error in the proxy; see its log"), rid)
+        if guarded and self.access_log and ACCESS.isEnabledFor(logging.INFO):
+            self._access(request, rid, tap, resp.status)
+        return resp
+
+    def _access(self, request: web.Request, rid: str, tap: Tap, status: int) -> None:
+        ACCESS.info(
+            "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f",
+            rid, request.method, request.path, tap.model, tap.instance,
+            499 if tap.client_gone else status, tap.bytes,
+            (time.monotonic() - tap.started) * 1000,
+        )  # fmt: skip
 
     def _request_id(self, request: web.Request) -> str:
         """The client's ``X-Request-ID`` when it is a sane token, else a new one."""
@@ -332,23 +330,18 @@ class Proxy:
     async def _forward(
         self, request: web.Request, path: str, forced: str | None
     ) -> web.StreamResponse:
-        started = time.monotonic()
+        tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                body = await request.read()
-        except TimeoutError:
-            raise RequestTimeout(
-                f"the request body did not arrive within {self.body_timeout_s:g}s"
-                " (server.body_timeout_s)"
-            ) from None
+        if request.content.is_eof():  # the whole body came with the head: no timer needed
+            body = await request.read()
+        else:
+            body = await self._read_body(request)
         data, requested = model_of(body, forced)
         model = self.manager.resolve(requested)
         if data.get("model") != model.name:  # an alias: the engine only knows the canonical name
             data["model"] = model.name
             body = json.dumps(data).encode()
-        tap = request[TAP]
         tap.model = model.name
         status = "error"
         try:
@@ -364,7 +357,17 @@ class Proxy:
             status = CLIENT_CLOSED
             raise
         finally:
-            self._observe(model.name, status, started, tap)
+            self._observe(model.name, status, tap.started, tap)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            raise RequestTimeout(
+                f"the request body did not arrive within {self.body_timeout_s:g}s"
+                " (server.body_timeout_s)"
+            ) from None
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self._series.get(model) or self._series_for(model)
@@ -419,7 +422,7 @@ class Proxy:
             try:
                 first = await up.read_chunk(timeout)
                 if up.complete():  # the whole body is here (the usual case): one response
-                    payload = first + await up.read_all(timeout)
+                    payload = first + up.take_rest()
                     tap.feed(payload)
                     tap.first_byte = time.monotonic()
                     tap.bytes = len(payload)

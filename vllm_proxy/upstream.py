@@ -115,6 +115,13 @@ class UpstreamResponse:
         """The whole body has arrived (and is buffered here), without error."""
         return self._done and self._error is None
 
+    def take_rest(self) -> bytes:
+        """Everything still buffered (after `complete()`: the rest of the body), at once."""
+        rest = b"".join(self._chunks)
+        self._chunks.clear()
+        self._buffered = 0
+        return rest
+
     @property
     def content_length(self) -> int | None:
         for k, v in self.headers:
