@@ -76,13 +76,16 @@ async def test_hop_by_hop_and_connection_named_headers_are_dropped_both_ways(
     )
     proxy = await raw_proxy(tmp_path, start_proxy, answer)
     headers = {"Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "secret", "X-Other": "1"}
+    headers["X-Request-ID"] = "client-7"
     resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT, headers=headers)
-    assert resp.status == 200
+    assert resp.status == 200 and resp.headers["X-Request-ID"] == "client-7"
     assert "X-Engine-Hop" not in resp.headers and "Keep-Alive" not in resp.headers
     assert resp.headers["X-Kept"] == "1"
     sent = seen(tmp_path)[-1]["headers"]
     assert "x-client-hop" not in sent and sent["x-other"] == "1"
-    assert "authorization" not in sent and sent["x-request-id"]
+    assert "authorization" not in sent
+    # vLLM needs unique request ids: the client's, with the proxy's own appended.
+    assert sent["x-request-id"].startswith("client-7.") and len(sent["x-request-id"]) > 9
 
 
 async def test_compressed_request_goes_on_decoded_without_the_header(

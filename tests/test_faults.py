@@ -118,3 +118,37 @@ async def test_a_client_gone_during_a_cold_start_leaks_nothing(
     assert proxy.manager.active_leases() == 0
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
     assert proxy.engine_starts("m1") == 1, "the next request used the engine that was started"
+
+
+async def test_a_cancelled_stop_still_finishes(tmp_path: Path, start_proxy: StartProxy) -> None:
+    """The caller of a stop goes away (an admin client hangs up during an unload): the stop
+    runs on by itself, the instance ends STOPPED and its claim and process are gone."""
+    env = {"FAKE_ENGINE_IGNORE_SIGTERM": "1"}
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"stop_timeout_s": 0.5})
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+    inst = proxy.instance("m1")
+    assert inst.engine is not None and inst.engine.pid is not None
+    pgid = inst.engine.pid
+    caller = asyncio.ensure_future(inst.stop())
+    await wait_for(lambda: inst.state is State.STOPPING, what="stopping")
+    caller.cancel()
+    await wait_for(lambda: inst.state is State.STOPPED, what="stopped all the same")
+    await wait_for(lambda: not group_alive(pgid), what="the group killed after the grace")
+    await inst.stop()  # and a later stop returns at once
+    assert (await proxy.chat("m1", max_tokens=1)).status == 200
+
+
+async def test_a_crash_loop_never_shows_engine_log_lines(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Engines that die soon after readiness twice in a row: the back-off answer names the
+    cause, never the engine's output (which may hold other users' prompts)."""
+    env = {"FAKE_ENGINE_CRASH_AFTER": "0", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
+    for _ in range(2):
+        assert (await proxy.chat("m1")).status == 502
+    resp = await proxy.chat("m1")
+    assert resp.status == 503, await resp.text()
+    message = (await resp.json())["error"]["message"]
+    assert "exit code 3" in message and "last log lines" not in message and "\n" not in message

@@ -330,3 +330,25 @@ async def test_memory_and_devices_changes_take_effect(tmp_path: Path) -> None:
         assert moved is not None and moved.devices == (1,)
         await wait_for(lambda: used() == [0, 500], what="old claim released")
         assert await client.status("m") == 200
+
+
+async def test_a_request_queued_for_memory_of_a_removed_model_gets_model_removed(
+    tmp_path: Path,
+) -> None:
+    gpu = {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]}
+    env = {"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    models = {"a": {"model": "org/a", "memory_mb": 600, "env": env},
+              "c": {"model": "org/c", "memory_mb": 600}}  # fmt: skip
+    path = write(tmp_path / "c.yaml", models, gpu=gpu, admission={"queue_timeout_s": 30})
+    async with running(path) as server, aiohttp.ClientSession() as http:
+        client = Client(server, http)
+        stream = await client.chat("a", stream=True)  # a holds the memory for ~3 s
+        await stream.content.readany()
+        waiting = asyncio.ensure_future(client.chat("c"))
+        await wait_for(lambda: model_of(server, "c").waiting == 1, what="c queued for memory")
+        write(path, {"a": models["a"]}, gpu=gpu, admission={"queue_timeout_s": 30})
+        code, report = await client.reload()
+        assert code == 200 and report["removed"] == ["c"]
+        resp = await waiting
+        assert resp.status == 404 and (await resp.json())["error"]["code"] == "model_removed"
+        await stream.read()

@@ -142,7 +142,9 @@ async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc: Any) -> Non
         code = await asyncio.to_thread(proc.wait, 30)
         stream.close()
     assert code != 0
-    wait_for_sync(lambda: not any(group_alive(g) for g in groups), what="engines killed")
+    wait_for_sync(
+        lambda: not any(group_alive(g) for g in groups), timeout=30, what="engines killed"
+    )
 
 
 async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import psutil
 
 from .config import ArgValue, ModelSpec
 from .errors import EngineFailed, EngineTimeout
+from .guard import DEATH_SIGNAL
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,8 @@ log = logging.getLogger(__name__)
 STARTING_STOP_GRACE_S = 2.0
 #: Every wait for a killed process group is bounded by this.
 KILL_WAIT_S = 10.0
+#: After asking the guard to kill its engine tree: when the group gets SIGKILL regardless.
+GUARD_KILL_S = 1.0
 #: Readiness polling: from 5 ms, backing off to 20 ms (a refused connect costs microseconds).
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.02
 LOG_TAIL_LINES = 20
@@ -318,11 +321,26 @@ class EngineProcess:
         return code
 
     def kill(self) -> None:
-        """SIGKILL the whole group now (synchronous; used on forced exit)."""
+        """Kill the engine now (synchronous). The guard is asked first (its parent-death
+        signal): it SIGKILLs the helpers that left the group, then the group. A guard that
+        cannot act (stopped, hung) gets the group SIGKILL a moment later anyway."""
+        if self.proc is None or self._exited.is_set():
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.proc.pid, DEATH_SIGNAL)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._signal_group(signal.SIGKILL)
+            return
+        loop.call_later(GUARD_KILL_S, self._signal_group, signal.SIGKILL)
+
+    def kill_group(self) -> None:
+        """SIGKILL the whole group now."""
         self._signal_group(signal.SIGKILL)
 
     def _signal_group(self, sig: int) -> None:
-        if self.proc is None:
+        if self.proc is None or (sig == signal.SIGKILL and self._exited.is_set()):
             return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
@@ -341,12 +359,12 @@ def listening_inodes(port: int) -> frozenset[int]:
             for sport, inode in _listeners(family)
             if sport == port
         )
-    except OSError:
+    except (OSError, struct.error):
         return _listening_inodes_proc(port)
 
 
 _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLM_F_DUMP = 20, 0x1, 0x300
-_NLMSG_ERROR, _NLMSG_DONE, _TCP_LISTEN = 2, 3, 10
+_NLMSG_DONE, _TCP_LISTEN = 3, 10
 
 
 def _listeners(family: int) -> list[tuple[int, int]]:
@@ -366,8 +384,8 @@ def _listeners(family: int) -> list[tuple[int, int]]:
                 length, kind = struct.unpack_from("=IH", data, offset)
                 if kind == _NLMSG_DONE:
                     return found
-                if kind == _NLMSG_ERROR or length < 16:
-                    raise OSError("sock_diag refused the request")
+                if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + 72:
+                    raise OSError("sock_diag refused the request or answered oddly")
                 msg = offset + 16  # struct inet_diag_msg: sport at +4 (big endian), inode at +68
                 sport = struct.unpack_from("!H", data, msg + 4)[0]
                 found.append((sport, struct.unpack_from("=I", data, msg + 68)[0]))
@@ -422,11 +440,15 @@ def _tree(pid: int) -> list[int]:
         current = frontier.pop()
         out.append(current)
         try:
-            for task in os.listdir(f"/proc/{current}/task"):
-                with open(f"/proc/{current}/task/{task}/children") as fh:
-                    frontier.extend(int(c) for c in fh.read().split())
+            tasks = os.listdir(f"/proc/{current}/task")
         except OSError:
             continue  # it ended while the tree was walked
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children") as fh:
+                    frontier.extend(int(c) for c in fh.read().split())
+            except OSError:
+                continue  # that thread ended
     return out
 
 

@@ -138,6 +138,7 @@ class Instance:
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
         self._start_task: asyncio.Task[None] | None = None
+        self._stopping: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
@@ -241,6 +242,22 @@ class Instance:
 
     async def _start(self) -> None:
         try:
+            await self._start_steps()
+        except ProxyError:
+            raise
+        except Exception as err:  # a bug or an OS error (NVML, a full disk): never stuck
+            log.exception("%s: start failed", self.id)
+            if self.engine is not None:
+                self.engine.kill()
+            if self.state is State.STARTING:
+                self._fail(f"model '{self.name}': the start failed ({type(err).__name__})")
+            raise EngineFailed(
+                f"model '{self.name}': the start failed; see the proxy's log",
+                code="engine_start_failed",
+            ) from err
+
+    async def _start_steps(self) -> None:
+        try:
             self.placement = await self.ctx.admit(self)
         except ProxyError:
             if self.state is State.STARTING:
@@ -264,6 +281,7 @@ class Instance:
         devices = self.devices
         lock = self.ctx.memory_lock(devices, self.id) if self.ctx.memory_lock else _nothing()
         async with lock:
+            self._raise_if_stopped()  # stopped while queued for the device: spawn nothing
             engine = await self._spawn()
             try:
                 seconds = await engine.wait_ready(self.ctx.session)
@@ -277,6 +295,10 @@ class Instance:
         self.ready_at = time.monotonic()
         self.last_used = time.time()
         self._set_state(State.RUNNING)
+        if engine.exit_code is not None:  # died in the moment after its healthy answer
+            self.ctx.metrics.restarts.labels(self.name, "crash").inc()
+            self._exited(engine, "exited right after becoming ready")
+            return
         if self.leases == 0:
             self._arm_idle_timer()
         if self.spec.health_interval_s > 0:
@@ -332,11 +354,19 @@ class Instance:
         """Watch the engine process until it exits; a RUNNING engine that exits is an ERROR."""
         await engine.wait_exit()
         assert engine.pid is not None
-        self.ctx.registry.remove(engine.pid)
-        self.ctx.ports.release(engine.port)
-        if self.state is State.RUNNING:
+        if self.state is State.RUNNING and self.engine is engine:
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
-            self._fail(engine.failure_message("exited unexpectedly"))
+            self._exited(engine, "exited unexpectedly")
+        self.ctx.ports.release(engine.port)
+        try:
+            self.ctx.registry.remove(engine.pid)
+        except OSError as err:
+            log.error("%s: cannot update the engine registry: %s", self.id, err)
+
+    def _exited(self, engine: EngineProcess, what: str) -> None:
+        """The engine is gone: the log tail to the proxy's log, the short cause to clients."""
+        log.error("%s", engine.failure_message(what))
+        self._fail(engine.short_failure(what))
 
     # -- health --------------------------------------------------------------------------
 
@@ -394,12 +424,16 @@ class Instance:
     # -- stop ----------------------------------------------------------------------------
 
     async def stop(self) -> None:
-        """Stop the engine (SIGTERM, grace, SIGKILL). Idempotent; in-flight requests are cut."""
-        while self.state is State.STOPPING:
-            await self.wait_change()
+        """Stop the engine (SIGTERM, grace, SIGKILL). Idempotent; in-flight requests are cut.
+
+        The stop runs as a task of its own: a caller that is cancelled (a client gone during an
+        unload) does not leave the instance half-stopped.
+        """
         if self.state in DOWN:
             return
-        await self._finish_stop(*self._claim_stop())
+        task = self._stopping if self.state is State.STOPPING else self._begin_stop()
+        assert task is not None
+        await asyncio.shield(task)
 
     def evict(self, reason: str) -> asyncio.Task[None] | None:
         """Stop now if RUNNING with no lease, else do nothing; decided without yielding.
@@ -409,7 +443,7 @@ class Instance:
         if self.state is not State.RUNNING or self.leases > 0:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
-        return asyncio.ensure_future(self._finish_stop(*self._claim_stop()))
+        return self._begin_stop()
 
     async def drain_and_stop(self, timeout: float) -> None:
         """In-flight requests get up to `timeout` to finish, then the engine stops.
@@ -436,12 +470,14 @@ class Instance:
         task.add_done_callback(retrieve)
         return task
 
-    def _claim_stop(self) -> tuple[EngineProcess | None, bool]:
-        """Enter STOPPING synchronously, so no new lease can be taken from here on."""
+    def _begin_stop(self) -> asyncio.Task[None]:
+        """Enter STOPPING synchronously (no new lease from here on) and start the stop task."""
         starting = self.state is State.STARTING
         self._cancel_idle_timer()
         self._set_state(State.STOPPING)
-        return self.engine, starting
+        self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
+        self._stopping.add_done_callback(retrieve)
+        return self._stopping
 
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
@@ -453,9 +489,14 @@ class Instance:
         self._set_state(State.STOPPED)
 
     def kill(self) -> None:
-        """SIGKILL the engine group now (forced exit)."""
+        """Kill the engine now (see `EngineProcess.kill`)."""
         if self.engine is not None:
             self.engine.kill()
+
+    def kill_group(self) -> None:
+        """SIGKILL the engine's process group at once."""
+        if self.engine is not None:
+            self.engine.kill_group()
 
     # -- views ---------------------------------------------------------------------------
 

@@ -17,12 +17,15 @@ from typing import Any
 from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
-from .instance import EngineContext, Instance, State, retrieve
+from .instance import EngineContext, Instance, State, Stopped, retrieve
 from .memory import Memory, Placement
 from .model import Model
 from .scheduler import ModelView, NoFit, Plan, plan
 
 log = logging.getLogger(__name__)
+
+#: On a forced exit: how long the guards get to stop their engine trees before the group kill.
+FORCED_KILL_GRACE_S = 0.3
 
 
 class Lease:
@@ -185,7 +188,7 @@ class Manager:
         wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
         while True:
             if inst.state is not State.STARTING:
-                raise Unavailable(f"model '{inst.name}' was stopped while waiting", code="stopped")
+                raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
             decision = self.plan_for(inst)
             if isinstance(decision, Plan):
                 # Claim memory and victims before the first await: later plans see both.
@@ -296,13 +299,17 @@ class Manager:
 
     def _remove(self, model: Model, drain_timeout_s: float) -> None:
         stops = model.remove(drain_timeout_s)
-        if not model.instances:
+        starting = model.starting()
+        if not model.instances and starting is None:
             self.ctx.metrics.forget_model(model.name)
             return
-        self.removed.add(model)
+        self.removed.add(model)  # still counted (and stopped at shutdown) until it is down
 
         async def gone() -> None:
             await asyncio.gather(*stops, return_exceptions=True)
+            if starting is not None:
+                await asyncio.gather(starting, return_exceptions=True)
+            await asyncio.gather(*(i.stop() for i in list(model.instances)), return_exceptions=True)
             self.removed.discard(model)
             if model.name not in self.models:
                 self.ctx.metrics.forget_model(model.name)
@@ -350,6 +357,11 @@ class Manager:
             self.memory.close()
 
     def kill_all(self) -> None:
-        """SIGKILL every engine group now (forced exit)."""
-        for inst in self.all_instances():
+        """Kill every engine now (forced exit, the proxy exits right after): each guard is
+        asked first (it also stops helpers that left the group), then every group gets SIGKILL."""
+        everything = self.all_instances()
+        for inst in everything:
             inst.kill()
+        time.sleep(FORCED_KILL_GRACE_S)
+        for inst in everything:
+            inst.kill_group()

@@ -153,6 +153,10 @@ class Model:
             self._bringup.add_done_callback(self._bringup_done)
         return self._bringup
 
+    def starting(self) -> asyncio.Task[None] | None:
+        """The start task in progress, if any."""
+        return self._bringup
+
     def _bringup_done(self, task: asyncio.Task[None]) -> None:
         if self._bringup is task:
             self._bringup = None
@@ -177,6 +181,8 @@ class Model:
         port, an out-of-memory start once after evicting one more idle instance."""
         port_attempts, oom_retried = 0, False
         while True:
+            if self.removed or self.closed:  # removed or shut down between two attempts
+                raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
             inst = self._new_instance()
             try:
                 await inst.start()
@@ -329,6 +335,9 @@ class Model:
         self.closed = True
         self._changed.set()
         await asyncio.gather(*(i.stop() for i in list(self.instances)), return_exceptions=True)
+        if self._bringup is not None:  # it stops at its next step; then stop what it made
+            await asyncio.gather(self._bringup, return_exceptions=True)
+            await asyncio.gather(*(i.stop() for i in list(self.instances)), return_exceptions=True)
 
     # -- views ---------------------------------------------------------------------------
 

@@ -84,6 +84,7 @@ class ClientTooSlow(Exception):
 
 
 REQUEST_ID = web.RequestKey("request_id", str)
+ENGINE_ID = web.RequestKey("engine_request_id", str)
 #: One line per request on the model routes (``server.access_log``).
 ACCESS = logging.getLogger("vllm_proxy.access")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -185,7 +186,7 @@ def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
     if "Connection" in headers:
         drop = drop | _connection_named(headers.getall("Connection"))
     out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
-    out.append(("X-Request-ID", request[REQUEST_ID]))
+    out.append(("X-Request-ID", request[ENGINE_ID]))
     return out
 
 
@@ -252,8 +253,7 @@ class Proxy:
         """Request ids, API keys on the OpenAI routes, OpenAI-shaped errors for everything, and
         one access-log line per request on the model routes (one frame: it is on every
         request)."""
-        rid = self._request_id(request)
-        request[REQUEST_ID] = rid
+        rid = request[REQUEST_ID] = self._request_id(request)
         tap = request[TAP] = Tap()
         path = request.path
         guarded = _guarded(path)
@@ -293,11 +293,16 @@ class Proxy:
 
     def _request_id(self, request: web.Request) -> str:
         """The client's ``X-Request-ID`` when it is a sane token, else a new one."""
+        self._rid_seq += 1
+        own = f"{self._rid_prefix}-{self._rid_seq:x}"
         given = request.headers.get("X-Request-ID")
         if given and len(given) <= 128 and given.isascii() and given.isprintable():
+            # vLLM takes the header as its own request id, which must be unique: the engine
+            # gets the client's id with ours appended (`ENGINE_ID`), the client its own back.
+            request[ENGINE_ID] = f"{given}.{own}"
             return given
-        self._rid_seq += 1
-        return f"{self._rid_prefix}-{self._rid_seq:x}"
+        request[ENGINE_ID] = own
+        return own
 
     def _check_admin(self, request: web.Request) -> None:
         if self.admin_keys:
