@@ -298,11 +298,11 @@ class EngineProcess:
         """Whether the engine under the guard still has a live (non-zombie) process."""
         if self.proc is None or self._exited.is_set():
             return False
-        try:
-            children = psutil.Process(self.proc.pid).children(recursive=True)
-            return any(c.status() != psutil.STATUS_ZOMBIE for c in children)
-        except psutil.Error:
-            return False
+        for pid in _tree(self.proc.pid)[1:]:  # the guard's descendants, no full /proc scan
+            with contextlib.suppress(psutil.Error):
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    return True
+        return False
 
     def listener_unchanged(self) -> bool:
         """The socket that listens on our port is still the one verified at readiness."""

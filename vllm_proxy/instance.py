@@ -133,7 +133,6 @@ class Instance:
         self.retired = False
         #: Killed by the health watcher (hung, stopped, or its port taken over).
         self.unhealthy = False
-        self.created = time.time()
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
