@@ -17,7 +17,6 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -212,9 +211,7 @@ class EngineProcess:
         msg = self.short_failure(what)
         return f"{msg}; last log lines of {self.log_path}:\n{tail}" if tail else msg
 
-    async def wait_ready(
-        self, session: aiohttp.ClientSession, on_poll: Callable[[], None] | None = None
-    ) -> float:
+    async def wait_ready(self, session: aiohttp.ClientSession) -> float:
         """Poll ``/health`` until 200 while watching the process; returns seconds taken.
 
         Raises `EngineFailed` (or `PortInUse`) at once when the process exits, and

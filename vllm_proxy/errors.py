@@ -6,7 +6,6 @@ OpenAI error `type` and `code`, and optional extra headers (e.g. `Retry-After`).
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 
@@ -42,9 +41,6 @@ class ProxyError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type_, self.code, self.param)
-
-    def body_bytes(self) -> bytes:
-        return json.dumps(self.body()).encode()
 
 
 class BadRequest(ProxyError):
