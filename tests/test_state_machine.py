@@ -20,6 +20,15 @@ ALLOWED = {
     (State.STARTING, State.STOPPED),  # admission refused: no process was started
     (State.RUNNING, State.STOPPING),
     (State.RUNNING, State.ERROR),
+    # Sleep: RUNNING -> SLEEPING (the /sleep call, then asleep) -> WAKING -> RUNNING.
+    (State.RUNNING, State.SLEEPING),
+    (State.SLEEPING, State.WAKING),
+    (State.SLEEPING, State.STOPPING),  # evicted or idle while asleep; a failed /sleep
+    (State.SLEEPING, State.ERROR),  # died while asleep
+    (State.WAKING, State.RUNNING),
+    (State.WAKING, State.SLEEPING),  # no memory for the wake in time: nothing was sent
+    (State.WAKING, State.STOPPING),  # a failed wake: never serve from a half-woken engine
+    (State.WAKING, State.ERROR),
     (State.STOPPING, State.STOPPED),
     # ERROR is final: the next start is a new instance with a new id.
 }

@@ -99,6 +99,24 @@ class Admin:
         await self._model(request).unload(timeout)
         return web.json_response(self._row(request))
 
+    async def sleep(self, request: web.Request) -> web.Response:
+        """Put the model to sleep (``?level=1|2``, default its policy's); in-flight requests
+        get ``?timeout=`` seconds (default 30) to finish first, else 409."""
+        model = self._model(request)
+        level = None
+        if "level" in request.query:
+            raw = request.query["level"]
+            if raw not in ("1", "2"):
+                raise BadRequest("level must be 1 or 2", param="level")
+            level = int(raw)
+        await model.sleep(level, _float_query(request, "timeout", default=30.0))
+        return web.json_response(self._row(request))
+
+    async def wake(self, request: web.Request) -> web.Response:
+        """Wake the model's sleeping instance (as the next request would); 409 when none."""
+        await self._model(request).wake()
+        return web.json_response(self._row(request))
+
     async def pin(self, request: web.Request) -> web.Response:
         self._model(request).pinned = request.match_info["action"] == "pin"
         return web.json_response(self._row(request))
@@ -219,5 +237,7 @@ def add_admin_routes(app: web.Application, admin: Admin) -> None:
     app.router.add_post("/admin/models/{name}/load", admin.load)
     app.router.add_post("/admin/models/{name}/unload", admin.unload)
     app.router.add_post("/admin/models/{name}/{action:pin|unpin}", admin.pin)
+    app.router.add_post("/admin/models/{name}/sleep", admin.sleep)
+    app.router.add_post("/admin/models/{name}/wake", admin.wake)
     app.router.add_get("/admin/models/{name}/logs", admin.logs)
     app.router.add_post("/admin/reload", admin.reload)

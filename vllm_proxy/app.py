@@ -178,6 +178,7 @@ class Server:
         site = web.TCPSite(self.runner, s.host, s.port, backlog=2048, reuse_address=True)
         await site.start()
         log.info("vllm-proxy listening on %s", ", ".join(self.urls))
+        self.runtime.manager.preload()
 
     @property
     def port(self) -> int:

@@ -64,6 +64,19 @@ class ServerConfig(_Strict):
     send_timeout_s: float = Field(60, gt=0)
 
 
+class SleepPolicy(_Strict):
+    """vLLM sleep mode for idle engines (needs a GPU build of vLLM: the CPU build refuses it).
+
+    Level 1 moves the weights to host RAM and drops the KV cache; level 2 drops both (a wake
+    reloads the weights from disk). After `after_idle_s` with no request in flight the engine
+    is put to sleep; it is stopped only after ``idle_timeout_s`` of total idleness, or when
+    eviction needs the memory it still holds.
+    """
+
+    level: Literal[1, 2] = 1
+    after_idle_s: float = Field(60, ge=0)
+
+
 class _EngineKeys(_Strict):
     """Keys that `engine` sets for every model and a model entry may override."""
 
@@ -85,6 +98,18 @@ class _EngineKeys(_Strict):
     log_dir: str | None = None
     log_max_mb: float | None = Field(None, gt=0)
     log_backups: int | None = Field(None, ge=0)
+    #: Sleep mode (None: off, the engine is only ever stopped).
+    sleep: SleepPolicy | None = None
+    #: GPU memory a sleeping engine still holds on each device (CUDA context, graphs).
+    sleep_memory_mb: int | None = Field(None, ge=0)
+    #: Bounds on a /sleep call and on a whole wake (wake_up, reloads, warm-up); past them the
+    #: engine is stopped (and cold-started when it is needed again).
+    sleep_timeout_s: float | None = Field(None, gt=0)
+    wake_timeout_s: float | None = Field(None, gt=0)
+    #: Start the model when the proxy starts (and put it to sleep once up, with a sleep policy).
+    preload: bool | None = None
+    #: Send one 1-token completion after a start or a wake before the instance serves.
+    warmup: bool | None = None
     env: dict[str, str] = {}
     args: dict[str, ArgValue] = {}
     extra_args: list[str] = []
@@ -133,6 +158,11 @@ class EngineConfig(_EngineKeys):
     backoff_max_s: float = Field(60, ge=0)
     log_max_mb: float = Field(20, gt=0)
     log_backups: int = Field(2, ge=0)
+    sleep_memory_mb: int = Field(1024, ge=0)
+    sleep_timeout_s: float = Field(60, gt=0)
+    wake_timeout_s: float = Field(120, gt=0)
+    preload: bool = False
+    warmup: bool = False
 
 
 class ModelConfig(_EngineKeys):
@@ -231,10 +261,32 @@ class ModelSpec:
     pinned: bool = False
     devices: tuple[int, ...] | None = None
     params_b: float | None = None
+    sleep: SleepPolicy | None = None
+    sleep_memory_mb: int = 1024
+    sleep_timeout_s: float = 60.0
+    wake_timeout_s: float = 120.0
+    preload: bool = False
+    warmup: bool = False
 
     def engine_key(self) -> tuple[Any, ...]:
         """What the engine process is made of; a change here needs a restart on reload."""
-        return (self.model, self.command, self.args, self.extra_args, self.env)
+        return (self.model, self.command, self.args, self.extra_args, self.env, self.sleep_mode)
+
+    def engine_api_key(self) -> str | None:
+        """The key the engine was started with (``api_key`` arg or ``VLLM_API_KEY``), if any:
+        the proxy's own calls to its /v1 routes (the warm-up) need it."""
+        args = {_arg_name(k): v for k, v in self.args}
+        key = args.get("api_key")
+        if isinstance(key, list):
+            key = key[0] if key else None
+        if key:
+            return str(key)
+        return dict(self.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+    @property
+    def sleep_mode(self) -> bool:
+        """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
+        return self.sleep is not None
 
     def engine_argv(self, port: int, overrides: dict[str, ArgValue] | None = None) -> list[str]:
         """The engine command line; the proxy owns model, name, host and port.
@@ -243,13 +295,20 @@ class ModelSpec:
         """
         argv = [*self.command, "--model", self.model, "--served-model-name", self.name]
         argv += ["--host", "127.0.0.1", "--port", str(port)]
-        for key, value in {**dict(self.args), **(overrides or {})}.items():
+        args = {**dict(self.args), **(overrides or {})}
+        if self.sleep_mode:
+            args.setdefault("enable_sleep_mode", True)
+        for key, value in args.items():
             argv += _flag(key, value)
         return argv + list(self.extra_args)
 
     def engine_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The proxy's environment with the configured variables (then `extra`) merged over it."""
-        return {**os.environ, **dict(self.env), **(extra or {})}
+        """The proxy's environment with the configured variables (then `extra`) merged over it.
+
+        With a sleep policy, ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves /sleep and /wake_up only
+        then)."""
+        dev = {"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}
+        return {**os.environ, **dev, **dict(self.env), **(extra or {})}
 
 
 def _arg_name(key: str) -> str:
@@ -314,6 +373,13 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         pinned=m.pinned,
         devices=tuple(m.devices) if m.devices is not None else None,
         params_b=m.params_b,
+        # `sleep: null` on a model turns off a sleep policy set under `engine`.
+        sleep=m.sleep if "sleep" in m.model_fields_set else e.sleep,
+        sleep_memory_mb=pick("sleep_memory_mb"),
+        sleep_timeout_s=pick("sleep_timeout_s"),
+        wake_timeout_s=pick("wake_timeout_s"),
+        preload=pick("preload"),
+        warmup=pick("warmup"),
     )
 
 

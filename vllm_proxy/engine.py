@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import random
@@ -42,6 +43,11 @@ _PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
 
 class PortInUse(EngineFailed):
     """The engine could not bind its port (lost a race with another program)."""
+
+
+class CallFailed(Exception):
+    """A sleep, wake or warm-up call the engine did not answer as it should (the message says
+    how: status, timeout, wrong state); for the proxy's log, never for clients."""
 
 
 class PortAllocator:
@@ -290,6 +296,66 @@ class EngineProcess:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    # -- sleep mode (vLLM's dev routes; see docs/design.md, "Sleep tiers") --------------------
+
+    async def _call(
+        self,
+        session: aiohttp.ClientSession,
+        method: str,
+        path: str,
+        body: object = None,
+        headers: dict[str, str] | None = None,
+    ) -> object:
+        """One call to the engine; its JSON answer (None when empty). `CallFailed` for anything
+        but 200. The caller bounds the time."""
+        try:
+            async with session.request(
+                method, self.base_url + path, json=body, headers=headers
+            ) as resp:
+                data = await resp.read()
+                if resp.status != 200:
+                    snippet = data[:200].decode("utf-8", "replace")
+                    raise CallFailed(f"{method} {path} answered {resp.status}: {snippet}")
+        except aiohttp.ClientError as err:
+            raise CallFailed(f"{method} {path} failed: {type(err).__name__}: {err}") from None
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise CallFailed(f"{method} {path} answered 200 with a body that is not JSON") from None
+
+    async def is_sleeping(self, session: aiohttp.ClientSession) -> bool:
+        answer = await self._call(session, "GET", "/is_sleeping")
+        if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
+            raise CallFailed(f"GET /is_sleeping answered {answer!r}")
+        return bool(answer["is_sleeping"])
+
+    async def sleep(self, session: aiohttp.ClientSession, level: int) -> None:
+        """``POST /sleep?level=N``, then check ``/is_sleeping`` says so."""
+        await self._call(session, "POST", f"/sleep?level={level}")
+        if not await self.is_sleeping(session):
+            raise CallFailed("/sleep answered 200 but /is_sleeping says awake")
+
+    async def wake(self, session: aiohttp.ClientSession, level: int) -> None:
+        """``POST /wake_up``; after level 2 also reload the weights and reset the prefix cache
+        (the memory was discarded); then check ``/is_sleeping`` says awake."""
+        await self._call(session, "POST", "/wake_up")
+        if level >= 2:
+            await self._call(session, "POST", "/collective_rpc", {"method": "reload_weights"})
+            await self._call(session, "POST", "/reset_prefix_cache")
+        if await self.is_sleeping(session):
+            raise CallFailed("/wake_up answered 200 but /is_sleeping still says asleep")
+
+    async def warmup(self, session: aiohttp.ClientSession) -> None:
+        """One 1-token completion; it must come back with a choice."""
+        body = {"model": self.spec.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        key = self.spec.engine_api_key()
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        answer = await self._call(session, "POST", "/v1/completions", body, headers)
+        if not isinstance(answer, dict) or not answer.get("choices"):
+            raise CallFailed("the warm-up completion came back without a choice")
 
     def engine_alive(self) -> bool:
         """Whether the engine under the guard still has a live (non-zombie) process."""

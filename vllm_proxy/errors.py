@@ -79,6 +79,14 @@ class RequestTimeout(ProxyError):
     code = "request_timeout"
 
 
+class Conflict(ProxyError):
+    """The request conflicts with the model's current state (an admin action)."""
+
+    status = 409
+    type_ = "invalid_request_error"
+    code = "conflict"
+
+
 class PayloadTooLarge(ProxyError):
     status = 413
     type_ = "invalid_request_error"

@@ -27,11 +27,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import psutil
+from prometheus_client import Gauge
 
 from .config import ModelSpec
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
+    CallFailed,
     EngineProcess,
     PortAllocator,
     log_path,
@@ -47,25 +50,35 @@ log = logging.getLogger(__name__)
 
 #: After a broken engine connection: how long to look for the exit of an engine that seems alive.
 EXIT_LOOK_S = 0.25
+#: Host RAM left free beyond the weights when choosing sleep level 1.
+HOST_RAM_MARGIN_MB = 1024
 
 
 class State(enum.Enum):
     STOPPED = "stopped"
     STARTING = "starting"
     RUNNING = "running"
+    SLEEPING = "sleeping"
+    WAKING = "waking"
     STOPPING = "stopping"
     ERROR = "error"
 
 
 #: States in which the instance holds no process and no memory: it is done.
 DOWN = frozenset({State.STOPPED, State.ERROR})
+#: States with a live engine process that may be asked to sleep, wake or stop.
+LIVE = frozenset({State.RUNNING, State.SLEEPING, State.WAKING})
 #: The allowed transitions. An instance starts once (STOPPED -> STARTING) and ends in STOPPED or
-#: ERROR; a restart is a new instance. Sleep states (SLEEPING/WAKING) slot in here.
+#: ERROR; a restart is a new instance. SLEEPING and WAKING sit between RUNNING and STOPPING.
 TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset({State.STARTING}),
     # STARTING -> STOPPED: admission refused (no GPU memory in time); no process was started.
     State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.ERROR, State.STOPPED}),
-    State.RUNNING: frozenset({State.STOPPING, State.ERROR}),
+    State.RUNNING: frozenset({State.SLEEPING, State.STOPPING, State.ERROR}),
+    # SLEEPING from the moment /sleep is called; its memory counts as awake until it returns.
+    State.SLEEPING: frozenset({State.WAKING, State.STOPPING, State.ERROR}),
+    # WAKING -> SLEEPING: no GPU memory for the wake in time (nothing was sent to the engine).
+    State.WAKING: frozenset({State.RUNNING, State.SLEEPING, State.STOPPING, State.ERROR}),
     State.STOPPING: frozenset({State.STOPPED}),
     State.ERROR: frozenset(),
 }
@@ -83,7 +96,16 @@ class OutOfMemory(EngineFailed):
     """The engine failed to start because the GPU had too little free memory."""
 
 
+class WakeFailed(Unavailable):
+    """A wake that failed (or a sleep that failed under it): the engine was stopped; the caller
+    starts a new instance."""
+
+
 async def _no_admission(_inst: Instance) -> Placement | None:
+    return None
+
+
+async def _no_readmission(_inst: Instance) -> None:
     return None
 
 
@@ -103,6 +125,12 @@ class EngineContext:
     vacate: Callable[[str], None] = lambda _iid: None
     #: Serialises starts per device (memory managed only).
     memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
+    #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
+    readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
+    #: A sleeping instance now holds only this many MiB per device (memory managed only).
+    doze: Callable[[str, int], None] = lambda _iid, _mb: None
+    #: Host RAM (MiB) the model's weights take, all devices together, when known.
+    weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -112,7 +140,14 @@ StateHook = Callable[["Instance", State], None]
 class Instance:
     """One engine process of one model, and the only code that changes its state."""
 
-    def __init__(self, spec: ModelSpec, iid: str, ctx: EngineContext, on_state: StateHook) -> None:
+    def __init__(
+        self,
+        spec: ModelSpec,
+        iid: str,
+        ctx: EngineContext,
+        on_state: StateHook,
+        queued: Callable[[], int] = lambda: 0,
+    ) -> None:
         self.spec = spec
         #: ``<model>#<n>``: never reused, the key of everything this instance owns.
         self.id = iid
@@ -136,9 +171,17 @@ class Instance:
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
+        #: The sleep level it was put to (0: awake) ...
+        self.sleep_level = 0
+        #: ... and the /sleep call while it is in flight (the memory still counts as awake).
+        self._sleep_call: asyncio.Task[None] | None = None
+        self._wake_task: asyncio.Task[None] | None = None
+        #: Requests waiting for this model to come up: no sleep while there are any.
+        self._queued = queued
         self._start_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._sleep_timer: asyncio.TimerHandle | None = None
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
     @property
@@ -154,6 +197,15 @@ class Instance:
     @property
     def log_path(self) -> Path:
         return log_path(self.spec, self.id)
+
+    def queued(self) -> int:
+        """Requests waiting for this instance's model to come up."""
+        return self._queued()
+
+    @property
+    def asleep(self) -> bool:
+        """SLEEPING and its /sleep call has returned: it holds only its sleep memory now."""
+        return self.state is State.SLEEPING and self._sleep_call is None
 
     # -- state ---------------------------------------------------------------------------
 
@@ -187,9 +239,8 @@ class Instance:
         if self.state is not State.RUNNING or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        if self._idle_timer is not None or self._sleep_timer is not None:
+            self._cancel_idle_timer()
         return self.engine
 
     def release(self) -> None:
@@ -198,31 +249,45 @@ class Instance:
         self.last_used = time.time()
         if self._released is not None:
             self._released.set()
+            self._released = None
         if self.leases == 0:
             if self.state is State.RUNNING and not self.retired:
                 self._arm_idle_timer()
             self.ctx.on_capacity()
 
     def _arm_idle_timer(self) -> None:
+        """Idle from now: the stop timer (``idle_timeout_s`` of total idleness, asleep or not)
+        and, with a sleep policy, the sleep timer (``after_idle_s``)."""
         self._cancel_idle_timer()
+        loop = asyncio.get_running_loop()
         if self.spec.idle_timeout_s > 0:
-            loop = asyncio.get_running_loop()
             self._idle_timer = loop.call_later(self.spec.idle_timeout_s, self._idle_expired)
+        policy = self.spec.sleep
+        if policy is not None and self.state is State.RUNNING:
+            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
 
     def _cancel_idle_timer(self) -> None:
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+        for timer in (self._idle_timer, self._sleep_timer):
+            if timer is not None:
+                timer.cancel()
+        self._idle_timer = self._sleep_timer = None
 
     def _idle_expired(self) -> None:
         self._idle_timer = None
         if self.evict("idle") is not None:
             log.info("%s: idle for %gs, unloaded", self.id, self.spec.idle_timeout_s)
 
+    def _sleep_due(self) -> None:
+        self._sleep_timer = None
+        if self.sleep("idle") is not None:
+            assert self.spec.sleep is not None
+            log.info("%s: idle for %gs, put to sleep", self.id, self.spec.sleep.after_idle_s)
+
     def rearm_idle(self) -> None:
-        """Restart the idle timer with the (reloaded) spec's timeout, if it is running."""
-        if self.state is State.RUNNING and self.leases == 0 and not self.retired:
-            self._arm_idle_timer()
+        """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
+        if self.state in (State.RUNNING, State.SLEEPING) and self.leases == 0:
+            if not self.retired:
+                self._arm_idle_timer()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -289,7 +354,12 @@ class Instance:
                 self._raise_if_stopped()
                 raise
         self._raise_if_stopped()
+        if self.spec.warmup:
+            await self._warm_up(engine, self.spec.startup_timeout_s)
+            self._raise_if_stopped()
+            seconds = time.monotonic() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
+        self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on port %d after %.2fs", self.id, engine.port, seconds)
         self.ready_at = time.monotonic()
         self.last_used = time.time()
@@ -303,6 +373,21 @@ class Instance:
         if self.spec.health_interval_s > 0:
             watcher = asyncio.ensure_future(self._watch_health(engine))
             watcher.add_done_callback(retrieve)
+
+    async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
+        """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
+        try:
+            async with asyncio.timeout(timeout):
+                await engine.warmup(self.ctx.session)
+        except (CallFailed, TimeoutError) as err:
+            why = str(err) or f"no answer within {timeout:g}s"
+            log.error("%s: warm-up failed: %s", self.id, why)
+            await engine.stop(STARTING_STOP_GRACE_S)
+            self._raise_if_stopped()
+            raise EngineFailed(
+                f"model '{self.name}': the engine's warm-up completion failed",
+                code="engine_start_failed",
+            ) from None
 
     def _out_of_memory(self) -> bool:
         if not self.devices or self.engine is None:
@@ -342,7 +427,7 @@ class Instance:
 
     def _fail(self, message: str) -> None:
         """The engine is gone or unusable: ERROR (unless a stop got there first)."""
-        if self.state not in (State.STARTING, State.RUNNING):
+        if self.state not in (State.STARTING, *LIVE):
             return
         self.last_error = message
         self._cancel_idle_timer()
@@ -353,7 +438,7 @@ class Instance:
         """Watch the engine process until it exits; a RUNNING engine that exits is an ERROR."""
         await engine.wait_exit()
         assert engine.pid is not None
-        if self.state is State.RUNNING and self.engine is engine:
+        if self.state in LIVE and self.engine is engine:
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._exited(engine, "exited unexpectedly")
         self.ctx.ports.release(engine.port)
@@ -378,14 +463,16 @@ class Instance:
         misses = 0
         while True:
             await asyncio.sleep(spec.health_interval_s)
-            if self.state is not State.RUNNING or self.engine is not engine:
+            if self.state not in LIVE or self.engine is not engine:
                 return
+            if self.state is State.WAKING or self._sleep_call is not None:
+                continue  # a wake or sleep call is bounded on its own
             if not engine.listener_unchanged():
                 self._unhealthy(engine, "its port is no longer held by the engine's own socket")
                 return
             healthy = await engine.probe(self.ctx.session, spec.health_timeout_s)
             misses = 0 if healthy else misses + 1
-            if misses >= spec.health_misses and self.state is State.RUNNING:
+            if misses >= spec.health_misses and self.state in (State.RUNNING, State.SLEEPING):
                 why = f"no answer to {misses} health probes in a row"
                 self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
                 return
@@ -435,14 +522,151 @@ class Instance:
         await asyncio.shield(task)
 
     def evict(self, reason: str) -> asyncio.Task[None] | None:
-        """Stop now if RUNNING with no lease, else do nothing; decided without yielding.
+        """Stop now if RUNNING with no lease, or SLEEPING, else do nothing; decided without
+        yielding.
 
         Returns the task finishing the stop, or None when the instance was not evictable.
         """
-        if self.state is not State.RUNNING or self.leases > 0:
+        if self.state not in (State.RUNNING, State.SLEEPING) or self.leases > 0:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
         return self._begin_stop()
+
+    # -- sleep and wake ------------------------------------------------------------------
+
+    def sleep(self, reason: str, level: int | None = None) -> asyncio.Task[None] | None:
+        """Put a RUNNING instance with a sleep policy to sleep if nothing is in flight or waiting
+        for it; decided without yielding (no lease can be taken from here on). Returns the task
+        that ends when the /sleep call has returned (or the fallback stop has finished), or
+        None when it may not sleep now.
+        """
+        if (
+            self.state is not State.RUNNING
+            or self.spec.sleep is None
+            or self.leases > 0
+            or self._queued() > 0
+            or self.engine is None
+        ):
+            return None
+        chosen = self._choose_level(level or self.spec.sleep.level)
+        if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
+            self._sleep_timer.cancel()
+            self._sleep_timer = None
+        self._set_state(State.SLEEPING)
+        self._sleep_call = asyncio.ensure_future(self._fall_asleep(self.engine, chosen, reason))
+        self._sleep_call.add_done_callback(retrieve)
+        return self._sleep_call
+
+    def _choose_level(self, level: int) -> int:
+        """Level 1 keeps the weights in host RAM: only when that much RAM is available."""
+        if level != 1:
+            return level
+        need = self.ctx.weights_mb(self.spec)
+        if need is None:
+            return level
+        available = psutil.virtual_memory().available // (1024 * 1024)
+        if need + HOST_RAM_MARGIN_MB > available:
+            log.warning(
+                "%s: sleep level 1 would keep ~%d MiB of weights in host RAM but only %d MiB are"
+                " available; using level 2 (the weights are reloaded from disk on wake)",
+                self.id, need, available,
+            )  # fmt: skip
+            return 2
+        return level
+
+    async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.spec.sleep_timeout_s):
+                await engine.sleep(self.ctx.session, level)
+        except (CallFailed, TimeoutError) as err:
+            if self.state is State.SLEEPING and self.engine is engine:
+                why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
+                log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
+                self.ctx.metrics.restarts.labels(self.name, "sleep_failed").inc()
+                await self._begin_stop()
+            return
+        finally:
+            self._sleep_call = None
+        if self.state is not State.SLEEPING or self.engine is not engine:
+            return  # stopped meanwhile
+        seconds = time.monotonic() - started
+        self.sleep_level = level
+        self.ctx.metrics.transitions.labels(self.name, "sleep").observe(seconds)
+        self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
+        log.info("%s: asleep at level %d after %.2fs (%s)", self.id, level, seconds, reason)
+        self.ctx.doze(self.id, self.spec.sleep_memory_mb)
+        self._changed.set()  # memory came back; waiters re-plan
+        self._changed = asyncio.Event()
+        self.ctx.on_capacity()
+        if self.leases == 0 and not self.retired and self._idle_timer is None:
+            self._arm_idle_timer()  # only the stop timer: it is not RUNNING
+
+    def wake(self) -> asyncio.Task[None]:
+        """Wake a SLEEPING instance (one wake for every caller): the memory first, then
+        /wake_up (level 2: reload the weights, reset the prefix cache), a check that it is
+        awake, and the warm-up. Raises `WakeFailed` after stopping the engine when any step
+        fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for the wake
+        did not come in time (it stays asleep)."""
+        if self._wake_task is None:
+            self._wake_task = asyncio.ensure_future(self._wake())
+            self._wake_task.add_done_callback(self._wake_done)
+        return self._wake_task
+
+    def _wake_done(self, task: asyncio.Task[None]) -> None:
+        self._wake_task = None
+        retrieve(task)
+
+    async def _wake(self) -> None:
+        if self._sleep_call is not None:  # let the /sleep call finish first
+            await asyncio.wait({self._sleep_call})
+        if self.state is State.RUNNING:
+            return
+        if self.state is not State.SLEEPING or self.engine is None:
+            raise Stopped(f"model '{self.name}' was stopped while asleep", code="stopped")
+        engine = self.engine
+        self._cancel_idle_timer()
+        self._set_state(State.WAKING)
+        try:
+            await self.ctx.readmit(self)
+        except ProxyError:
+            if self.state is State.WAKING:
+                self._set_state(State.SLEEPING)
+                if self.leases == 0 and not self.retired:
+                    self._arm_idle_timer()
+            raise
+        if self.state is not State.WAKING:
+            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+        started = time.monotonic()
+        level = self.sleep_level
+        try:
+            async with asyncio.timeout(self.spec.wake_timeout_s):
+                await engine.wake(self.ctx.session, level)
+                if self.spec.warmup:
+                    await engine.warmup(self.ctx.session)
+        except (CallFailed, TimeoutError) as err:
+            why = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
+            return await self._wake_failed(why)
+        if self.state is not State.WAKING or self.engine is not engine:
+            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+        seconds = time.monotonic() - started
+        self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
+        self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
+        log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
+        self.sleep_level = 0
+        self.last_used = time.time()
+        self._set_state(State.RUNNING)
+        if self.leases == 0 and not self.retired:
+            self._arm_idle_timer()
+
+    async def _wake_failed(self, why: str) -> None:
+        """Never serve from a half-woken engine: stop it; the caller cold-starts a new one."""
+        log.error("%s: wake failed (%s); stopping the engine", self.id, why)
+        self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
+        if self.state is State.WAKING:
+            await self._begin_stop()
+        raise WakeFailed(f"model '{self.name}': the engine did not wake; restarting it",
+                         code="wake_failed")  # fmt: skip
 
     async def drain_and_stop(self, timeout: float) -> None:
         """In-flight requests get up to `timeout` to finish, then the engine stops.
@@ -450,16 +674,22 @@ class Instance:
         The caller has made sure no new request is routed here (retired, or its model drains).
         """
         self._cancel_idle_timer()
+        if not await self.drained(timeout):
+            log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
+        await self.stop()
+
+    async def drained(self, timeout: float) -> bool:
+        """Wait up to `timeout` for the leases to run out; True when none is left."""
         deadline = time.monotonic() + timeout
         while self.leases > 0 and self.state is State.RUNNING:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
-                break
-            with contextlib.suppress(TimeoutError):
+                return False
+            if self._released is None:  # one event for every waiter
                 self._released = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._released.wait(), remaining)
-        await self.stop()
+        return self.leases == 0
 
     def retire(self, timeout: float) -> asyncio.Task[None]:
         """Take no new requests from now on; drain for up to `timeout`, then stop."""
@@ -472,6 +702,8 @@ class Instance:
     def _begin_stop(self) -> asyncio.Task[None]:
         """Enter STOPPING synchronously (no new lease from here on) and start the stop task."""
         starting = self.state is State.STARTING
+        if self.sleep_level or self.state is State.SLEEPING:
+            _forget(self.ctx.metrics.sleep_level, self.name, self.id)
         self._cancel_idle_timer()
         self._set_state(State.STOPPING)
         self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
@@ -507,6 +739,7 @@ class Instance:
         return {
             "id": self.id,
             "state": self.state.value,
+            "sleep_level": self.sleep_level if self.state is State.SLEEPING else 0,
             "pid": engine.pid if live and engine else None,
             "port": engine.port if live and engine else None,
             "devices": list(self.devices) if self.state not in DOWN else [],
@@ -517,6 +750,11 @@ class Instance:
             "last_error": self.last_error,
             "log": str(self.log_path),
         }
+
+
+def _forget(metric: Gauge, *labels: str) -> None:
+    with contextlib.suppress(KeyError):
+        metric.remove(*labels)
 
 
 @asynccontextmanager

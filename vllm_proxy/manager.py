@@ -12,15 +12,17 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
+from .footprint import footprint_for_spec
 from .instance import EngineContext, Instance, State, Stopped, retrieve
 from .memory import Memory, Placement
 from .model import Model
-from .scheduler import ModelView, NoFit, Plan, plan
+from .scheduler import Demand, ModelView, NoFit, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +67,11 @@ class Manager:
         ctx.on_capacity = self._capacity_changed
         if memory is not None:
             ctx.admit = self._admit
+            ctx.readmit = self._readmit
             ctx.memory_lock = memory.starting_on
             ctx.vacate = memory.vacate
+            ctx.doze = memory.doze
+        ctx.weights_mb = self._weights_mb
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
         self.removed: set[Model] = set()
@@ -75,6 +80,8 @@ class Manager:
         self.closing = False
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
+        #: Preloads still running, by model name.
+        self.preloading: dict[str, asyncio.Task[None]] = {}
 
     def _new_model(self, spec: ModelSpec) -> Model:
         evict_more = self._evict_more if self.memory is not None else None
@@ -99,6 +106,24 @@ class Manager:
         """Start background work (the NVML refresher); call inside the running loop."""
         if self.memory is not None:
             self._background = asyncio.ensure_future(self.memory.run(self._engine_groups))
+
+    def preload(self, names: list[str] | None = None) -> None:
+        """Start the models marked ``preload`` (or those of `names` that are) in the background;
+        those with a sleep policy go to sleep once up. `preloading` lists the ones under way."""
+        for name, model in self.models.items():
+            if not model.spec.preload or (names is not None and name not in names):
+                continue
+            if name in self.preloading:
+                continue
+            task = asyncio.ensure_future(model.preload())
+            self.preloading[name] = task
+
+            def done(t: asyncio.Task[None], name: str = name) -> None:
+                if self.preloading.get(name) is t:
+                    del self.preloading[name]
+                retrieve(t)
+
+            task.add_done_callback(done)
 
     def _engine_groups(self) -> dict[str, int]:
         return {
@@ -149,37 +174,79 @@ class Manager:
 
     def _views(self) -> tuple[list[ModelView], dict[int, int]]:
         """The planner's view of every placed instance (a model's old and new instance during a
-        handover both count), and memory promised to starts not yet allocated."""
-        assert self.memory is not None
+        handover both count), and memory promised to starting or waking instances that they
+        have not allocated yet."""
+        memory = self.memory
+        assert memory is not None
         views: list[ModelView] = []
         pending: dict[int, int] = {}
         pinned = {m.name: m.pinned for m in self.models.values()}
-        claims = self.memory.claims
         for i in self.all_instances():
-            claim = claims.get(i.id)
+            claim = memory.claims.get(i.id)
             if claim is None:
                 continue
-            footprint = max(claim.footprint_mb, self.memory.measured.get(i.id, 0))
-            starting = i.state is State.STARTING
+            held = memory.held_mb(i.id)
+            state = i.state
+            sleepy = i.spec.sleep is not None and state is State.RUNNING
             views.append(
-                ModelView(i.id, footprint, claim.devices, i.state is State.RUNNING,
-                          i.leases, i.last_used, pinned.get(i.name, False), starting,
-                          stopping=i.state is State.STOPPING)
+                ModelView(i.id, held, claim.devices, state is State.RUNNING,
+                          i.leases + i.queued(), i.last_used, pinned.get(i.name, False),
+                          starting=state is State.STARTING, stopping=state is State.STOPPING,
+                          sleep_mb=min(i.spec.sleep_memory_mb, held) if sleepy else None,
+                          asleep=i.asleep, waking=state is State.WAKING,
+                          falling_asleep=state is State.SLEEPING and not i.asleep)
             )  # fmt: skip
-            if starting and self.memory.kind == "nvml":
+            # Growth still to come; a wake not yet admitted holds what NVML already shows.
+            roused = state is State.WAKING and i.id not in memory.asleep
+            growing = state is State.STARTING or roused
+            if growing and memory.kind == "nvml":
+                pgid = i.engine.pid if i.engine is not None else None
                 for d in claim.devices:
-                    pending[d] = pending.get(d, 0) + footprint
+                    rest = max(held - memory.allocated_mb(i.id, pgid, d), 0)
+                    pending[d] = pending.get(d, 0) + rest
         return views, pending
 
     def plan_for(self, inst: Instance) -> Plan | NoFit:
-        """The scheduler's decision for starting `inst` now (pure; no side effects)."""
-        assert self.memory is not None
+        """The scheduler's decision for starting (or waking) `inst` now (pure; no effects)."""
+        memory = self.memory
+        assert memory is not None
         views, pending = self._views()
-        demand = self.memory.demand(inst.spec, inst.id)
-        return plan(demand, self.memory.device_views(pending), views)
+        if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
+            claim = memory.claims[inst.id]
+            need = max(claim.footprint_mb - memory.held_mb(inst.id), 0)
+            demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
+        else:
+            demand = memory.demand(inst.spec, inst.id)
+        return plan(demand, memory.device_views(pending), views)
 
     async def _admit(self, inst: Instance) -> Placement | None:
-        """Wait until `inst` fits (evicting idle instances LRU first), up to the queue timeout."""
+        """Wait until `inst` fits (putting idle instances to sleep or stopping them, LRU
+        first), up to the queue timeout; then its memory is claimed."""
+        memory = self.memory
+        assert memory is not None
+
+        def claim(decision: Plan) -> Placement:
+            placement = memory.placement(inst.spec, decision.devices)
+            memory.occupy(inst.id, placement)
+            return placement
+
+        return await self._reclaim(inst, State.STARTING, claim)
+
+    async def _readmit(self, inst: Instance) -> None:
+        """A wake: wait until the instance's whole footprint fits on its devices again (same
+        rules as a start), then claim it."""
+        memory = self.memory
+        assert memory is not None
+
+        def claim(decision: Plan) -> Placement:
+            memory.rouse(inst.id)
+            return memory.claims[inst.id]
+
+        await self._reclaim(inst, State.WAKING, claim)
+
+    async def _reclaim(
+        self, inst: Instance, state: State, claim: Callable[[Plan], Placement]
+    ) -> Placement:
         memory = self.memory
         assert memory is not None
         loop = asyncio.get_running_loop()
@@ -187,30 +254,59 @@ class Manager:
         deadline = started + self.queue_timeout_s
         wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
         while True:
-            if inst.state is not State.STARTING:
+            await memory.read_fresh()
+            if inst.state is not state:
                 raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
             decision = self.plan_for(inst)
             if isinstance(decision, Plan):
-                # Claim memory and victims before the first await: later plans see both.
-                placement = memory.placement(inst.spec, decision.devices)
-                memory.occupy(inst.id, placement)
-                victims = [v for v in map(self.instance, decision.evict) if v is not None]
-                stops = [v.evict("memory") for v in victims]
-                if victims:
+                # Claim memory and act on the victims before the first await: later plans see
+                # both (an instance counts as awake until its /sleep call has returned).
+                placement = claim(decision)
+                naps = [v.sleep("memory") for v in self._instances(decision.sleep)]
+                stops = [v.evict("memory") for v in self._instances(decision.evict)]
+                if decision.sleep:
+                    log.info("%s: putting %s to sleep to make room", inst.id,
+                             ", ".join(decision.sleep))  # fmt: skip
+                if decision.evict:
                     log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
-                    await asyncio.gather(*(t for t in stops if t is not None))
-                    await memory.wait_free(decision.devices, placement.footprint_mb)
+                if decision.sleep or decision.evict:
+                    await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
+                    await memory.wait_free(decision.devices, self._need(inst, placement))
                 wait_metric.observe(loop.time() - started)
                 return placement
             remaining = deadline - loop.time()
             if remaining <= 0 or not decision.blockers:
                 wait_metric.observe(loop.time() - started)
+                what = "wake" if state is State.WAKING else "start"
                 raise Unavailable(
-                    f"model '{inst.name}' does not fit in GPU memory: {decision.reason}",
+                    f"model '{inst.name}' cannot {what}: not enough GPU memory: {decision.reason}",
                     code="insufficient_gpu_memory",
                     retry_after_s=max(1, int(self.queue_timeout_s) or 5),
                 )
             await self._wait_capacity(inst, remaining)
+
+    def _instances(self, ids: tuple[str, ...]) -> list[Instance]:
+        return [i for i in map(self.instance, ids) if i is not None]
+
+    def _need(self, inst: Instance, placement: Placement) -> int:
+        """What must be free on the devices before the engine allocates."""
+        assert self.memory is not None
+        if inst.state is State.WAKING:
+            return max(placement.footprint_mb - inst.spec.sleep_memory_mb, 0)
+        return placement.footprint_mb
+
+    def _weights_mb(self, spec: ModelSpec) -> int | None:
+        """Host RAM a level-1 sleep of `spec` keeps: its weights, all devices together."""
+        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
+        if fp is None:
+            try:
+                fp = footprint_for_spec(spec, None, spec.params_b)
+            except (ValueError, OSError):
+                return None
+        weights = fp.detail.get("weights_mb")
+        if isinstance(weights, int | float):
+            return int(weights) * fp.tp
+        return fp.per_device_mb * fp.tp  # no breakdown (memory_mb): the whole footprint
 
     async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
         waits = [
@@ -232,7 +328,8 @@ class Manager:
         idle = [
             i for i in self.all_instances()
             if i.id in claims and set(devices) & set(claims[i.id].devices)
-            and i.state is State.RUNNING and i.leases == 0 and i.name not in pinned
+            and (i.asleep or (i.state is State.RUNNING and i.leases == 0))
+            and i.name not in pinned
         ]  # fmt: skip
         for victim in sorted(idle, key=lambda i: i.last_used):
             task = victim.evict("out_of_memory")
@@ -273,6 +370,7 @@ class Manager:
         self.models = models
         self._index_names()
         self._capacity_changed()
+        self.preload(report["added"])
         log.info("reloaded: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v) or "none")
         return report
 

@@ -81,6 +81,11 @@ class Memory:
         self.totals = {s.id: s.total_mb for s in self.snapshots}
         #: Memory claimed by each placed instance (admitted and not yet down), by instance id.
         self.claims: dict[str, Placement] = {}
+        #: Instances asleep (their /sleep call returned): what each still holds per device.
+        self.asleep: dict[str, int] = {}
+        #: Device usage (NVML) when an instance began to allocate (a start under its device
+        #: lock, a wake): what it has allocated since is the growth over this.
+        self.baseline: dict[str, dict[int, int]] = {}
         #: Planned footprint per model name (a property of its spec).
         self.estimates: dict[str, Footprint] = {}
         #: What each live instance was measured to hold, by instance id.
@@ -134,6 +139,59 @@ class Memory:
         fp = self.estimates[spec.name]
         return Demand(instance_id, self.footprint(spec.name), fp.tp, spec.devices, self.reserve_mb)
 
+    async def read_fresh(self) -> list[GpuSnapshot]:
+        """Snapshots read now (NVML in a worker thread; the refresher's copy if that fails):
+        admission never plans on a reading that predates an engine's allocation."""
+        if isinstance(self.source, NvmlMonitor):
+            try:
+                self.snapshots = await asyncio.to_thread(self.source.read)
+            except Exception as err:  # pynvml's NVMLError, or a driver gone away
+                log.warning("GPU read failed, planning on the last snapshot: %s", err)
+                self.snapshots = self.source.latest or self.snapshots
+            return self.snapshots
+        return self.refresh()
+
+    def held_mb(self, instance_id: str) -> int:
+        """What a placed instance holds (or is promised) on each of its devices."""
+        if instance_id in self.asleep:
+            return self.asleep[instance_id]
+        claim = self.claims[instance_id]
+        return max(claim.footprint_mb, self.measured.get(instance_id, 0))
+
+    def allocated_mb(self, instance_id: str, pgid: int | None, device: int) -> int:
+        """How much of its claim an instance that is starting or waking has allocated on
+        `device` so far: its processes' memory where NVML reports it per process, else the
+        device's growth since it began (starts are serialised per device)."""
+        snap = next((s for s in self.snapshots if s.id == device), None)
+        if snap is None:
+            return 0
+        if pgid is not None and snap.processes:
+            mine = sum(mb for pid, mb in snap.processes.items() if _pgid(pid) == pgid)
+            if mine:
+                return mine
+        base = self.baseline.get(instance_id, {}).get(device)
+        return max(snap.used_mb - base, 0) if base is not None else 0
+
+    def doze(self, instance_id: str, mb: int) -> None:
+        """The instance is asleep: from now on it holds only `mb` per device."""
+        claim = self.claims.get(instance_id)
+        if claim is None:
+            return
+        held = min(mb, claim.footprint_mb)
+        self.asleep[instance_id] = held
+        if isinstance(self.source, StaticBudget):
+            self.source.set_usage(instance_id, claim.devices, held)
+
+    def rouse(self, instance_id: str) -> None:
+        """A wake was admitted: the instance claims its whole footprint again."""
+        claim = self.claims.get(instance_id)
+        self.asleep.pop(instance_id, None)
+        if claim is None:
+            return
+        self.baseline[instance_id] = {s.id: s.used_mb for s in self.snapshots}
+        if isinstance(self.source, StaticBudget):
+            self.source.set_usage(instance_id, claim.devices, claim.footprint_mb)
+
     def refresh(self) -> list[GpuSnapshot]:
         """Current snapshots: static budgets are read now, NVML's come from the refresher."""
         if isinstance(self.source, NvmlMonitor):
@@ -143,9 +201,25 @@ class Memory:
         return self.snapshots
 
     def device_views(self, pending: dict[int, int]) -> list[DeviceView]:
-        return [
-            DeviceView(s.id, s.total_mb, s.used_mb, pending.get(s.id, 0)) for s in self.refresh()
-        ]
+        """Each device for the planner, from the last read (`read_fresh` first).
+
+        Free memory is the smaller of two readings: what the device reports free less what
+        starting and waking instances have yet to allocate (`pending`), and the device total
+        less everything the proxy's instances hold or were promised. The first sees other users
+        of the GPU; the second sees an engine that has not allocated yet even when the device
+        reading lags. A starting instance is never counted twice: `pending` is only its
+        not-yet-allocated part.
+        """
+        claimed: dict[int, int] = {}
+        for iid, claim in self.claims.items():
+            for d in claim.devices:
+                claimed[d] = claimed.get(d, 0) + self.held_mb(iid)
+        views = []
+        for s in self.snapshots:
+            wait = pending.get(s.id, 0)
+            used = max(s.used_mb, claimed.get(s.id, 0) - wait)
+            views.append(DeviceView(s.id, s.total_mb, used, wait))
+        return views
 
     def placement(self, spec: ModelSpec, devices: tuple[int, ...]) -> Placement:
         """What the engine is started with on `devices`.
@@ -168,14 +242,18 @@ class Memory:
 
     def occupy(self, instance_id: str, placement: Placement) -> None:
         """Claim the placement's memory for the instance (replacing an earlier claim); the
-        planner counts every claim, and the static budget's "used" is their sum."""
+        planner counts every claim, and the static budget's "used" is their sum. An asleep
+        instance keeps holding only its sleep memory until it wakes."""
         self.claims[instance_id] = placement
         if isinstance(self.source, StaticBudget):
-            self.source.set_usage(instance_id, placement.devices, placement.footprint_mb)
+            mb = self.asleep.get(instance_id, placement.footprint_mb)
+            self.source.set_usage(instance_id, placement.devices, mb)
 
     def vacate(self, instance_id: str) -> None:
         """The instance is down: its claim and measurement go."""
         self.claims.pop(instance_id, None)
+        self.asleep.pop(instance_id, None)
+        self.baseline.pop(instance_id, None)
         if isinstance(self.source, StaticBudget):
             self.source.clear_usage(instance_id)
         self.by_process.discard(instance_id)
@@ -199,7 +277,12 @@ class Memory:
         """What one instance was measured to hold, and how."""
         mb = self.measured.get(instance_id)
         how = "process" if instance_id in self.by_process else "device delta"
-        return {"measured_mb": mb, "measured_from": how if mb is not None else None}
+        return {
+            "measured_mb": mb,
+            "measured_from": how if mb is not None else None,
+            "held_mb": self.held_mb(instance_id) if instance_id in self.claims else None,
+            "asleep_mb": self.asleep.get(instance_id),
+        }
 
     @contextlib.asynccontextmanager
     async def starting_on(self, devices: tuple[int, ...], owner: str) -> AsyncIterator[None]:
@@ -214,6 +297,8 @@ class Memory:
             for lock in locks:
                 await stack.enter_async_context(lock)
             before = await self._used(devices)
+            if before:
+                self.baseline[owner] = before
             yield
             after = await self._used(devices)
             if before and after and owner not in self.by_process:

@@ -89,6 +89,27 @@ class Metrics:
             buckets=START_BUCKETS,
             registry=r,
         )
+        self.transitions = Histogram(
+            "vllm_proxy_engine_transition_seconds",
+            "Engine transitions by kind: cold_start (spawn to ready, warm-up included), sleep"
+            " (the /sleep call), wake_l1 and wake_l2 (wake_up to serving, warm-up included)",
+            ["model_id", "kind"],
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, *START_BUCKETS[1:]),
+            registry=r,
+        )
+        self.sleep_level = Gauge(
+            "vllm_proxy_instance_sleep_level",
+            "Sleep level of each sleeping instance (1: weights in host RAM, 2: discarded;"
+            " 0: awake again)",
+            ["model_id", "instance"],
+            registry=r,
+        )
+        self.instances = Gauge(
+            "vllm_proxy_instances",
+            "Live instances of the model in each state",
+            ["model_id", "state"],
+            registry=r,
+        )
         self.restarts = Counter(
             "vllm_proxy_engine_restarts_total",
             "Engines that exited unexpectedly or failed to start",
@@ -146,15 +167,19 @@ class Metrics:
     def set_instance_state(self, model: str, instance: str, old: str | None, new: str) -> None:
         if old is not None:
             _remove(self.instance_state, model, instance, old)
+            self.instances.labels(model, old).dec()
         self.instance_state.labels(model, instance, new).set(1)
+        self.instances.labels(model, new).inc()
 
     def forget_instance(self, model: str, instance: str) -> None:
         """Drop an ended instance's series (ids are never reused: they would pile up)."""
         for labels in _label_sets(self.instance_state):
             if labels["model_id"] == model and labels["instance"] == instance:
                 _remove(self.instance_state, model, instance, labels["state"])
+                self.instances.labels(model, labels["state"]).dec()
         _remove(self.instance_active, model, instance)
         _remove(self.memory_measured, model, instance)
+        _remove(self.sleep_level, model, instance)
 
     def forget_model(self, model: str) -> None:
         """Drop a removed model's gauges (its counters and histograms stay)."""
@@ -163,6 +188,9 @@ class Metrics:
         for labels in _label_sets(self.state):
             if labels["model_id"] == model:
                 _remove(self.state, model, labels["state"])
+        for labels in _label_sets(self.instances):
+            if labels["model_id"] == model:
+                _remove(self.instances, model, labels["state"])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,8 +17,17 @@ from collections.abc import Awaitable, Callable
 
 from .config import ModelSpec
 from .engine import EngineProcess, PortInUse, prune_logs
-from .errors import EngineFailed, NotFound, ProxyError, Unavailable
-from .instance import DOWN, EngineContext, Instance, OutOfMemory, State, Stopped, retrieve
+from .errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
+from .instance import (
+    DOWN,
+    EngineContext,
+    Instance,
+    OutOfMemory,
+    State,
+    Stopped,
+    WakeFailed,
+    retrieve,
+)
 
 log = logging.getLogger(__name__)
 
@@ -176,9 +185,28 @@ class Model:
             self.waiting -= 1
             self._queue_gauge.set(self.waiting)
 
+    def sleeper(self) -> Instance | None:
+        """The newest sleeping (or waking) instance that is not retired: woken before any
+        cold start."""
+        for inst in reversed(self.instances):
+            if inst.state in (State.SLEEPING, State.WAKING) and not inst.retired:
+                return inst
+        return None
+
     async def _bring_up(self) -> None:
-        """Start new instances until one is RUNNING: a lost port race is retried on a new
-        port, an out-of-memory start once after evicting one more idle instance."""
+        """Wake a sleeping instance if there is one; else (or when the wake fails: that engine
+        is stopped) start new instances until one is RUNNING: a lost port race is retried on
+        a new port, an out-of-memory start once after evicting one more idle instance."""
+        sleeper = self.sleeper()
+        if sleeper is not None:
+            try:
+                await sleeper.wake()
+                return
+            except WakeFailed as err:
+                log.warning("%s: %s; cold start instead", sleeper.id, err.message)
+            except Stopped:
+                if self.removed or self.closed:
+                    raise
         port_attempts, oom_retried = 0, False
         while True:
             if self.removed or self.closed:  # removed or shut down between two attempts
@@ -222,7 +250,9 @@ class Model:
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
 
     def _new_instance(self) -> Instance:
-        inst = Instance(self.spec, self._new_id(self.name), self.ctx, self._instance_changed)
+        inst = Instance(
+            self.spec, self._new_id(self.name), self.ctx, self._instance_changed, self._queued
+        )
         self.instances.append(inst)
         keep = {int(i.id.rpartition("#")[2]) for i in self.instances}
         prune_logs(self.spec, keep, LOGS_KEPT)
@@ -278,6 +308,9 @@ class Model:
         log.warning("%s: %d failed start(s) in a row; next start in %gs", self.name,
                     self.failures, delay)  # fmt: skip
 
+    def _queued(self) -> int:
+        return self.waiting
+
     async def _wait_change(self) -> None:
         await self._changed.wait()
 
@@ -285,7 +318,7 @@ class Model:
         """One state for the model: RUNNING while any instance serves, else the most advanced
         live one, else how the last one ended."""
         live = {i.state for i in self.instances}
-        for s in (State.RUNNING, State.STARTING, State.STOPPING):
+        for s in (State.RUNNING, State.WAKING, State.STARTING, State.SLEEPING, State.STOPPING):
             if s in live:
                 return s
         if self.last_ended is not None and self.last_ended.state is State.ERROR:
@@ -330,6 +363,55 @@ class Model:
             self._changed.set()
             self._changed = asyncio.Event()
 
+    async def preload(self) -> None:
+        """Start at boot (in the background): up, and with a sleep policy put to sleep at
+        once, so that the first request pays only a wake."""
+        try:
+            await asyncio.shield(self.ensure_started() or _done())
+        except ProxyError as err:
+            log.error("%s: preload failed: %s", self.name, err.message)
+            return
+        inst = self.serving()
+        if self.spec.sleep is not None and inst is not None:
+            task = inst.sleep("preload")
+            if task is not None:
+                await task
+
+    async def sleep(self, level: int | None, timeout: float) -> None:
+        """Admin sleep: new requests wait, in-flight ones get `timeout` to finish, then every
+        RUNNING instance is put to sleep (`Conflict` when requests are still in flight)."""
+        if self.spec.sleep is None:
+            raise Conflict(
+                f"model '{self.name}' has no sleep policy (set sleep: {{level: 1}} for it)",
+                code="sleep_not_enabled",
+            )
+        self.draining = True
+        try:
+            instances = [i for i in self.instances if i.state is State.RUNNING]
+            await asyncio.gather(*(i.drained(timeout) for i in instances))
+            busy = [i.id for i in instances if i.leases > 0]
+            if busy:
+                raise Conflict(
+                    f"model '{self.name}': requests still in flight on {', '.join(busy)} after"
+                    f" {timeout:g}s; not put to sleep",
+                    code="model_busy",
+                )
+            naps = [i.sleep("admin", level) for i in instances]
+            await asyncio.gather(*(t for t in naps if t is not None))
+        finally:
+            self.draining = False
+            self._changed.set()
+            self._changed = asyncio.Event()
+
+    async def wake(self) -> None:
+        """Admin wake: wake the sleeping instance (no-op when one serves)."""
+        if self.serving() is not None:
+            return
+        if self.sleeper() is None:
+            raise Conflict(f"model '{self.name}' is not asleep", code="not_sleeping")
+        inst, _ = await self.acquire()
+        inst.release()
+
     async def shutdown(self) -> None:
         """Fail waiters, stop every instance."""
         self.closed = True
@@ -347,6 +429,7 @@ class Model:
         return {
             "name": self.name,
             "model": self.spec.model,
+            "sleep": self.spec.sleep.model_dump() if self.spec.sleep is not None else None,
             "aliases": list(self.spec.aliases),
             "state": self.state().value,
             "leases": sum(i.leases for i in self.instances),
@@ -362,3 +445,7 @@ class Model:
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
         }
+
+
+async def _done() -> None:
+    return None

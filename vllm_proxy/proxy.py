@@ -578,7 +578,10 @@ class Proxy:
     async def health(self, request: web.Request) -> web.Response:
         if self.manager.closing:
             return web.json_response({"status": "shutting_down"}, status=503)
-        return web.json_response({"status": "ok"})
+        body: dict[str, object] = {"status": "ok"}
+        if self.manager.preloading:  # the proxy serves meanwhile; these models are coming up
+            body["preloading"] = sorted(self.manager.preloading)
+        return web.json_response(body)
 
     async def metrics_page(self, request: web.Request) -> web.Response:
         self.manager.update_metrics()

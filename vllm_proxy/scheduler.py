@@ -10,20 +10,26 @@ when ``free >= footprint`` on every device of the set. ``used`` is what the devi
 (other users of the GPU included), ``pending`` is memory promised to engines that have not
 allocated it yet, ``reserve`` is headroom the proxy never hands out.
 
-Eviction policy:
+Reclaim policy (sleep before stop, never a busy engine):
 
-* only RUNNING models with no lease, not pinned and not starting may be evicted;
-* they are taken least recently used first, and only when they free memory on a device of the
-  set that still lacks some; a model on several devices frees its footprint on each of them;
-* once the demand fits, chosen models that are not needed after all are put back, the most
-  recently used first;
+* only idle instances (RUNNING with no lease and nothing queued, or asleep), not pinned, may be
+  touched; starting, waking, stopping and falling-asleep ones hold memory that comes back (or
+  is needed) soon, so a demand that needs it waits;
+* first, idle RUNNING instances with a sleep policy are put to sleep, least recently used first,
+  each freeing ``footprint - sleep_mb``;
+* then, if memory is still short, instances are stopped least recently used first: asleep ones
+  (freeing what they still hold), RUNNING ones without a sleep policy, and ones chosen to sleep
+  above (stopped instead); an instance is only taken when it frees memory on a device of the set
+  that still lacks some, and a model on several devices frees its memory on each of them;
+* once the demand fits, actions that are not needed after all are undone, the most recently
+  used first (a stop becomes a sleep again where that is enough, then goes);
 * among device sets that can be made to fit, the winner is the one with the fewest megabytes
-  evicted (a model counts ``footprint x number of its devices``), then the fewest models evicted,
-  then the least free memory left on the set after the start (best fit: big holes stay for big
-  models), then the lowest device ids.
+  stopped (an instance counts ``what it holds x number of its devices``), then the fewest
+  instances stopped, then the fewest megabytes put to sleep, then the least free memory left on
+  the set after the start (best fit: big holes stay for big models), then the lowest device ids.
 
-A set that fits without eviction evicts zero megabytes, so it always beats one that needs
-eviction, and best fit decides among those.
+A set that fits without reclaiming anything always beats one that needs it, and best fit decides
+among those.
 """
 
 from __future__ import annotations
@@ -62,6 +68,13 @@ class ModelView:
     starting: bool = False
     #: Being stopped: its memory comes back soon, so a demand that needs it waits.
     stopping: bool = False
+    #: What it would hold asleep, per device, when it has a sleep policy (None: it has none).
+    sleep_mb: int | None = None
+    #: Asleep (its /sleep call returned): `footprint_mb` is what it still holds.
+    asleep: bool = False
+    #: Waking, or its /sleep call is in flight: it holds its memory and may not be touched.
+    waking: bool = False
+    falling_asleep: bool = False
 
 
 @dataclass(frozen=True)
@@ -81,10 +94,12 @@ class Demand:
 
 @dataclass(frozen=True)
 class Plan:
-    """Start on `devices` after stopping the models in `evict` (in that order, LRU first)."""
+    """Start on `devices` after putting the instances in `sleep` to sleep and stopping those
+    in `evict` (each in that order, LRU first)."""
 
     devices: tuple[int, ...]
     evict: tuple[str, ...]
+    sleep: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,14 +153,16 @@ def plan(
         return NoFit(reason, ())
     free = {i: _free(d, demand.reserve_mb) for i, d in by_id.items()}
     evictable = _evictable(demand, models)
-    best: tuple[tuple[int, int, int, tuple[int, ...]], Plan] | None = None
+    best: tuple[tuple[int, int, int, int, tuple[int, ...]], Plan] | None = None
     for ids in combinations(_allowed(demand, by_id), demand.tp):
-        chosen = _evictions(demand.footprint_mb, {i: free[i] for i in ids}, evictable)
+        chosen = _reclaim(demand.footprint_mb, {i: free[i] for i in ids}, evictable)
         if chosen is None:
             continue
-        key = _cost(demand.footprint_mb, ids, free, chosen)
+        slept, stopped = chosen
+        key = _cost(demand.footprint_mb, ids, free, slept, stopped)
         if best is None or key < best[0]:
-            best = (key, Plan(ids, tuple(m.name for m in chosen)))
+            plan_ = Plan(ids, tuple(m.name for m in stopped), tuple(m.name for m in slept))
+            best = (key, plan_)
     if best is not None:
         return best[1]
     return _no_fit(demand, _allowed(demand, by_id), free, models, evictable)
@@ -163,62 +180,114 @@ def _free(device: DeviceView, reserve_mb: int) -> int:
 
 
 def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
-    """Models that may be stopped, least recently used first (name breaks ties)."""
+    """Instances that may be put to sleep or stopped, least recently used first (name breaks
+    ties): idle RUNNING ones and asleep ones, never pinned ones or the demand itself."""
     ok = [
         m
         for m in models
-        if m.running and m.leases == 0 and not m.pinned and not m.starting and m.name != demand.name
+        if ((m.running and m.leases == 0) or m.asleep)
+        and not (m.pinned or m.starting or m.waking or m.falling_asleep or m.stopping)
+        and m.name != demand.name
     ]
     return sorted(ok, key=lambda m: (m.last_used, m.name))
 
 
-def _evictions(
-    footprint: int, free: dict[int, int], evictable: list[ModelView]
-) -> tuple[ModelView, ...] | None:
-    """The models to stop so `footprint` fits on every device of `free`, or None if impossible."""
+def _sleep_gain(m: ModelView) -> int:
+    """MiB per device that putting `m` to sleep frees (0 when it cannot sleep)."""
+    if not m.running or m.sleep_mb is None:
+        return 0
+    return max(m.footprint_mb - m.sleep_mb, 0)
+
+
+Reclaim = tuple[tuple[ModelView, ...], tuple[ModelView, ...]]
+
+
+def _reclaim(footprint: int, free: dict[int, int], evictable: list[ModelView]) -> Reclaim | None:
+    """(to sleep, to stop) so that `footprint` fits on every device of `free`, or None."""
     deficit = {i: footprint - f for i, f in free.items()}
-    chosen: list[ModelView] = []
-    for m in evictable:
-        if all(v <= 0 for v in deficit.values()):
-            break
-        if not any(deficit.get(i, 0) > 0 for i in m.devices):
-            continue
-        chosen.append(m)
+
+    def short() -> bool:
+        return any(v > 0 for v in deficit.values())
+
+    def touches(m: ModelView) -> bool:
+        return any(deficit.get(i, 0) > 0 for i in m.devices)
+
+    def gain(m: ModelView, mb: int) -> None:
         for i in m.devices:
             if i in deficit:
-                deficit[i] -= m.footprint_mb
-    if any(v > 0 for v in deficit.values()):
+                deficit[i] -= mb
+
+    slept: list[ModelView] = []
+    for m in evictable:  # first: sleep, least recently used first
+        if not short():
+            break
+        if _sleep_gain(m) > 0 and touches(m):
+            slept.append(m)
+            gain(m, _sleep_gain(m))
+    stopped: list[ModelView] = []
+    for m in evictable:  # then: stop, least recently used first
+        if not short():
+            break
+        if not touches(m):
+            continue
+        if m in slept:
+            slept.remove(m)
+            gain(m, m.footprint_mb - _sleep_gain(m))
+        else:
+            gain(m, m.footprint_mb)
+        stopped.append(m)
+    if short():
         return None
-    return _prune(footprint, free, chosen)
+    return _prune(footprint, free, slept, stopped)
 
 
-def _prune(footprint: int, free: dict[int, int], chosen: list[ModelView]) -> tuple[ModelView, ...]:
-    """Put back chosen models the plan does not need, sparing the most recently used first."""
-    kept = list(chosen)
-    for m in sorted(chosen, key=lambda m: (m.last_used, m.name), reverse=True):
-        trial = [k for k in kept if k is not m]
-        if _fits_after(footprint, free, trial):
-            kept = trial
-    return tuple(kept)
+def _prune(
+    footprint: int, free: dict[int, int], slept: list[ModelView], stopped: list[ModelView]
+) -> Reclaim:
+    """Undo actions the plan does not need, sparing the most recently used first: a stop
+    becomes a sleep where that is enough, or goes; then sleeps go."""
+    sleep, stop = list(slept), list(stopped)
+    for m in sorted(stopped, key=lambda m: (m.last_used, m.name), reverse=True):
+        rest = [k for k in stop if k is not m]
+        if _fits_after(footprint, free, sleep, rest):
+            stop = rest
+        elif _sleep_gain(m) > 0 and _fits_after(footprint, free, [*sleep, m], rest):
+            stop, sleep = rest, [*sleep, m]
+    for m in sorted(sleep, key=lambda m: (m.last_used, m.name), reverse=True):
+        rest = [k for k in sleep if k is not m]
+        if _fits_after(footprint, free, rest, stop):
+            sleep = rest
+    order = {id(m): n for n, m in enumerate(sorted(slept + stopped, key=lambda m: m.last_used))}
+    return (tuple(sorted(sleep, key=lambda m: order[id(m)])),
+            tuple(sorted(stop, key=lambda m: order[id(m)])))  # fmt: skip
 
 
-def _fits_after(footprint: int, free: dict[int, int], evicted: Iterable[ModelView]) -> bool:
+def _fits_after(
+    footprint: int, free: dict[int, int], slept: Iterable[ModelView], stopped: Iterable[ModelView]
+) -> bool:
     room = dict(free)
-    for m in evicted:
+    for m, mb in [*((m, _sleep_gain(m)) for m in slept), *((m, m.footprint_mb) for m in stopped)]:
         for i in m.devices:
             if i in room:
-                room[i] += m.footprint_mb
+                room[i] += mb
     return all(v >= footprint for v in room.values())
 
 
 def _cost(
-    footprint: int, ids: tuple[int, ...], free: dict[int, int], chosen: tuple[ModelView, ...]
-) -> tuple[int, int, int, tuple[int, ...]]:
-    """Sort key: MiB evicted, models evicted, free MiB left on the set afterwards, device ids."""
-    evicted_mb = sum(m.footprint_mb * len(m.devices) for m in chosen)
+    footprint: int,
+    ids: tuple[int, ...],
+    free: dict[int, int],
+    slept: tuple[ModelView, ...],
+    stopped: tuple[ModelView, ...],
+) -> tuple[int, int, int, int, tuple[int, ...]]:
+    """Sort key: MiB stopped, instances stopped, MiB put to sleep, free MiB left on the set
+    afterwards, device ids."""
+    stopped_mb = sum(m.footprint_mb * len(m.devices) for m in stopped)
+    slept_mb = sum(_sleep_gain(m) * len(m.devices) for m in slept)
     left = sum(free[i] - footprint for i in ids)
-    left += sum(m.footprint_mb for m in chosen for i in m.devices if i in ids)
-    return (evicted_mb, len(chosen), left, ids)
+    left += sum(m.footprint_mb for m in stopped for i in m.devices if i in ids)
+    left += sum(_sleep_gain(m) for m in slept for i in m.devices if i in ids)
+    return (stopped_mb, len(stopped), slept_mb, left, ids)
 
 
 def _no_fit(
@@ -237,7 +306,7 @@ def _no_fit(
     held = [
         m
         for m in models
-        if (m.running or m.starting or m.stopping)
+        if (m.running or m.starting or m.stopping or m.asleep or m.waking or m.falling_asleep)
         and m.name != demand.name
         and m not in evictable
         and any(i in allowed for i in m.devices)
@@ -259,6 +328,10 @@ def _no_fit(
 def _why_held(m: ModelView) -> str:
     if m.starting:
         why = "starting"
+    elif m.waking:
+        why = "waking"
+    elif m.falling_asleep:
+        why = "going to sleep"
     elif m.stopping:
         why = "stopping"
     elif m.leases:
