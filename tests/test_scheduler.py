@@ -279,3 +279,64 @@ def test_a_stopping_model_blocks_rather_than_reads_as_foreign_memory() -> None:
     decision = plan(want(600), [dev(0, 1000, used=600)], [stopping])
     assert isinstance(decision, NoFit) and decision.blockers == ("a#1",)
     assert "stopping" in decision.reason and "outside the proxy" not in decision.reason
+
+
+# -- the sleep tier: sleep before stop, stop sleepers LRU, never a busy one --------------------
+
+
+def sleeper(name: str, held: int, last: float = 0.0, **kw: object) -> ModelView:
+    """An asleep instance holding `held` MiB."""
+    return ModelView(name, held, (0,), False, 0, last, False, asleep=True, **kw)  # type: ignore[arg-type]
+
+
+def sleepable(name: str, mb: int, sleep_mb: int, last: float = 0.0, leases: int = 0) -> ModelView:
+    """A RUNNING instance with a sleep policy: asleep it would hold `sleep_mb`."""
+    return ModelView(name, mb, (0,), True, leases, last, False, sleep_mb=sleep_mb)
+
+
+SLEEP_PLANS = [
+    pytest.param(
+        [mdl("old", 300, last=1), sleepable("a", 300, 100, last=2)],
+        want(500),
+        Plan((0,), (), ("a",)),
+        id="sleep-before-stopping-anything-even-if-not-lru",
+    ),
+    pytest.param(
+        [sleepable("a", 300, 100, last=1), sleepable("b", 300, 100, last=2)],
+        want(700),
+        Plan((0,), (), ("a", "b")),
+        id="sleep-lru-first-as-many-as-needed",
+    ),
+    pytest.param(
+        [sleeper("s1", 100, last=1), sleeper("s2", 100, last=2), mdl("r", 300, last=3)],
+        want(550),
+        Plan((0,), ("s1",)),
+        id="stop-the-lru-sleeper-when-its-memory-is-needed",
+    ),
+    pytest.param(
+        [sleepable("busy", 300, 100, last=0, leases=1), sleepable("a", 300, 100, last=5)],
+        want(500),
+        Plan((0,), (), ("a",)),
+        id="never-a-busy-one",
+    ),
+    pytest.param(
+        [sleepable("a", 500, 400, last=1)],
+        want(700),
+        Plan((0,), ("a",)),
+        id="a-sleep-that-frees-too-little-becomes-a-stop",
+    ),
+]
+
+
+@pytest.mark.parametrize(("models", "demand", "expected"), SLEEP_PLANS)
+def test_sleep_tier_plans(models: list[ModelView], demand: Demand, expected: Plan) -> None:
+    used = sum(m.footprint_mb for m in models)
+    assert plan(demand, [dev(0, 1000, used)], models) == expected
+
+
+@pytest.mark.parametrize("flag", ["waking", "falling_asleep"])
+def test_waking_and_falling_asleep_hold_their_memory(flag: str) -> None:
+    moving = ModelView("w", 600, (0,), False, 0, 0.0, False, **{flag: True})  # type: ignore[arg-type]
+    result = plan(want(600), [dev(0, 1000, 600)], [moving])
+    assert isinstance(result, NoFit) and result.blockers == ("w",)
+    assert ("waking" if flag == "waking" else "going to sleep") in result.reason

@@ -1,0 +1,460 @@
+"""Component tests: the sleep tier (vLLM sleep mode) with the fake engine as a real subprocess.
+
+The fake engine implements vLLM's dev routes (/sleep, /wake_up, /is_sleeping, /collective_rpc,
+/reset_prefix_cache) only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode, answers 503 to a
+completion while asleep and counts it (``fake_engine:requests_while_asleep_total``), and after a
+level-2 sleep answers ``<garbage>`` until the weights are reloaded: the tests read those counters
+to prove what the proxy did and did not send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from conftest import RunningProxy, StartProxy, make_config, wait_for
+
+from vllm_proxy.config import GpuDevice, parse_config
+from vllm_proxy.instance import Instance, State
+
+SLEEPY = {"level": 1, "after_idle_s": 0.3}
+
+
+def config(
+    tmp_path: Path,
+    models: dict[str, dict[str, Any]],
+    budget_mb: int | None = None,
+    **engine: Any,
+) -> Any:
+    cfg = make_config(
+        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0, **engine}
+    )
+    if budget_mb is None:
+        return cfg
+    gpu = cfg.gpu.model_copy(
+        update={"monitor": "static", "devices": [GpuDevice(id=0, memory_mb=budget_mb)]}
+    )
+    return cfg.model_copy(update={"gpu": gpu})
+
+
+def sleepy(**extra: Any) -> dict[str, Any]:
+    return {"model": "x", "sleep": dict(SLEEPY), **extra}
+
+
+async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:
+    resp = await proxy.chat(model, max_tokens=4, **extra)
+    body = await resp.read()
+    if resp.status != 200:
+        return resp.status, body.decode()
+    return resp.status, json.loads(body)["choices"][0]["message"]["content"]
+
+
+async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
+    """A sample of the instance's engine's own /metrics (the fake's counters)."""
+    assert inst.engine is not None
+    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+        text = await resp.text()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def asleep(inst: Instance) -> None:
+    await wait_for(lambda: inst.asleep, what=f"{inst.id} asleep")
+
+
+async def proxy_metric(proxy: RunningProxy, pattern: str) -> float | None:
+    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    match = re.search(re.escape(pattern) + r" ([0-9.e+-]+)", text)
+    return float(match.group(1)) if match else None
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_a_sleep_policy_starts_the_engine_in_sleep_mode(tmp_path: Path) -> None:
+    cfg = parse_config(
+        {
+            "server": {"state_dir": str(tmp_path)},
+            "engine": {"sleep": {"level": 2}},
+            "models": {"a": {"model": "x"}, "b": {"model": "y", "sleep": None}},
+        }
+    )
+    a, b = cfg.specs()["a"], cfg.specs()["b"]
+    assert a.sleep is not None and a.sleep.level == 2 and a.sleep.after_idle_s == 60
+    assert "--enable-sleep-mode" in a.engine_argv(9000)
+    assert a.engine_env()["VLLM_SERVER_DEV_MODE"] == "1"
+    # `sleep: null` on a model turns the engine-wide policy off: today's behaviour.
+    assert b.sleep is None and "--enable-sleep-mode" not in b.engine_argv(9000)
+    assert a.sleep_memory_mb == 1024 and a.preload is False and a.warmup is False
+    # Turning sleep mode on or off changes the engine: a reload restarts it.
+    assert a.engine_key() != b.engine_key()
+
+
+def test_sleep_level_is_validated(tmp_path: Path) -> None:
+    from vllm_proxy.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"models\.a\.sleep\.level"):
+        parse_config({"models": {"a": {"model": "x", "sleep": {"level": 3}}}})
+
+
+# -- idle sleep, one wake for many ------------------------------------------------------------
+
+
+async def test_idle_sleep_then_concurrent_requests_cause_one_wake(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy()}))
+    assert (await chat(proxy, "m"))[0] == 200
+    inst = proxy.instance("m")
+    pid = inst.engine.pid if inst.engine else None
+    await asleep(inst)
+    assert inst.state is State.SLEEPING and inst.sleep_level == 1
+    assert proxy.model("m").state() is State.SLEEPING
+
+    results = await asyncio.gather(*(chat(proxy, "m") for _ in range(20)))
+    assert [status for status, _ in results] == [200] * 20
+    assert all(text.startswith("tok0") for _, text in results)
+    assert proxy.instance("m") is inst and inst.engine is not None and inst.engine.pid == pid
+    assert proxy.engine_starts("m") == 1, "woken, not restarted"
+    assert await engine_metric(proxy, inst, "fake_engine:wakes_total") == 1
+    assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
+    assert (
+        await proxy_metric(
+            proxy, 'vllm_proxy_engine_transition_seconds_count{kind="wake_l1",model_id="m"}'
+        )
+        == 1
+    )
+
+
+async def test_a_stream_longer_than_after_idle_is_never_cut_by_a_sleep(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}  # ~1 s of tokens
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
+    resp = await proxy.chat("m", stream=True)
+    inst = proxy.instance("m")
+    body = await resp.read()
+    events = [e for e in body.split(b"\n\n") if e]
+    assert events[-1] == b"data: [DONE]"
+    text = "".join(
+        json.loads(e[6:])["choices"][0]["delta"].get("content") or ""
+        for e in events[:-1]
+        if json.loads(e[6:])["choices"]
+    )
+    assert text == "".join(f"tok{i} " for i in range(20))
+    assert await engine_metric(proxy, inst, "fake_engine:sleeps_total") == 0
+    await asleep(inst)  # and once it is over, the engine does go to sleep
+    assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
+
+
+async def test_idle_timeout_still_stops_a_sleeping_engine(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(idle_timeout_s=1.0)}))
+    assert (await chat(proxy, "m"))[0] == 200
+    inst = proxy.instance("m")
+    await asleep(inst)
+    await wait_for(lambda: inst.state is State.STOPPED, what="stopped after total idleness")
+    assert (await chat(proxy, "m"))[0] == 200
+    assert proxy.engine_starts("m") == 2
+
+
+# -- swap by sleep and wake -------------------------------------------------------------------
+
+
+async def test_two_preloaded_models_swap_by_sleep_and_wake(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A budget that holds one awake: the pool is created asleep, then alternate requests
+    swap the two by sleep and wake with exactly two engine processes ever started."""
+    policy = {"level": 1, "after_idle_s": 60}
+    models = {n: {"model": "x", "memory_mb": 600, "preload": True, "sleep": policy} for n in "ab"}
+    proxy = await start_proxy(config(tmp_path, models, budget_mb=1000, sleep_memory_mb=100))
+    health = await (await proxy.http.get(proxy.url + "/health")).json()
+    assert health["status"] == "ok"
+    await wait_for(lambda: not proxy.manager.preloading, timeout=30, what="preloads done")
+    health = await (await proxy.http.get(proxy.url + "/health")).json()
+    assert "preloading" not in health
+    a, b = proxy.instance("a"), proxy.instance("b")
+    assert a.asleep and b.asleep, "the pool is created asleep"
+
+    for name in "abab":
+        assert (await chat(proxy, name))[0] == 200
+        awake, other = (a, b) if name == "a" else (b, a)
+        assert awake.state is State.RUNNING and other.asleep
+    assert proxy.engine_starts("a") == 1 and proxy.engine_starts("b") == 1
+    for inst in (a, b):
+        assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
+    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    assert 'vllm_proxy_evictions_total{model_id="a"' not in text, "nothing was stopped"
+
+
+async def test_level_2_wake_reloads_weights_before_serving(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(sleep={"level": 2})}))
+    assert (await chat(proxy, "m"))[0] == 200
+    inst = proxy.instance("m")
+    task = inst.sleep("test")
+    assert task is not None
+    await task
+    assert inst.asleep and inst.sleep_level == 2
+    status, text = await chat(proxy, "m")
+    assert status == 200 and "<garbage>" not in text and text.startswith("tok0")
+    assert await engine_metric(proxy, inst, "fake_engine:reload_weights_total") == 1
+    assert await engine_metric(proxy, inst, "fake_engine:reset_prefix_cache_total") == 1
+    assert await engine_metric(proxy, inst, "fake_engine:garbage_completions_total") == 0
+    assert (
+        await proxy_metric(
+            proxy, 'vllm_proxy_engine_transition_seconds_count{kind="wake_l2",model_id="m"}'
+        )
+        == 1
+    )
+
+
+# -- eviction order ---------------------------------------------------------------------------
+
+
+async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    policy = {"level": 1, "after_idle_s": 60}
+    long = {"FAKE_ENGINE_TOKENS": "60", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    models = {
+        "a": {"model": "x", "memory_mb": 300, "sleep": policy},
+        "b": {"model": "x", "memory_mb": 300, "sleep": policy},
+        "busy": {"model": "x", "memory_mb": 300, "sleep": policy, "env": long},
+        "d": {"model": "x", "memory_mb": 400},
+        "e": {"model": "x", "memory_mb": 150},
+    }
+    proxy = await start_proxy(config(tmp_path, models, budget_mb=1000, sleep_memory_mb=100))
+    for name in ("a", "b"):
+        assert (await chat(proxy, name))[0] == 200
+    stream = await proxy.chat("busy", stream=True)
+    await stream.content.readany()
+    busy = proxy.instance("busy")
+    # d needs 400 with 100 free: a and b (idle) go to sleep, nothing is stopped.
+    assert (await chat(proxy, "d"))[0] == 200
+    a, b = proxy.instance("a"), proxy.instance("b")
+    assert a.asleep and b.asleep and busy.state is State.RUNNING
+    assert a.engine is not None and a.engine.exit_code is None
+    # e needs 150 with 100 free: the least recently used sleeper is stopped, nothing else.
+    assert (await chat(proxy, "e"))[0] == 200
+    assert a.state is State.STOPPED and b.asleep
+    assert busy.state is State.RUNNING and proxy.instance("d").state is State.RUNNING
+    body = await stream.read()
+    assert body.rstrip().endswith(b"data: [DONE]"), "the busy stream was never touched"
+    assert await engine_metric(proxy, busy, "fake_engine:sleeps_total") == 0
+
+
+# -- failures fall back to a stop and a cold start --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("knob", "extra"),
+    [
+        ("FAKE_ENGINE_WAKE_FAIL", {}),
+        ("FAKE_ENGINE_WAKE_LIES", {}),
+        ("FAKE_ENGINE_WAKE_HANG", {"wake_timeout_s": 0.5}),
+    ],
+)
+async def test_a_failed_wake_stops_the_engine_and_cold_starts(
+    tmp_path: Path, start_proxy: StartProxy, knob: str, extra: dict[str, Any]
+) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env={knob: "1"}, **extra)}))
+    assert (await chat(proxy, "m"))[0] == 200
+    first = proxy.instance("m")
+    await asleep(first)
+    status, text = await chat(proxy, "m")
+    assert status == 200 and text.startswith("tok0"), "served by a new engine"
+    assert first.state is State.STOPPED and first.engine is not None
+    assert first.engine.exit_code is not None, "the half-woken engine is gone"
+    assert proxy.instance("m") is not first and proxy.engine_starts("m") == 2
+    assert (
+        await proxy_metric(
+            proxy, 'vllm_proxy_engine_restarts_total{model_id="m",reason="wake_failed"}'
+        )
+        == 1
+    )
+
+
+async def test_a_failed_sleep_stops_the_engine(tmp_path: Path, start_proxy: StartProxy) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env={"FAKE_ENGINE_SLEEP_FAIL": "1"})}))
+    assert (await chat(proxy, "m"))[0] == 200
+    inst = proxy.instance("m")
+    await wait_for(lambda: inst.state is State.STOPPED, what="stopped after a failed sleep")
+    assert (await chat(proxy, "m"))[0] == 200
+    assert proxy.engine_starts("m") == 2
+
+
+async def test_warmup_runs_before_the_instance_serves(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(warmup=True)}))
+    admin = await proxy.http.post(proxy.url + "/admin/models/m/load")
+    assert admin.status == 200
+    inst = proxy.instance("m")
+    # Loaded by the admin API, no client request yet: the engine already served the warm-up.
+    assert await engine_metric(proxy, inst, "vllm:request_success_total") == 1
+    await asleep(inst)
+    assert (await chat(proxy, "m"))[0] == 200
+    # The wake warmed it up too: warm-up, client, warm-up after the wake, client.
+    assert await engine_metric(proxy, inst, "vllm:request_success_total") == 3
+
+
+async def test_a_failing_warmup_fails_the_start(tmp_path: Path, start_proxy: StartProxy) -> None:
+    # The engine crashes on its first completion: the warm-up's.
+    env = {"FAKE_ENGINE_CRASH_AFTER": "0"}
+    proxy = await start_proxy(config(tmp_path, {"m": {"model": "x", "warmup": True, "env": env}}))
+    status, text = await chat(proxy, "m")
+    assert status == 502 and "warm-up" in text
+    assert proxy.instance("m").state is State.ERROR
+
+
+# -- admin ------------------------------------------------------------------------------------
+
+
+async def test_admin_sleep_and_wake(tmp_path: Path, start_proxy: StartProxy) -> None:
+    models = {"m": sleepy(sleep={"level": 1, "after_idle_s": 60}), "plain": {"model": "x"}}
+    proxy = await start_proxy(config(tmp_path, models))
+    base = proxy.url + "/admin/models"
+    assert (await chat(proxy, "m"))[0] == 200
+    resp = await proxy.http.post(base + "/m/sleep?level=2")
+    assert resp.status == 200
+    row = await resp.json()
+    (inst,) = row["instances"]
+    assert row["state"] == "sleeping" and inst["state"] == "sleeping" and inst["sleep_level"] == 2
+    assert row["sleep"] == {"level": 1, "after_idle_s": 60.0}
+    assert (
+        await proxy_metric(proxy, 'vllm_proxy_instance_sleep_level{instance="m#1",model_id="m"}')
+        == 2
+    )
+    assert await proxy_metric(proxy, 'vllm_proxy_instances{model_id="m",state="sleeping"}') == 1
+
+    resp = await proxy.http.post(base + "/m/wake")
+    assert resp.status == 200
+    row = await resp.json()
+    assert row["state"] == "running" and row["instances"][0]["sleep_level"] == 0
+    assert await proxy_metric(proxy, 'vllm_proxy_instances{model_id="m",state="running"}') == 1
+
+    resp = await proxy.http.post(base + "/m/wake")
+    assert resp.status == 200, "waking an awake model is a no-op"
+    resp = await proxy.http.post(base + "/m/sleep?level=3")
+    assert resp.status == 400 and (await resp.json())["error"]["param"] == "level"
+    resp = await proxy.http.post(base + "/plain/sleep")
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "sleep_not_enabled"
+    resp = await proxy.http.post(base + "/plain/wake")
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "not_sleeping"
+
+
+async def test_admin_sleep_waits_for_requests_in_flight(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    policy = {"level": 1, "after_idle_s": 60}
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(sleep=policy, env=env)}))
+    stream = await proxy.chat("m", stream=True)
+    await stream.content.readany()
+    # Too short a drain: 409, and the stream goes on untouched.
+    resp = await proxy.http.post(proxy.url + "/admin/models/m/sleep?timeout=0.05")
+    assert resp.status == 409 and (await resp.json())["error"]["code"] == "model_busy"
+    sleeping = asyncio.ensure_future(proxy.http.post(proxy.url + "/admin/models/m/sleep"))
+    body = await stream.read()
+    assert body.rstrip().endswith(b"data: [DONE]")
+    resp = await sleeping
+    assert resp.status == 200 and (await resp.json())["state"] == "sleeping"
+
+
+# -- honest GPU admission ---------------------------------------------------------------------
+
+
+class _Mem:
+    def __init__(self, total: int, used: int) -> None:
+        self.total, self.used, self.free = total, used, total - used
+
+
+class StaleNvml:
+    """One 80 GiB device whose reading lags: it reports only what `used` says, however much
+    the proxy's engines have been promised."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self) -> None:
+        self.used = 0
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: ...
+    def nvmlDeviceGetCount(self) -> int:
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        return index
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> _Mem:
+        return _Mem(80 * 1024 * 2**20, self.used * 2**20)
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        raise self.NVMLError("not supported")
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        raise self.NVMLError("not supported")
+
+
+async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Path) -> None:
+    """Three 31 GiB models on 80 GiB: the third must evict even though the device reading
+    (stale, or taken before the second engine allocated) shows room for it."""
+    from vllm_proxy.engine import PortAllocator
+    from vllm_proxy.gpu import NvmlMonitor
+    from vllm_proxy.instance import EngineContext
+    from vllm_proxy.manager import Manager
+    from vllm_proxy.memory import Memory
+    from vllm_proxy.metrics import Metrics
+    from vllm_proxy.registry import EngineRegistry
+    from vllm_proxy.scheduler import Plan
+
+    models = {n: {"model": "x", "memory_mb": 31 * 1024} for n in "abc"}
+    cfg = make_config(tmp_path, models)
+    specs = cfg.specs()
+    nvml = StaleNvml()
+    metrics = Metrics()
+    memory = Memory(NvmlMonitor(nvml=nvml), "nvml", cfg, specs, metrics)
+    async with aiohttp.ClientSession() as session:
+        registry = EngineRegistry(tmp_path / "engines.json")
+        ctx = EngineContext(session, PortAllocator(), registry, metrics)
+        manager = Manager(specs, ctx, memory)
+        placed = []
+        for name in "ab":
+            inst = manager.models[name]._new_instance()
+            inst.state = State.STARTING
+            decision = manager.plan_for(inst)
+            assert isinstance(decision, Plan) and decision.evict == ()
+            memory.occupy(inst.id, memory.placement(inst.spec, decision.devices))
+            inst.state = State.RUNNING  # ready; the device reading has not caught up
+            inst.last_used = len(placed)
+            placed.append(inst)
+        nvml.used = 31 * 1024  # only a's allocation is visible
+        await memory.read_fresh()
+        c = manager.models["c"]._new_instance()
+        c.state = State.STARTING
+        decision = manager.plan_for(c)
+        assert isinstance(decision, Plan)
+        assert decision.evict == (placed[0].id,), "the LRU engine makes room: no overcommit"
+        # A starting instance is not counted twice: what it has allocated since its start
+        # began is in the reading, its claim covers only the rest.
+        placed[1].state = State.STARTING
+        memory.baseline[placed[1].id] = {0: 31 * 1024}  # the reading when its start began
+        nvml.used = 62 * 1024
+        await memory.read_fresh()
+        _, pending = manager._views()
+        assert pending == {0: 0}, "its allocation so far is already in the reading"
+        (dev,) = memory.device_views(pending)
+        assert dev.used_mb + dev.pending_mb == 62 * 1024
