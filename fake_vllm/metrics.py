@@ -2,7 +2,7 @@
 
 from bisect import bisect_left
 
-from .settings import E2E_BUCKETS, FINISH_REASONS, TTFT_BUCKETS
+from .settings import E2E_BUCKETS, FINISH_REASONS, SLEEP_LEVELS, TTFT_BUCKETS
 
 
 def _num(value: float) -> str:
@@ -38,7 +38,13 @@ class Histogram:
 
 
 class Metrics:
-    """vLLM's engine series for one model (labels ``engine="0",model_name=...``)."""
+    """vLLM's engine series for one model (labels ``engine="0",model_name=...``).
+
+    Besides them, fake-only ``fake_engine:*`` series count what the sleep-mode tests check:
+    sleeps by level, wakes, weight reloads, prefix-cache resets, requests that arrived while
+    asleep, completions served from discarded weights, sleep/wake calls in flight and the bytes
+    held on the GPU.
+    """
 
     def __init__(self, model_name: str) -> None:
         escaped = model_name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
@@ -48,6 +54,13 @@ class Metrics:
         self.finished = dict.fromkeys(FINISH_REASONS, 0)
         self.ttft = Histogram(TTFT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
+        self.sleeps = dict.fromkeys(SLEEP_LEVELS, 0)
+        self.wakes = 0
+        self.reload_weights = 0
+        self.reset_prefix_cache = 0
+        self.requests_while_asleep = 0
+        self.garbage_completions = 0
+        self.in_flight = {"sleep": 0, "wake": 0}
 
     def record(
         self, prompt: int, generated: int, reason: str, ttft: float | None, e2e: float
@@ -63,21 +76,46 @@ class Metrics:
         base = name.removesuffix("_total") if kind == "counter" else name
         return [f"# TYPE {base} {kind}", f"{name}{{{self.labels}{extra}}} {_num(value)}"]
 
-    def render(self, running: int, waiting: int, kv_usage: float, sleep: dict[str, int]) -> str:
+    def _labelled(self, name: str, kind: str, label: str, values: dict[str, int]) -> list[str]:
+        base = name.removesuffix("_total") if kind == "counter" else name
+        out = [f"# TYPE {base} {kind}"]
+        for key, value in values.items():
+            out.append(f'{name}{{{self.labels},{label}="{key}"}} {_num(value)}')
+        return out
+
+    def _fake_series(self, gpu_bytes: int) -> list[str]:
+        levels = {str(level): count for level, count in self.sleeps.items()}
+        out = self._labelled("fake_engine:sleeps_total", "counter", "level", levels)
+        out += self._sample("fake_engine:wakes_total", "counter", self.wakes)
+        out += self._sample("fake_engine:reload_weights_total", "counter", self.reload_weights)
+        resets = self.reset_prefix_cache
+        out += self._sample("fake_engine:reset_prefix_cache_total", "counter", resets)
+        asleep = self.requests_while_asleep
+        out += self._sample("fake_engine:requests_while_asleep_total", "counter", asleep)
+        garbage = self.garbage_completions
+        out += self._sample("fake_engine:garbage_completions_total", "counter", garbage)
+        name = "fake_engine:sleep_operations_in_flight"
+        out += self._labelled(name, "gauge", "operation", self.in_flight)
+        out += self._sample("fake_engine:gpu_bytes", "gauge", gpu_bytes)
+        return out
+
+    def render(
+        self,
+        running: int,
+        waiting: int,
+        kv_usage: float,
+        sleep: dict[str, int],
+        gpu_bytes: int,
+    ) -> str:
         out = self._sample("vllm:num_requests_running", "gauge", running)
         out += self._sample("vllm:num_requests_waiting", "gauge", waiting)
         out += self._sample("vllm:kv_cache_usage_perc", "gauge", kv_usage)
-        out.append("# TYPE vllm:engine_sleep_state gauge")
-        for state, value in sleep.items():
-            out.append(
-                f'vllm:engine_sleep_state{{{self.labels},sleep_state="{state}"}} {_num(value)}'
-            )
+        out += self._labelled("vllm:engine_sleep_state", "gauge", "sleep_state", sleep)
         out += self._sample("vllm:prompt_tokens_total", "counter", self.prompt_tokens)
         out += self._sample("vllm:generation_tokens_total", "counter", self.generation_tokens)
-        out.append("# TYPE vllm:request_success counter")
-        for reason, count in self.finished.items():
-            label = f',finished_reason="{reason}"'
-            out.append(f"vllm:request_success_total{{{self.labels}{label}}} {_num(count)}")
+        name = "vllm:request_success_total"
+        out += self._labelled(name, "counter", "finished_reason", self.finished)
         out += self.ttft.lines("vllm:time_to_first_token_seconds", self.labels)
         out += self.e2e.lines("vllm:e2e_request_latency_seconds", self.labels)
+        out += self._fake_series(gpu_bytes)
         return "\n".join(out) + "\n"
