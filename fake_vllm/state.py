@@ -198,7 +198,9 @@ class Engine:
                 waking = self.asleep_memory if tags is None else self.asleep_memory & set(tags)
                 if self.gpu is not None:
                     try:
-                        await asyncio.to_thread(self.gpu.wake, sorted(waking))
+                        await asyncio.to_thread(
+                            self.gpu.wake, [t for t in MEMORY_TAGS if t in waking]
+                        )
                     except GpuError as exc:
                         self.asleep_memory &= self.gpu.asleep_tags()
                         raise _failure(f"Wake up failed: {exc}") from None

@@ -96,8 +96,10 @@ def probe(port: int) -> int | None:
         conn.close()
 
 
-def wait_until(condition: Callable[[], bool], fake: Fake, what: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
+def wait_until(
+    condition: Callable[[], bool], fake: Fake, what: str, timeout: float = READY_TIMEOUT
+) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return
@@ -107,8 +109,8 @@ def wait_until(condition: Callable[[], bool], fake: Fake, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}; stdout: {fake.stdout()}")
 
 
-def wait_ready(fake: Fake) -> None:
-    wait_until(lambda: probe(fake.port) == 200, fake, "GET /health -> 200")
+def wait_ready(fake: Fake, timeout: float = READY_TIMEOUT) -> None:
+    wait_until(lambda: probe(fake.port) == 200, fake, "GET /health -> 200", timeout)
 
 
 def sse_events(raw: str) -> list[str]:
