@@ -1,6 +1,7 @@
 """vLLM's Prometheus series for one model, rendered as text by hand."""
 
 from bisect import bisect_left
+from collections.abc import Mapping
 
 from .settings import E2E_BUCKETS, FINISH_REASONS, SLEEP_LEVELS, TTFT_BUCKETS
 
@@ -72,30 +73,37 @@ class Metrics:
             self.ttft.observe(ttft)
         self.e2e.observe(e2e)
 
-    def _sample(self, name: str, kind: str, value: float, extra: str = "") -> list[str]:
-        base = name.removesuffix("_total") if kind == "counter" else name
-        return [f"# TYPE {base} {kind}", f"{name}{{{self.labels}{extra}}} {_num(value)}"]
+    def _sample(self, name: str, kind: str, value: float) -> list[str]:
+        return self._labelled(name, kind, "", {"": value})
 
-    def _labelled(self, name: str, kind: str, label: str, values: dict[str, int]) -> list[str]:
-        base = name.removesuffix("_total") if kind == "counter" else name
+    def _labelled(
+        self, name: str, kind: str, label: str, values: Mapping[str, float], fake: bool = False
+    ) -> list[str]:
+        """One family. A vLLM counter's TYPE line drops ``_total``; a fake one keeps it, as the
+        current prometheus_client writes it, so that its parser folds the samples into one
+        counter family.
+        """
+        base = name.removesuffix("_total") if kind == "counter" and not fake else name
         out = [f"# TYPE {base} {kind}"]
+        if not label:
+            return [*out, f"{name}{{{self.labels}}} {_num(values[''])}"]
         for key, value in values.items():
             out.append(f'{name}{{{self.labels},{label}="{key}"}} {_num(value)}')
         return out
 
     def _fake_series(self, gpu_bytes: int) -> list[str]:
         levels = {str(level): count for level, count in self.sleeps.items()}
-        out = self._labelled("fake_engine:sleeps_total", "counter", "level", levels)
-        out += self._sample("fake_engine:wakes_total", "counter", self.wakes)
-        out += self._sample("fake_engine:reload_weights_total", "counter", self.reload_weights)
-        resets = self.reset_prefix_cache
-        out += self._sample("fake_engine:reset_prefix_cache_total", "counter", resets)
-        asleep = self.requests_while_asleep
-        out += self._sample("fake_engine:requests_while_asleep_total", "counter", asleep)
-        garbage = self.garbage_completions
-        out += self._sample("fake_engine:garbage_completions_total", "counter", garbage)
+        out = self._labelled("fake_engine:sleeps_total", "counter", "level", levels, fake=True)
+        for name, value in [
+            ("fake_engine:wakes_total", self.wakes),
+            ("fake_engine:reload_weights_total", self.reload_weights),
+            ("fake_engine:reset_prefix_cache_total", self.reset_prefix_cache),
+            ("fake_engine:requests_while_asleep_total", self.requests_while_asleep),
+            ("fake_engine:garbage_completions_total", self.garbage_completions),
+        ]:
+            out += self._labelled(name, "counter", "", {"": value}, fake=True)
         name = "fake_engine:sleep_operations_in_flight"
-        out += self._labelled(name, "gauge", "operation", self.in_flight)
+        out += self._labelled(name, "gauge", "operation", self.in_flight, fake=True)
         out += self._sample("fake_engine:gpu_bytes", "gauge", gpu_bytes)
         return out
 

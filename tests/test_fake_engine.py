@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 10.0
@@ -412,7 +413,11 @@ async def test_metrics_series(engine: Fake, session: aiohttp.ClientSession) -> N
     for operation in ("sleep", "wake"):
         series = f'fake_engine:sleep_operations_in_flight{{{labels},operation="{operation}"}}'
         assert f"{series} 0.0" in text
-    assert "# TYPE fake_engine:sleeps counter" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sleeps = families["fake_engine:sleeps"]
+    assert (sleeps.type, len(sleeps.samples)) == ("counter", 3)
+    assert families["fake_engine:requests_while_asleep"].type == "counter"
+    assert families["vllm:engine_sleep_state"].type == "gauge"
     success = re.search(
         rf'^vllm:request_success_total{{{labels},finished_reason="length"}} (\S+)$', text, re.M
     )
