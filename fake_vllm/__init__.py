@@ -8,20 +8,62 @@ Understood flags: ``--model`` (default ``fake-model``), ``--served-model-name A 
 (first name is the response ``model``; any listed name is accepted), ``--host`` (default
 127.0.0.1), ``--port`` (default 8000), ``--max-model-len`` (default 2048; ``4k``/``4K``/``auto``
 accepted), ``--max-num-seqs`` (default 256; more concurrent requests queue as "waiting"),
-``--tensor-parallel-size``/``-tp`` (entries in ``/collective_rpc`` results) and ``--api-key``
-(also ``VLLM_API_KEY``; guards ``/v1*`` with 401 ``{"error":"Unauthorized"}``). Flags may be
-spelled with ``_`` or ``-``; every other flag is accepted and ignored.
+``--tensor-parallel-size``/``-tp`` (entries in ``/collective_rpc`` results),
+``--enable-sleep-mode`` (see sleep mode below) and ``--api-key`` (also ``VLLM_API_KEY``; guards
+``/v1*`` with 401 ``{"error":"Unauthorized"}``). Flags may be spelled with ``_`` or ``-``;
+every other flag is accepted and ignored.
 
 It mimics the newest vLLM server: the port is bound only when the "engine" is ready (connections
 are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI error bodies,
 ``{"detail": ...}`` for unknown routes, vLLM's exact JSON and SSE shapes, Prometheus ``/metrics``
-with ``vllm:*`` series, dev-mode sleep endpoints (``VLLM_SERVER_DEV_MODE=1``) that park requests
-until ``/wake_up``, and SIGTERM/SIGINT aborting in-flight requests (``finish_reason: "abort"``)
-before exiting 0. Replies are the words ``tok0 tok1 ...``; prompt tokens are counted as words.
-``/v1/embeddings`` returns deterministic unit vectors of dimension 8. Nothing is logged per request.
-``/sleep`` takes ``level`` (0-2) and ``mode`` (``abort``: in-flight requests end with ``abort``;
-``wait``: drain first; ``keep``: freeze them until woken). As in vLLM, requests parked by sleep do
-not show in ``vllm:num_requests_waiting``; requests queued beyond ``--max-num-seqs`` do.
+with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting in-flight requests
+(``finish_reason: "abort"``) before exiting 0. Replies are the words ``tok0 tok1 ...``; prompt
+tokens are counted as words. ``/v1/embeddings`` returns deterministic unit vectors of dimension 8.
+Nothing is logged per request.
+
+Sleep mode, as in vLLM: ``VLLM_SERVER_DEV_MODE=1`` registers ``/collective_rpc`` and
+``/reset_prefix_cache``; ``/sleep``, ``/wake_up`` and ``/is_sleeping`` also need the
+``--enable-sleep-mode`` flag. Missing routes answer 404 ``{"detail":"Not Found"}``.
+
+- ``POST /sleep?level=N`` (0-2, default 1; 400 otherwise) answers
+  ``{"status":"sleeping","level":N}`` after ``FAKE_ENGINE_SLEEP_DELAY``. ``mode`` decides what
+  happens to running requests: ``abort`` (default; they end with ``abort``), ``wait`` (drain
+  first) or ``keep`` (frozen until woken). Level 1 offloads the weights and drops the KV cache,
+  level 2 drops both, level 0 only pauses.
+- ``POST /wake_up`` (optional repeated ``tags=weights|kv_cache``) answers after
+  ``FAKE_ENGINE_WAKE_DELAY``: ``{"status":"awake","tags":null}``, or ``"sleeping"`` while a
+  partial wake leaves a tag asleep. ``GET /is_sleeping`` is ``{"is_sleeping":true}`` from the
+  start of ``/sleep`` until a wake has woken every tag (so also while a wake is under way).
+- While asleep, chat, completion and embedding requests are answered 503
+  ``{"error":{"message":"The engine is sleeping; wake it up with POST /wake_up first.",
+  "type":"ServiceUnavailableError","param":null,"code":503}}`` (``FAKE_ENGINE_ASLEEP=park``
+  parks them until the wake instead, as the newest vLLM does, and like vLLM leaves them out of
+  ``vllm:num_requests_waiting``); either way each is counted.
+  ``/health`` stays 200 and ``vllm:engine_sleep_state`` says ``awake``, ``weights_offloaded``
+  (level 1) or ``discard_all`` (level 2).
+- After a level-2 sleep the weights are lost: once awake, every chat/completion token is
+  ``<garbage> `` until ``POST /collective_rpc {"method":"reload_weights"}`` (500 while the
+  weights are still asleep). Embeddings are not affected. Other ``collective_rpc`` methods
+  answer ``{"results":[null,...]}`` (one per ``-tp`` rank); ``POST /reset_prefix_cache`` answers
+  ``{"success":true}``.
+- Fake-only series on ``/metrics`` (labels ``engine="0",model_name=...`` like vLLM's):
+  ``fake_engine:sleeps_total{level="0|1|2"}`` and ``fake_engine:wakes_total`` (calls answered
+  200, partial and lying wakes included), ``fake_engine:reload_weights_total``,
+  ``fake_engine:reset_prefix_cache_total``, ``fake_engine:requests_while_asleep_total``,
+  ``fake_engine:garbage_completions_total`` (requests answered with ``<garbage>``),
+  ``fake_engine:sleep_operations_in_flight{operation="sleep|wake"}`` and
+  ``fake_engine:gpu_bytes`` (device memory held in GPU mode, else 0).
+- Failed sleep/wake calls answer 500
+  ``{"error":{"message":...,"type":"InternalServerError","param":null,"code":500}}``.
+
+GPU mode (``FAKE_ENGINE_GPU_MB``) holds real device memory through torch, imported only then:
+the memory is allocated before the port is bound, 70 % "weights" and 30 % "KV cache". Level-1
+sleep copies the weights to pinned host memory, frees both tensors and empties torch's cache
+(NVML sees the memory free); waking copies the weights back and reallocates the KV cache.
+Level 2 frees both without a copy; waking reallocates them uninitialised, and ``reload_weights``
+writes the weights again. A wake that cannot get the memory back answers 500 and leaves the
+missing tags asleep. Without torch or CUDA, or without the memory, start-up fails: a
+``fake_vllm: error: FAKE_ENGINE_GPU_MB=N: ...`` line on stderr and exit 1.
 
 Knobs (environment variables):
 
@@ -34,7 +76,8 @@ Knobs (environment variables):
     Seconds per generated token (default 0); the first token also waits one delay.
 ``FAKE_ENGINE_CRASH_AFTER``
     N: after N chat/completion requests, the next one kills the process with
-    ``os._exit(FAKE_ENGINE_CRASH_CODE)``; a stream first sends a couple of chunks.
+    ``os._exit(FAKE_ENGINE_CRASH_CODE)``; a stream first sends a couple of chunks. Requests
+    refused while asleep do not count.
 ``FAKE_ENGINE_CRASH_CODE``
     Exit status of that crash (default 3).
 ``FAKE_ENGINE_EXIT_CODE``
@@ -51,10 +94,25 @@ Knobs (environment variables):
     A file path: if the file does not exist, create it and fail like a taken port when binding
     (after the startup delay; ``Errno 98``, exit 1); later starts with that path run normally.
 ``FAKE_ENGINE_SLEEP_DELAY`` / ``FAKE_ENGINE_WAKE_DELAY``
-    Seconds ``/sleep`` and ``/wake_up`` take (default 0).
+    Seconds ``/sleep`` and ``/wake_up`` take (default 0); the engine is asleep throughout both.
+``FAKE_ENGINE_ASLEEP``
+    ``reject`` (default): requests that arrive while asleep get 503; ``park``: they wait for
+    the wake.
+``FAKE_ENGINE_SLEEP_FAIL``
+    ``1``: ``/sleep`` answers 500 (after the sleep delay) and the engine stays awake.
+``FAKE_ENGINE_WAKE_FAIL``
+    ``1``: ``/wake_up`` answers 500 (after the wake delay) and the engine stays asleep.
+``FAKE_ENGINE_WAKE_HANG``
+    ``1``: ``/wake_up`` never answers (503 at shutdown); the engine stays asleep.
+``FAKE_ENGINE_WAKE_LIES``
+    ``1``: ``/wake_up`` answers 200 ``awake`` but the engine stays asleep (``/is_sleeping``
+    true, requests 503).
+``FAKE_ENGINE_GPU_MB``
+    MiB of real GPU memory to hold (default 0: none); see GPU mode above.
+``FAKE_ENGINE_GPU_DEVICE``
+    The torch device for it (default ``cuda:0``, numbered within ``CUDA_VISIBLE_DEVICES``).
 ``VLLM_SERVER_DEV_MODE``
-    ``1``: register ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/collective_rpc`` and
-    ``/reset_prefix_cache`` (404 ``{"detail":"Not Found"}`` otherwise).
+    ``1``: register the dev-mode routes (see sleep mode above).
 """
 
 from .process import main

@@ -12,6 +12,7 @@ from typing import Any, NoReturn
 
 from aiohttp import web
 
+from .gpu import MIB, GpuError, GpuMemory
 from .log import log
 from .server import FakeServer
 from .settings import KEEPALIVE_TIMEOUT, SHUTDOWN_GRACE, VERSION, Settings, load_settings
@@ -101,16 +102,31 @@ def _listening_socket(settings: Settings) -> socket.socket | None:
 def _log_banner(settings: Settings) -> None:
     log(f"vLLM server version {VERSION}, serving model {settings.model}")
     names = list(settings.served_names)
-    log(f"non-default args: {{'model': {settings.model!r}, 'served_model_name': {names!r}}}")
+    sleep = ", 'enable_sleep_mode': True" if settings.enable_sleep_mode else ""
+    args = f"'model': {settings.model!r}, 'served_model_name': {names!r}{sleep}"
+    log(f"non-default args: {{{args}}}")
     if settings.dev_mode:
         warning = "Development endpoints are enabled! This should NOT be used in production!"
         log(f"SECURITY WARNING: {warning}", "WARNING")
     log(f"Using max model len {settings.max_model_len}")
 
 
-async def serve(settings: Settings, sock: socket.socket) -> int:
+def _load_gpu(settings: Settings) -> GpuMemory | None:
+    """Hold ``FAKE_ENGINE_GPU_MB`` of device memory (None when off or when it cannot be had)."""
+    try:
+        gpu = GpuMemory(settings.gpu_mb, settings.gpu_device)
+    except GpuError as exc:
+        print(f"fake_vllm: error: FAKE_ENGINE_GPU_MB={settings.gpu_mb}: {exc}", file=sys.stderr)
+        sys.stderr.flush()
+        return None
+    gib = gpu.held_bytes() / (1024 * MIB)
+    log(f"Model loading took {gib:.4f} GiB memory on {gpu.device} (fake weights and KV cache)")
+    return gpu
+
+
+async def serve(settings: Settings, sock: socket.socket, gpu: GpuMemory | None = None) -> int:
     """Serve on the bound socket until SIGTERM/SIGINT, then abort requests and return 0."""
-    server = FakeServer(settings)
+    server = FakeServer(settings, gpu)
     runner = web.AppRunner(
         server.build_app(),
         access_log=None,
@@ -177,9 +193,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"{message} Failed core proc(s): {{}}", file=sys.stderr, flush=True)
             return settings.exit_code
+        gpu = None
+        if settings.gpu_mb:
+            gpu = _load_gpu(settings)
+            if gpu is None:
+                return 1
         sock = _listening_socket(settings)
         if sock is None:
             return 1
-        return _run(serve(settings, sock))
+        return _run(serve(settings, sock, gpu))
     except KeyboardInterrupt:
         return 130

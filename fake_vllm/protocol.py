@@ -118,6 +118,7 @@ class Reply:
     continuous_usage: bool
     arrival: float
     crash: bool = False
+    garbage: bool = False
     produced: int = 0
     first_token_at: float | None = None
 

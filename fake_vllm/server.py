@@ -8,6 +8,7 @@ from typing import Any, NoReturn
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from .gpu import GpuMemory
 from .log import log
 from .protocol import (
     Reply,
@@ -41,18 +42,21 @@ from .settings import (
 )
 from .state import Engine
 
+GARBAGE_WORD = "<garbage> "
+
 
 class FakeServer:
     """The HTTP surface of the fake engine."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, gpu: GpuMemory | None = None) -> None:
         self.settings = settings
-        self.engine = Engine(settings)
+        self.engine = Engine(settings, gpu)
         self.model = settings.served_names[0]
         self.names = frozenset(settings.served_names)
         words = [f"tok{i} " for i in range(settings.tokens)]
         self.token_json = [dumps(word) for word in words]
         self.text = "".join(words)
+        self.garbage_json = dumps(GARBAGE_WORD)
         self.offsets = [0]
         for word in words:
             self.offsets.append(self.offsets[-1] + len(word))
@@ -74,11 +78,12 @@ class FakeServer:
         add("POST", "/v1/completions", self.completions)
         add("POST", "/v1/embeddings", self.embeddings)
         if self.settings.dev_mode:
-            add("POST", "/sleep", self.sleep)
-            add("POST", "/wake_up", self.wake_up)
-            add("GET", "/is_sleeping", self.is_sleeping)
             add("POST", "/collective_rpc", self.collective_rpc)
             add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
+            if self.settings.enable_sleep_mode:
+                add("POST", "/sleep", self.sleep)
+                add("POST", "/wake_up", self.wake_up)
+                add("GET", "/is_sleeping", self.is_sleeping)
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -189,14 +194,18 @@ class FakeServer:
     async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
         reply = self._reply(request, await read_json(request), chat)
         engine = self.engine
-        engine.started += 1
-        crash_after = self.settings.crash_after
-        reply.crash = crash_after is not None and engine.started > crash_after
         engine.enter()
         epoch = None
         try:
             epoch = await engine.admit(reply.kv_tokens)
-            if reply.crash and epoch is not None and not reply.stream:
+            if epoch is not None:
+                engine.started += 1
+                crash_after = self.settings.crash_after
+                reply.crash = crash_after is not None and engine.started > crash_after
+                reply.garbage = engine.weights_lost
+                if reply.garbage:
+                    engine.metrics.garbage_completions += 1
+            if reply.crash and not reply.stream:
                 self._crash()
             if reply.stream:
                 return await self._stream(request, reply, epoch)
@@ -250,7 +259,10 @@ class FakeServer:
 
     async def _complete(self, reply: Reply, epoch: int | None) -> web.Response:
         reason = await self._run_all_tokens(reply, epoch)
-        text = self.text[: self.offsets[reply.produced]]
+        if reply.garbage:
+            text = GARBAGE_WORD * reply.produced
+        else:
+            text = self.text[: self.offsets[reply.produced]]
         self._record(reply, reason)
         if reply.chat:
             choices = [chat_choice(i, text, reason) for i in range(reply.choices)]
@@ -307,8 +319,9 @@ class FakeServer:
             finish = reply.finish if t + 1 == reply.tokens else None
             usage = "," + sse.usage(t + 1) if reply.continuous_usage else ""
             chunk = sse.token
+            word = self.garbage_json if reply.garbage else self.token_json[t]
             for index in range(reply.choices):
-                await response.write(chunk(index, self.token_json[t], finish, usage))
+                await response.write(chunk(index, word, finish, usage))
             if t == 0:
                 reply.first_token_at = engine.loop.time()
             reply.produced = t + 1
@@ -396,7 +409,10 @@ class FakeServer:
         body = await read_json(request, check_type=False)
         if not isinstance(body.get("method"), str):
             raise error(400, "Missing 'method' in request body", "BadRequestError", "method")
+        if body["method"] == "reload_weights":
+            await self.engine.reload_weights()
         return json_response({"results": [None] * self.settings.tensor_parallel_size})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.engine.metrics.reset_prefix_cache += 1
         return json_response({"success": True})

@@ -13,6 +13,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
 SLEEP_MODES = ("abort", "wait", "keep")
+SLEEP_LEVELS = (0, 1, 2)
+ASLEEP_POLICIES = ("reject", "park")
+MEMORY_TAGS = ("weights", "kv_cache")
 CLIENT_MAX_SIZE = 64 * 1024 * 1024
 KEEPALIVE_TIMEOUT = 5.0
 SHUTDOWN_GRACE = 0.5
@@ -37,6 +40,7 @@ class Settings:
     tensor_parallel_size: int = 1
     api_keys: tuple[str, ...] = ()
     dev_mode: bool = False
+    enable_sleep_mode: bool = False
     startup_delay: float = 0.0
     tokens: int = 8
     token_delay: float = 0.0
@@ -48,6 +52,13 @@ class Settings:
     port_in_use_once: str | None = None
     sleep_delay: float = 0.0
     wake_delay: float = 0.0
+    asleep: str = "reject"
+    sleep_fail: bool = False
+    wake_fail: bool = False
+    wake_hang: bool = False
+    wake_lies: bool = False
+    gpu_mb: int = 0
+    gpu_device: str = "cuda:0"
 
 
 def _model_len(text: str) -> int:
@@ -70,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--api-key", nargs="+", default=None)
+    parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     return parser
 
 
@@ -100,11 +112,23 @@ def _env_int(environ: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+def _env_choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...]) -> str:
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return choices[0]
+    if raw not in choices:
+        raise ValueError(f"{name}={raw!r} is not one of {', '.join(choices)}")
+    return raw
+
+
 def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Parse a vLLM-style command line (unknown flags ignored) and the FAKE_ENGINE_* knobs."""
     args, _unknown = _parser().parse_known_args([_normalize_flag(a) for a in argv])
     keys = args.api_key or ([environ["VLLM_API_KEY"]] if environ.get("VLLM_API_KEY") else [])
     crash_code = _env_int(environ, "FAKE_ENGINE_CRASH_CODE")
+    gpu_mb = _env_int(environ, "FAKE_ENGINE_GPU_MB") or 0
+    if gpu_mb < 0:
+        raise ValueError(f"FAKE_ENGINE_GPU_MB={gpu_mb} is negative")
     return Settings(
         model=args.model,
         served_names=tuple(args.served_model_name or [args.model]),
@@ -115,6 +139,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         tensor_parallel_size=max(1, args.tensor_parallel_size),
         api_keys=tuple(keys),
         dev_mode=environ.get("VLLM_SERVER_DEV_MODE") == "1",
+        enable_sleep_mode=bool(args.enable_sleep_mode),
         startup_delay=_env_number(environ, "FAKE_ENGINE_STARTUP_DELAY", 0.0),
         tokens=max(0, int(_env_number(environ, "FAKE_ENGINE_TOKENS", 8))),
         token_delay=_env_number(environ, "FAKE_ENGINE_TOKEN_DELAY", 0.0),
@@ -126,4 +151,11 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         port_in_use_once=environ.get("FAKE_ENGINE_PORT_IN_USE_ONCE") or None,
         sleep_delay=_env_number(environ, "FAKE_ENGINE_SLEEP_DELAY", 0.0),
         wake_delay=_env_number(environ, "FAKE_ENGINE_WAKE_DELAY", 0.0),
+        asleep=_env_choice(environ, "FAKE_ENGINE_ASLEEP", ASLEEP_POLICIES),
+        sleep_fail=environ.get("FAKE_ENGINE_SLEEP_FAIL") == "1",
+        wake_fail=environ.get("FAKE_ENGINE_WAKE_FAIL") == "1",
+        wake_hang=environ.get("FAKE_ENGINE_WAKE_HANG") == "1",
+        wake_lies=environ.get("FAKE_ENGINE_WAKE_LIES") == "1",
+        gpu_mb=gpu_mb,
+        gpu_device=environ.get("FAKE_ENGINE_GPU_DEVICE", "").strip() or "cuda:0",
     )

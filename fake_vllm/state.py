@@ -2,9 +2,15 @@
 
 import asyncio
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+from .gpu import GpuError, GpuMemory
 from .metrics import Metrics
-from .settings import Settings
+from .protocol import ApiError, error
+from .settings import MEMORY_TAGS, Settings
+
+ASLEEP_MESSAGE = "The engine is sleeping; wake it up with POST /wake_up first."
 
 
 def _resolve(future: "asyncio.Future[None]") -> None:
@@ -15,14 +21,20 @@ def _resolve(future: "asyncio.Future[None]") -> None:
 class Engine:
     """Admission, sequence slots, sleep state and aborts shared by all request handlers.
 
-    A generation handler calls ``enter()``, then ``admit()`` (parks while the engine sleeps,
-    queues while ``max_num_seqs`` requests run) and always ``leave()`` in ``finally``. An admitted
-    request gets the current abort epoch; ``abort_running()`` bumps it and cuts token pauses
-    short, so a handler that sees a different epoch finishes with ``abort``.
+    A generation handler calls ``enter()``, then ``admit()`` (answers 503 while the engine
+    sleeps, or parks until it wakes with ``FAKE_ENGINE_ASLEEP=park``; queues while
+    ``max_num_seqs`` requests run) and always ``leave()`` in ``finally``. An admitted request gets
+    the current abort epoch; ``abort_running()`` bumps it and cuts token pauses short, so a
+    handler that sees a different epoch finishes with ``abort``.
+
+    The engine is asleep (``paused``) from the start of ``sleep()`` until a ``wake_up()`` has
+    woken every memory tag; a level-2 sleep loses the weights (``weights_lost``) until
+    ``reload_weights()``. Sleep, wake and reload run one at a time.
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, gpu: GpuMemory | None = None) -> None:
         self.settings = settings
+        self.gpu = gpu
         self.metrics = Metrics(settings.served_names[0])
         self.loop = asyncio.get_running_loop()
         self.stopping = False
@@ -36,6 +48,9 @@ class Engine:
         self.frozen = False
         self.level = 0
         self.asleep_memory: set[str] = set()
+        self.weights_lost = False
+        self._operation = asyncio.Lock()
+        self._stopped = asyncio.Event()
         self._awake = asyncio.Event()
         self._awake.set()
         self._idle = asyncio.Event()
@@ -50,9 +65,18 @@ class Engine:
         self._drained.clear()
 
     async def admit(self, kv_tokens: int) -> int | None:
-        """Wait until the request may run; its abort epoch, or None when shutting down."""
+        """Wait until the request may run; its abort epoch, or None when shutting down.
+
+        Raises a 503 ``ApiError`` while the engine sleeps (unless asleep requests park).
+        """
+        counted = False
         while not self.stopping:
             if self.paused:
+                if not counted:
+                    self.metrics.requests_while_asleep += 1
+                    counted = True
+                if self.settings.asleep == "reject":
+                    raise error(503, ASLEEP_MESSAGE, "ServiceUnavailableError", None)
                 await self._awake.wait()
             elif self.running >= self.settings.max_num_seqs:
                 await self._queue_for_slot()
@@ -115,40 +139,100 @@ class Engine:
         for timer in self._timers:
             _resolve(timer)
 
-    async def sleep(self, level: int, mode: str) -> None:
-        self.paused = True
-        self.level = level
-        self._awake.clear()
-        if level >= 1:
-            self.asleep_memory = {"weights", "kv_cache"}
-        if mode == "abort":
-            self.abort_running()
-        elif mode == "wait":
-            await self._idle.wait()
-        else:
-            self.frozen = True
-        if self.settings.sleep_delay > 0:
-            await asyncio.sleep(self.settings.sleep_delay)
+    @contextmanager
+    def _in_flight(self, operation: str) -> Iterator[None]:
+        self.metrics.in_flight[operation] += 1
+        try:
+            yield
+        finally:
+            self.metrics.in_flight[operation] -= 1
 
-    async def wake_up(self, tags: list[str] | None) -> bool:
-        """Wake the given memory tags (all when None); True once fully awake."""
-        if self.settings.wake_delay > 0:
-            await asyncio.sleep(self.settings.wake_delay)
-        if tags is None:
-            self.asleep_memory.clear()
-        else:
-            self.asleep_memory.difference_update(tags)
-        if self.asleep_memory:
-            return False
+    def _resume(self) -> None:
         self.paused = False
         self.frozen = False
         self.level = 0
         self._awake.set()
-        return True
+
+    async def sleep(self, level: int, mode: str) -> None:
+        """Pause, deal with running requests by ``mode``, then free the memory of ``level``."""
+        with self._in_flight("sleep"):
+            async with self._operation:
+                if self.settings.sleep_fail:
+                    await self._delay(self.settings.sleep_delay)
+                    raise _failure("Sleep failed (fake: FAKE_ENGINE_SLEEP_FAIL=1).")
+                self.paused = True
+                self.level = level
+                self._awake.clear()
+                if mode == "abort":
+                    self.abort_running()
+                elif mode == "wait":
+                    await self._idle.wait()
+                else:
+                    self.frozen = True
+                if self.gpu is not None:
+                    try:
+                        await asyncio.to_thread(self.gpu.sleep, level)
+                    except GpuError as exc:
+                        self._resume()
+                        raise _failure(f"Sleep failed: {exc}") from None
+                if level >= 1:
+                    self.asleep_memory = set(MEMORY_TAGS)
+                if level == 2:
+                    self.weights_lost = True
+                await self._delay(self.settings.sleep_delay)
+                self.metrics.sleeps[level] += 1
+
+    async def wake_up(self, tags: list[str] | None) -> bool:
+        """Wake the given memory tags (all when None); True once fully awake."""
+        with self._in_flight("wake"):
+            if self.settings.wake_hang:
+                await self._stopped.wait()
+                raise error(503, "The server is shutting down.", "ServiceUnavailableError", None)
+            async with self._operation:
+                await self._delay(self.settings.wake_delay)
+                if self.settings.wake_fail:
+                    raise _failure("Wake up failed (fake: FAKE_ENGINE_WAKE_FAIL=1).")
+                if self.settings.wake_lies:
+                    self.metrics.wakes += 1
+                    return True
+                waking = self.asleep_memory if tags is None else self.asleep_memory & set(tags)
+                if self.gpu is not None:
+                    try:
+                        await asyncio.to_thread(
+                            self.gpu.wake, [t for t in MEMORY_TAGS if t in waking]
+                        )
+                    except GpuError as exc:
+                        self.asleep_memory &= self.gpu.asleep_tags()
+                        raise _failure(f"Wake up failed: {exc}") from None
+                self.asleep_memory -= waking
+                self.metrics.wakes += 1
+                if self.asleep_memory:
+                    return False
+                self._resume()
+                return True
+
+    async def reload_weights(self) -> None:
+        """Write the weights again; they must be awake (allocated) for that."""
+        async with self._operation:
+            if "weights" in self.asleep_memory:
+                message = "Call to collective_rpc method failed: the weights are asleep."
+                raise _failure(message)
+            if self.gpu is not None:
+                try:
+                    await asyncio.to_thread(self.gpu.reload)
+                except GpuError as exc:
+                    raise _failure(f"Call to collective_rpc method failed: {exc}") from None
+            self.weights_lost = False
+            self.metrics.reload_weights += 1
+
+    async def _delay(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds)
 
     def shutdown(self) -> None:
         """Abort everything in flight and release every parked or queued request."""
         self.stopping = True
+        self._stopped.set()
         self.abort_running()
         self._awake.set()
         while self._slots:
@@ -168,4 +252,9 @@ class Engine:
             "discard_all": int(self.paused and self.level == 2),
         }
         kv_usage = min(1.0, self.kv_tokens / capacity)
-        return self.metrics.render(self.running, self.waiting, kv_usage, sleep)
+        gpu_bytes = 0 if self.gpu is None else self.gpu.held_bytes()
+        return self.metrics.render(self.running, self.waiting, kv_usage, sleep, gpu_bytes)
+
+
+def _failure(message: str) -> ApiError:
+    return error(500, message, "InternalServerError", None)

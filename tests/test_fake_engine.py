@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT = 10.0
@@ -96,8 +97,10 @@ def probe(port: int) -> int | None:
         conn.close()
 
 
-def wait_until(condition: Callable[[], bool], fake: Fake, what: str) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT
+def wait_until(
+    condition: Callable[[], bool], fake: Fake, what: str, timeout: float = READY_TIMEOUT
+) -> None:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if condition():
             return
@@ -107,8 +110,8 @@ def wait_until(condition: Callable[[], bool], fake: Fake, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}; stdout: {fake.stdout()}")
 
 
-def wait_ready(fake: Fake) -> None:
-    wait_until(lambda: probe(fake.port) == 200, fake, "GET /health -> 200")
+def wait_ready(fake: Fake, timeout: float = READY_TIMEOUT) -> None:
+    wait_until(lambda: probe(fake.port) == 200, fake, "GET /health -> 200", timeout)
 
 
 def sse_events(raw: str) -> list[str]:
@@ -399,6 +402,22 @@ async def test_metrics_series(engine: Fake, session: aiohttp.ClientSession) -> N
         assert f"{name}{{{labels}}} " in text, name
     assert f'vllm:time_to_first_token_seconds_bucket{{{labels},le="+Inf"}}' in text
     assert f'vllm:engine_sleep_state{{{labels},sleep_state="awake"}} 1.0' in text
+    for name in [
+        "fake_engine:wakes_total", "fake_engine:reload_weights_total",
+        "fake_engine:reset_prefix_cache_total", "fake_engine:requests_while_asleep_total",
+        "fake_engine:garbage_completions_total", "fake_engine:gpu_bytes",
+    ]:  # fmt: skip
+        assert f"{name}{{{labels}}} 0.0" in text, name
+    for level in (0, 1, 2):
+        assert f'fake_engine:sleeps_total{{{labels},level="{level}"}} 0.0' in text
+    for operation in ("sleep", "wake"):
+        series = f'fake_engine:sleep_operations_in_flight{{{labels},operation="{operation}"}}'
+        assert f"{series} 0.0" in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sleeps = families["fake_engine:sleeps"]
+    assert (sleeps.type, len(sleeps.samples)) == ("counter", 3)
+    assert families["fake_engine:requests_while_asleep"].type == "counter"
+    assert families["vllm:engine_sleep_state"].type == "gauge"
     success = re.search(
         rf'^vllm:request_success_total{{{labels},finished_reason="length"}} (\S+)$', text, re.M
     )
@@ -483,51 +502,278 @@ def test_spawned_engine_core_outlives_sigterm(start_fake: StartFake) -> None:
 
 # --------------------------------------------------------------------------- sleep mode
 
+SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+SLEEP_ARGS = ("--enable-sleep-mode",)
+LABELS = 'engine="0",model_name="m"'
+ASLEEP_ERROR = {
+    "error": {
+        "message": "The engine is sleeping; wake it up with POST /wake_up first.",
+        "type": "ServiceUnavailableError",
+        "param": None,
+        "code": 503,
+    }
+}
+NORMAL_TEXT = "".join(f"tok{i} " for i in range(8))
+GARBAGE_TEXT = "<garbage> " * 8
 
-async def test_sleep_parks_requests_until_wake_up(
+
+def fake_series(name: str, extra: str = "") -> str:
+    return f"{name}{{{LABELS}{extra}}}"
+
+
+ASLEEP_TOTAL = fake_series("fake_engine:requests_while_asleep_total")
+WAKES = fake_series("fake_engine:wakes_total")
+GARBAGE = fake_series("fake_engine:garbage_completions_total")
+RELOADS = fake_series("fake_engine:reload_weights_total")
+RESETS = fake_series("fake_engine:reset_prefix_cache_total")
+
+
+def sleeps(level: int) -> str:
+    return fake_series("fake_engine:sleeps_total", f',level="{level}"')
+
+
+def in_flight(operation: str) -> str:
+    return fake_series("fake_engine:sleep_operations_in_flight", f',operation="{operation}"')
+
+
+def sleep_state(state: str) -> str:
+    return fake_series("vllm:engine_sleep_state", f',sleep_state="{state}"')
+
+
+def start_sleepy(start_fake: StartFake, **env: str) -> Fake:
+    fake = start_fake(env={**SLEEP_ENV, **env}, args=SLEEP_ARGS)
+    wait_ready(fake)
+    return fake
+
+
+async def is_sleeping(session: aiohttp.ClientSession, fake: Fake) -> bool:
+    async with session.get(f"{fake.url}/is_sleeping") as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    assert body.keys() == {"is_sleeping"}
+    state: bool = body["is_sleeping"]
+    return state
+
+
+async def chat_text(session: aiohttp.ClientSession, fake: Fake) -> str:
+    status, body = await post(session, f"{fake.url}/v1/chat/completions", CHAT)
+    assert status == 200, body
+    text: str = body["choices"][0]["message"]["content"]
+    return text
+
+
+async def assert_refused(session: aiohttp.ClientSession, fake: Fake) -> None:
+    """A chat completion is answered 503 with vLLM's nested error body."""
+    assert await post(session, f"{fake.url}/v1/chat/completions", CHAT) == (503, ASLEEP_ERROR)
+
+
+@pytest.mark.parametrize(
+    ("env", "args", "sleep_routes", "dev_routes"),
+    [
+        ({}, SLEEP_ARGS, False, False),
+        (SLEEP_ENV, (), False, True),
+        (SLEEP_ENV, SLEEP_ARGS, True, True),
+    ],
+    ids=["flag-without-dev-mode", "dev-mode-without-flag", "both"],
+)
+async def test_sleep_routes_need_dev_mode_and_the_flag(
+    start_fake: StartFake,
+    session: aiohttp.ClientSession,
+    env: dict[str, str],
+    args: tuple[str, ...],
+    sleep_routes: bool,
+    dev_routes: bool,
+) -> None:
+    fake = start_fake(env=env, args=args)
+    wait_ready(fake)
+    routes = [
+        ("POST", "/sleep", sleep_routes), ("POST", "/wake_up", sleep_routes),
+        ("GET", "/is_sleeping", sleep_routes), ("POST", "/reset_prefix_cache", dev_routes),
+    ]  # fmt: skip
+    for method, path, present in routes:
+        async with session.request(method, f"{fake.url}{path}") as resp:
+            body = await resp.json()
+            assert (resp.status == 200) == present, (path, resp.status, body)
+            if not present:
+                assert (resp.status, body) == (404, {"detail": "Not Found"})
+    status, body = await post(session, f"{fake.url}/collective_rpc", {"method": "noop"})
+    expected = (200, {"results": [None]}) if dev_routes else (404, {"detail": "Not Found"})
+    assert (status, body) == expected
+
+
+async def test_sleep_refuses_and_counts_requests_until_wake_up(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    env = {
-        "VLLM_SERVER_DEV_MODE": "1",
-        "FAKE_ENGINE_SLEEP_DELAY": "0.05",
-        "FAKE_ENGINE_WAKE_DELAY": "0.05",
-    }
-    fake = start_fake(env=env)
-    wait_ready(fake)
+    fake = start_sleepy(start_fake)
     async with session.post(f"{fake.url}/sleep?level=3") as resp:
         assert resp.status == 400
+    assert await metric(session, fake, sleeps(1)) == 0.0
+    status, body = await post(session, f"{fake.url}/sleep", None)
+    assert (status, body) == (200, {"status": "sleeping", "level": 1})
+    assert await is_sleeping(session, fake)
+    assert probe(fake.port) == 200
+    assert await metric(session, fake, sleep_state("awake")) == 0.0
+    assert await metric(session, fake, sleep_state("weights_offloaded")) == 1.0
+    assert await metric(session, fake, sleeps(1)) == 1.0
+
+    await assert_refused(session, fake)
+    completion = {"prompt": "x", "stream": True}
+    assert await post(session, f"{fake.url}/v1/completions", completion) == (503, ASLEEP_ERROR)
+    embed = await post(session, f"{fake.url}/v1/embeddings", {"input": "x"})
+    assert embed == (503, ASLEEP_ERROR)
+    assert await metric(session, fake, ASLEEP_TOTAL) == 3.0
+
+    status, body = await post(session, f"{fake.url}/wake_up", None)
+    assert (status, body) == (200, {"status": "awake", "tags": None})
+    assert not await is_sleeping(session, fake)
+    assert await chat_text(session, fake) == NORMAL_TEXT
+    assert await metric(session, fake, WAKES) == 1.0
+    assert await metric(session, fake, sleep_state("awake")) == 1.0
+    assert await metric(session, fake, ASLEEP_TOTAL) == 3.0
+    assert await metric(session, fake, GARBAGE) == 0.0
+
+
+async def test_park_knob_holds_requests_until_wake_up(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    fake = start_sleepy(start_fake, FAKE_ENGINE_ASLEEP="park")
     status, body = await post(session, f"{fake.url}/sleep?level=1", None)
     assert (status, body) == (200, {"status": "sleeping", "level": 1})
-    async with session.get(f"{fake.url}/is_sleeping") as resp:
-        assert await resp.json() == {"is_sleeping": True}
-    assert probe(fake.port) == 200
-    sleep_state = (
-        'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="weights_offloaded"}'
-    )
-    assert await metric(session, fake, sleep_state) == 1.0
-
     parked = asyncio.create_task(post(session, f"{fake.url}/v1/chat/completions", CHAT))
-    done, _ = await asyncio.wait({parked}, timeout=0.3)
-    assert not done
+    await wait_metric(session, fake, ASLEEP_TOTAL, 1.0)
+    assert not parked.done()
     status, body = await post(session, f"{fake.url}/wake_up", None)
     assert (status, body) == (200, {"status": "awake", "tags": None})
     status, body = await asyncio.wait_for(parked, EXIT_TIMEOUT)
     assert (status, body["choices"][0]["finish_reason"]) == (200, "stop")
-    async with session.get(f"{fake.url}/is_sleeping") as resp:
-        assert await resp.json() == {"is_sleeping": False}
+    assert not await is_sleeping(session, fake)
+
+
+async def test_level_2_wake_serves_garbage_until_reload_weights(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    fake = start_sleepy(start_fake)
+    assert await post(session, f"{fake.url}/sleep?level=2", None) == (
+        200, {"status": "sleeping", "level": 2}
+    )  # fmt: skip
+    assert await metric(session, fake, sleep_state("discard_all")) == 1.0
+    assert (await post(session, f"{fake.url}/wake_up", None))[0] == 200
+    assert not await is_sleeping(session, fake)
+    assert await chat_text(session, fake) == GARBAGE_TEXT
+    payload = {"prompt": "x", "max_tokens": 2, "stream": True}
+    async with session.post(f"{fake.url}/v1/completions", json=payload) as resp:
+        chunks = [json.loads(event) for event in sse_events(await resp.text())[:-1]]
+    assert [c["choices"][0]["text"] for c in chunks] == ["<garbage> ", "<garbage> "]
+    assert await metric(session, fake, GARBAGE) == 2.0
+    assert await metric(session, fake, RELOADS) == 0.0
+
+    rpc = await post(session, f"{fake.url}/collective_rpc", {"method": "reload_weights"})
+    assert rpc == (200, {"results": [None]})
+    assert await post(session, f"{fake.url}/reset_prefix_cache", None) == (200, {"success": True})
+    assert await chat_text(session, fake) == NORMAL_TEXT
+    assert await metric(session, fake, GARBAGE) == 2.0
+    assert await metric(session, fake, RELOADS) == 1.0
+    assert await metric(session, fake, RESETS) == 1.0
+    assert await metric(session, fake, sleeps(2)) == 1.0
 
 
 async def test_level_2_wake_by_tags_and_reload(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    fake = start_fake(env={"VLLM_SERVER_DEV_MODE": "1"})
-    wait_ready(fake)
+    fake = start_sleepy(start_fake)
     assert (await post(session, f"{fake.url}/sleep?level=2", None))[0] == 200
+    status, body = await post(session, f"{fake.url}/collective_rpc", {"method": "reload_weights"})
+    assert status == 500
+    assert (body["error"]["type"], body["error"]["code"]) == ("InternalServerError", 500)
+    assert body["error"]["message"].startswith("Call to collective_rpc method failed")
     partial = await post(session, f"{fake.url}/wake_up?tags=weights", None)
     assert partial == (200, {"status": "sleeping", "tags": ["weights"]})
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
     rpc = await post(session, f"{fake.url}/collective_rpc", {"method": "reload_weights"})
     assert rpc == (200, {"results": [None]})
     woken = await post(session, f"{fake.url}/wake_up?tags=kv_cache", None)
     assert woken == (200, {"status": "awake", "tags": ["kv_cache"]})
     reset = await post(session, f"{fake.url}/reset_prefix_cache", None)
     assert reset == (200, {"success": True})
+    assert await chat_text(session, fake) == NORMAL_TEXT
+    assert await metric(session, fake, WAKES) == 2.0
+    assert await metric(session, fake, RELOADS) == 1.0
+
+
+async def test_sleep_and_wake_answer_after_their_delays(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    delays = {"FAKE_ENGINE_SLEEP_DELAY": "1.5", "FAKE_ENGINE_WAKE_DELAY": "1.5"}
+    fake = start_sleepy(start_fake, **delays)
+    falling = asyncio.create_task(post(session, f"{fake.url}/sleep", None))
+    await wait_metric(session, fake, in_flight("sleep"), 1.0)
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
+    assert not falling.done()
+    assert await asyncio.wait_for(falling, EXIT_TIMEOUT) == (
+        200, {"status": "sleeping", "level": 1}
+    )  # fmt: skip
+    assert await metric(session, fake, in_flight("sleep")) == 0.0
+
+    waking = asyncio.create_task(post(session, f"{fake.url}/wake_up", None))
+    await wait_metric(session, fake, in_flight("wake"), 1.0)
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
+    assert not waking.done()
+    assert (await asyncio.wait_for(waking, EXIT_TIMEOUT))[0] == 200
+    assert not await is_sleeping(session, fake)
+    assert await chat_text(session, fake) == NORMAL_TEXT
+    assert await metric(session, fake, ASLEEP_TOTAL) == 2.0
+
+
+async def test_sleep_fail_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
+    fake = start_sleepy(start_fake, FAKE_ENGINE_SLEEP_FAIL="1")
+    status, body = await post(session, f"{fake.url}/sleep?level=1", None)
+    assert status == 500
+    assert (body["error"]["type"], body["error"]["code"]) == ("InternalServerError", 500)
+    assert not await is_sleeping(session, fake)
+    assert await chat_text(session, fake) == NORMAL_TEXT
+    assert await metric(session, fake, sleeps(1)) == 0.0
+
+
+async def test_wake_fail_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
+    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_FAIL="1")
+    assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
+    status, body = await post(session, f"{fake.url}/wake_up", None)
+    assert status == 500
+    assert (body["error"]["type"], body["error"]["code"]) == ("InternalServerError", 500)
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
+    assert await metric(session, fake, WAKES) == 0.0
+
+
+async def test_wake_lies_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
+    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_LIES="1")
+    assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
+    status, body = await post(session, f"{fake.url}/wake_up", None)
+    assert (status, body) == (200, {"status": "awake", "tags": None})
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
+    assert await metric(session, fake, ASLEEP_TOTAL) == 1.0
+
+
+async def test_wake_hang_knob_answers_only_at_shutdown(
+    start_fake: StartFake, session: aiohttp.ClientSession
+) -> None:
+    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_HANG="1")
+    assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
+
+    async def wake() -> int:
+        async with session.post(f"{fake.url}/wake_up") as resp:
+            return resp.status
+
+    hanging = asyncio.create_task(wake())
+    await wait_metric(session, fake, in_flight("wake"), 1.0)
+    assert await is_sleeping(session, fake)
+    await assert_refused(session, fake)
+    assert probe(fake.port) == 200
+    assert not hanging.done()
+    os.kill(fake.proc.pid, signal.SIGTERM)
+    assert await asyncio.wait_for(hanging, EXIT_TIMEOUT) == 503
+    assert fake.wait_exit() == 0
