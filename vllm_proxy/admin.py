@@ -155,10 +155,10 @@ class Admin:
         return web.Response(body=self._page, content_type="text/html", charset="utf-8")
 
     async def engine_metrics(self, request: web.Request) -> web.Response:
-        """Every running engine's ``vllm:`` metrics, relabelled with ``model_id``."""
+        """Every running or sleeping engine's ``vllm:`` metrics, relabelled with ``model_id``."""
         running = [
             i for i in self.manager.all_instances()
-            if i.state is State.RUNNING and i.engine is not None
+            if (i.state is State.RUNNING or i.asleep) and i.engine is not None
         ]  # fmt: skip
         texts = await asyncio.gather(*(self._scrape(i) for i in running))
         registry = CollectorRegistry()

@@ -661,10 +661,11 @@ class Instance:
 
     async def _wake_failed(self, why: str) -> None:
         """Never serve from a half-woken engine: stop it; the caller cold-starts a new one."""
+        if self.state is not State.WAKING:  # stopped meanwhile (unload, shutdown, eviction)
+            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         log.error("%s: wake failed (%s); stopping the engine", self.id, why)
         self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
-        if self.state is State.WAKING:
-            await self._begin_stop()
+        await self._begin_stop()
         raise WakeFailed(f"model '{self.name}': the engine did not wake; restarting it",
                          code="wake_failed")  # fmt: skip
 
