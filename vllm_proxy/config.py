@@ -77,6 +77,26 @@ class SleepPolicy(_Strict):
     after_idle_s: float = Field(60, ge=0)
 
 
+class AutoscaleConfig(_Strict):
+    """Replicas by load, with the names and meaning of Ray Serve's autoscaling config: when the
+    requests in flight per RUNNING replica exceed `target_ongoing_requests` for
+    `upscale_delay_s`, replicas are added up to `max_replicas`; a replica idle for
+    `downscale_delay_s` is removed (put to sleep first with a sleep policy), one at a time, down
+    to `min_replicas`."""
+
+    min_replicas: int = Field(0, ge=0)
+    max_replicas: int = Field(1, ge=1)
+    target_ongoing_requests: float = Field(8, gt=0)
+    upscale_delay_s: float = Field(0, ge=0)
+    downscale_delay_s: float = Field(60, ge=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("min_replicas must not exceed max_replicas")
+        return self
+
+
 class _EngineKeys(_Strict):
     """Keys that `engine` sets for every model and a model entry may override."""
 
@@ -110,6 +130,10 @@ class _EngineKeys(_Strict):
     preload: bool | None = None
     #: Send one 1-token completion after a start or a wake before the instance serves.
     warmup: bool | None = None
+    #: While a streaming request waits for a start or a wake: an SSE comment this often ...
+    keepalive_s: float | None = Field(None, gt=0)
+    #: ... or, with this, visible progress chunks (for chat UIs) instead of comments.
+    loading_progress: bool | None = None
     env: dict[str, str] = {}
     args: dict[str, ArgValue] = {}
     extra_args: list[str] = []
@@ -163,6 +187,8 @@ class EngineConfig(_EngineKeys):
     wake_timeout_s: float = Field(120, gt=0)
     preload: bool = False
     warmup: bool = False
+    keepalive_s: float = Field(10, gt=0)
+    loading_progress: bool = False
 
 
 class ModelConfig(_EngineKeys):
@@ -176,6 +202,19 @@ class ModelConfig(_EngineKeys):
     devices: list[int] | None = None
     #: Parameter count in billions, for the estimate when the weights are not on local disk.
     params_b: float | None = Field(None, gt=0)
+    #: A fixed number of engine instances, all started when the model is first needed ...
+    replicas: int | None = Field(None, ge=1)
+    #: ... or a number that follows the load (not both).
+    autoscale: AutoscaleConfig | None = None
+    #: Requests with the same value of this header go to the same replica while it is healthy
+    #: (prefix-cache reuse), e.g. X-Session-ID.
+    affinity_header: str | None = Field(None, min_length=1)
+
+    @model_validator(mode="after")
+    def _one_scaling(self) -> ModelConfig:
+        if self.replicas is not None and self.autoscale is not None:
+            raise ValueError("set either replicas or autoscale, not both")
+        return self
 
 
 class GpuDevice(_Strict):
@@ -267,6 +306,20 @@ class ModelSpec:
     wake_timeout_s: float = 120.0
     preload: bool = False
     warmup: bool = False
+    keepalive_s: float = 10.0
+    loading_progress: bool = False
+    replicas: int | None = None
+    autoscale: AutoscaleConfig | None = None
+    affinity_header: str | None = None
+
+    def replica_bounds(self) -> tuple[int, int]:
+        """(floor, ceiling) of the model's instance count while it is in use: a fixed
+        `replicas` count, the autoscaler's bounds, or today's single engine (0, 1)."""
+        if self.replicas is not None:
+            return self.replicas, self.replicas
+        if self.autoscale is not None:
+            return self.autoscale.min_replicas, self.autoscale.max_replicas
+        return 0, 1
 
     def engine_key(self) -> tuple[Any, ...]:
         """What the engine process is made of; a change here needs a restart on reload."""
@@ -380,6 +433,11 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         wake_timeout_s=pick("wake_timeout_s"),
         preload=pick("preload"),
         warmup=pick("warmup"),
+        keepalive_s=pick("keepalive_s"),
+        loading_progress=pick("loading_progress"),
+        replicas=m.replicas,
+        autoscale=m.autoscale,
+        affinity_header=m.affinity_header,
     )
 
 

@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import aiohttp
 import psutil
@@ -137,6 +138,18 @@ class EngineContext:
 StateHook = Callable[["Instance", State], None]
 
 
+class ReplicaPolicy(Protocol):
+    """What the model decides for its replicas when one of them has been idle."""
+
+    def may_idle_stop(self, inst: Instance) -> bool:
+        """Whether the idle timeout may stop `inst` now (else it is asked again later)."""
+        ...
+
+    def downscale(self, inst: Instance) -> bool:
+        """`downscale_delay_s` idle: remove it if the model may shrink; False: ask again later."""
+        ...
+
+
 class Instance:
     """One engine process of one model, and the only code that changes its state."""
 
@@ -147,6 +160,7 @@ class Instance:
         ctx: EngineContext,
         on_state: StateHook,
         queued: Callable[[], int] = lambda: 0,
+        policy: ReplicaPolicy | None = None,
     ) -> None:
         self.spec = spec
         #: ``<model>#<n>``: never reused, the key of everything this instance owns.
@@ -178,10 +192,12 @@ class Instance:
         self._wake_task: asyncio.Task[None] | None = None
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
+        self._policy = policy
         self._start_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
         self._sleep_timer: asyncio.TimerHandle | None = None
+        self._downscale_timer: asyncio.TimerHandle | None = None
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
     @property
@@ -239,7 +255,7 @@ class Instance:
         if self.state is not State.RUNNING or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        if self._idle_timer is not None or self._sleep_timer is not None:
+        if self._idle_timer or self._sleep_timer or self._downscale_timer:
             self._cancel_idle_timer()
         return self.engine
 
@@ -265,17 +281,33 @@ class Instance:
         policy = self.spec.sleep
         if policy is not None and self.state is State.RUNNING:
             self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
+        scale = self.spec.autoscale
+        if scale is not None and self.state is State.RUNNING:
+            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
 
     def _cancel_idle_timer(self) -> None:
-        for timer in (self._idle_timer, self._sleep_timer):
+        for timer in (self._idle_timer, self._sleep_timer, self._downscale_timer):
             if timer is not None:
                 timer.cancel()
-        self._idle_timer = self._sleep_timer = None
+        self._idle_timer = self._sleep_timer = self._downscale_timer = None
 
     def _idle_expired(self) -> None:
         self._idle_timer = None
+        if self._policy is not None and not self._policy.may_idle_stop(self):
+            loop = asyncio.get_running_loop()
+            self._idle_timer = loop.call_later(self.spec.idle_timeout_s, self._idle_expired)
+            return
         if self.evict("idle") is not None:
             log.info("%s: idle for %gs, unloaded", self.id, self.spec.idle_timeout_s)
+
+    def _downscale_due(self) -> None:
+        self._downscale_timer = None
+        scale = self.spec.autoscale
+        if scale is None or self._policy is None or self.state is not State.RUNNING:
+            return
+        if not self._policy.downscale(self):
+            loop = asyncio.get_running_loop()
+            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
 
     def _sleep_due(self) -> None:
         self._sleep_timer = None

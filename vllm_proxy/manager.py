@@ -36,13 +36,14 @@ class Lease:
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("inst", "model")
+    __slots__ = ("inst", "model", "session")
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, session: str | None = None) -> None:
         self.model = model
+        self.session = session
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire()
+        self.inst, engine = await self.model.acquire(self.session)
         return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
@@ -143,14 +144,15 @@ class Manager:
             )
         return self.models[name]
 
-    def lease(self, model: str | Model) -> Lease:
+    def lease(self, model: str | Model, session: str | None = None) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
-        Raises `NotFound` for an unknown name and `Unavailable` while shutting down.
+        `session` is the value of the model's affinity header, if any. Raises `NotFound` for an
+        unknown name and `Unavailable` while shutting down.
         """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        return Lease(self.resolve(model) if isinstance(model, str) else model)
+        return Lease(self.resolve(model) if isinstance(model, str) else model, session)
 
     def update_metrics(self) -> None:
         """Refresh the request gauges from the leases (at scrape time: the request path itself
@@ -216,7 +218,9 @@ class Manager:
             need = max(claim.footprint_mb - memory.held_mb(inst.id), 0)
             demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
         else:
-            demand = memory.demand(inst.spec, inst.id)
+            siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
+            avoid = tuple(sorted({d for devs in siblings for d in devs}))
+            demand = memory.demand(inst.spec, inst.id, avoid)
         return plan(demand, memory.device_views(pending), views)
 
     async def _admit(self, inst: Instance) -> Placement | None:
@@ -284,6 +288,17 @@ class Manager:
                     retry_after_s=max(1, int(self.queue_timeout_s) or 5),
                 )
             await self._wait_capacity(inst, remaining)
+
+    def _siblings(self, inst: Instance) -> list[Instance]:
+        """The other placed, live replicas of `inst`'s model."""
+        assert self.memory is not None
+        model = self.models.get(inst.name)
+        if model is None:
+            return []
+        return [
+            i for i in model.instances
+            if i is not inst and not i.retired and i.id in self.memory.claims
+        ]  # fmt: skip
 
     def _instances(self, ids: tuple[str, ...]) -> list[Instance]:
         return [i for i in map(self.instance, ids) if i is not None]

@@ -134,10 +134,12 @@ class Memory:
     def demand_mb(self, spec: ModelSpec) -> int:
         return self.footprint(spec.name)
 
-    def demand(self, spec: ModelSpec, instance_id: str) -> Demand:
-        """What starting instance `instance_id` of `spec` asks of the planner."""
+    def demand(self, spec: ModelSpec, instance_id: str, avoid: tuple[int, ...] = ()) -> Demand:
+        """What starting instance `instance_id` of `spec` asks of the planner; `avoid` are the
+        devices of the model's other replicas."""
         fp = self.estimates[spec.name]
-        return Demand(instance_id, self.footprint(spec.name), fp.tp, spec.devices, self.reserve_mb)
+        mb = self.footprint(spec.name)
+        return Demand(instance_id, mb, fp.tp, spec.devices, self.reserve_mb, avoid)
 
     async def read_fresh(self) -> list[GpuSnapshot]:
         """Snapshots read now (NVML in a worker thread; the refresher's copy if that fails):

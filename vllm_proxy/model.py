@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from .config import ModelSpec
@@ -39,6 +41,11 @@ START_ATTEMPTS = 2
 LOGS_KEPT = 4
 #: An engine that dies within this long of becoming ready counts as a failed start (crash loop).
 STABLE_S = 30.0
+
+#: Affinity sessions remembered per model (the least recently seen are forgotten first).
+SESSIONS_KEPT = 10_000
+#: Instance states that count as kept by the model (for the replica floor).
+_KEPT = frozenset({State.STARTING, State.RUNNING, State.SLEEPING, State.WAKING})
 
 #: After an out-of-memory start: evict one more idle instance on these devices (False: none).
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
@@ -82,6 +89,11 @@ class Model:
         self.failures = 0
         self._retry_at = 0.0
         self._stable: dict[Instance, asyncio.TimerHandle] = {}
+        #: Affinity: session -> the replica it stays on (least recently seen dropped first).
+        self._sessions: OrderedDict[str, Instance] = OrderedDict()
+        #: Replica starts and wakes in the background (scale-up, the replica floor).
+        self._growing: set[asyncio.Task[None]] = set()
+        self._upscale_at: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()
         self._summary = State.STOPPED
         ctx.metrics.set_model_state(self.name, None, self._summary.value, loaded=False)
@@ -95,17 +107,38 @@ class Model:
     # -- routing -------------------------------------------------------------------------
 
     def serving(self) -> Instance | None:
-        """The instance a new request goes to: the newest RUNNING, not retired one."""
-        for inst in reversed(self.instances):
+        """The instance a new request goes to: among RUNNING, not retired instances the one with
+        the fewest requests in flight; ties go to the most recently used, so idle replicas can
+        age out. Never one that is starting, waking, asleep, stopping or unhealthy."""
+        best: Instance | None = None
+        for inst in self.instances:
             if inst.state is State.RUNNING and not inst.retired:
-                return inst
-        return None
+                if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
+                    best = inst
+        return best
 
-    async def acquire(self) -> tuple[Instance, EngineProcess]:
+    def route(self, session: str | None) -> Instance | None:
+        """`serving()`, but a session (the affinity header's value) stays on its replica while
+        that one serves."""
+        if session is None or self.spec.affinity_header is None:
+            return self.serving()
+        sticky = self._sessions.get(session)
+        if sticky is not None and sticky.state is State.RUNNING and not sticky.retired:
+            self._sessions.move_to_end(session)
+            return sticky
+        inst = self.serving()
+        if inst is not None:
+            self._sessions[session] = inst
+            self._sessions.move_to_end(session)
+            if len(self._sessions) > SESSIONS_KEPT:
+                self._sessions.popitem(last=False)
+        return inst
+
+    async def acquire(self, session: str | None = None) -> tuple[Instance, EngineProcess]:
         """Wait until an instance serves (starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
-        ``instance.release()`` in ``finally``.
+        ``instance.release()`` in ``finally``. `session` is the affinity header's value.
         """
         starts = 0
         while True:
@@ -118,10 +151,13 @@ class Model:
                     code="model_removed",
                     param="model",
                 )
-            inst = self.serving()
+            inst = self.route(session)
             if inst is not None and not self.draining:
                 # No await between finding it RUNNING and the lease.
-                return inst, inst.acquire()
+                engine = inst.acquire()
+                if self._scaled:
+                    self._check_load()
+                return inst, engine
             if self.draining:
                 await self._wait_change()
                 continue
@@ -161,6 +197,107 @@ class Model:
             self._bringup = asyncio.ensure_future(self._bring_up())
             self._bringup.add_done_callback(self._bringup_done)
         return self._bringup
+
+    # -- replicas ------------------------------------------------------------------------
+
+    @property
+    def _scaled(self) -> bool:
+        """More than today's single engine may run (fixed replicas or an autoscaler)."""
+        return self.spec.replica_bounds() != (0, 1)
+
+    def _replicas(self) -> list[Instance]:
+        """Live replicas that count toward the model's size: not retired, not on their way
+        out, not asleep (an asleep one is woken before a new one is started)."""
+        counted = (State.STARTING, State.RUNNING, State.WAKING)
+        return [i for i in self.instances if i.state in counted and not i.retired]
+
+    def desired_replicas(self) -> int:
+        """How many replicas the load asks for now, within the model's bounds."""
+        floor, ceiling = self.spec.replica_bounds()
+        scale = self.spec.autoscale
+        if scale is None:
+            return ceiling if self._scaled else 1
+        running = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
+        ongoing = sum(i.leases for i in running) + self.waiting
+        return min(ceiling, max(floor, 1, math.ceil(ongoing / scale.target_ongoing_requests)))
+
+    def _check_load(self) -> None:
+        """After a lease (or a start): add replicas when the load asks for more, at once or
+        after `upscale_delay_s` of sustained load."""
+        missing = self.desired_replicas() - len(self._replicas())
+        if missing <= 0 or self.closed or self.removed or self.draining:
+            return
+        delay = self.spec.autoscale.upscale_delay_s if self.spec.autoscale else 0.0
+        if delay <= 0:
+            self._grow(missing)
+        elif self._upscale_at is None:
+            loop = asyncio.get_running_loop()
+            self._upscale_at = loop.call_later(delay, self._upscale_due)
+
+    def _upscale_due(self) -> None:
+        self._upscale_at = None
+        missing = self.desired_replicas() - len(self._replicas())
+        if missing > 0 and not (self.closed or self.removed or self.draining):
+            self._grow(missing)
+
+    def _grow(self, count: int) -> None:
+        """Add `count` replicas in the background: wake sleeping ones first, then start new
+        ones (each placed by the memory rules, on devices of its own where it can)."""
+        if self.backoff_s() > 0:
+            return
+        sleepers = [i for i in self.instances if i.state is State.SLEEPING and not i.retired]
+        for _ in range(count):
+            if sleepers:
+                inst = sleepers.pop()
+                task = asyncio.ensure_future(self._wake_replica(inst))
+            else:
+                inst = self._new_instance()
+                log.info("%s: new replica of %s (%d wanted)", inst.id, self.name,
+                         self.desired_replicas())  # fmt: skip
+                task = inst.start()
+            self._growing.add(task)
+            task.add_done_callback(self._grown)
+
+    async def _wake_replica(self, inst: Instance) -> None:
+        await inst.wake()
+
+    def _grown(self, task: asyncio.Task[None]) -> None:
+        self._growing.discard(task)
+        if task.cancelled():
+            return
+        err = task.exception()
+        if isinstance(err, ProxyError) and not isinstance(err, Stopped):
+            log.warning("%s: a replica did not come up: %s", self.name, err.message)
+        elif err is not None and not isinstance(err, ProxyError):
+            log.error("%s: replica start failed", self.name, exc_info=err)
+
+    def may_idle_stop(self, inst: Instance) -> bool:
+        """Whether `inst`'s idle timeout may stop it. Fixed replicas stop together, once none
+        of them has served for ``idle_timeout_s``; an autoscaled model keeps `min_replicas`."""
+        floor, _ = self.spec.replica_bounds()
+        if self.spec.replicas is not None:
+            cutoff = time.time() - self.spec.idle_timeout_s
+            return all(i.leases == 0 and i.last_used <= cutoff for i in self._replicas())
+        others = [i for i in self.instances if i is not inst and i.state in _KEPT and not i.retired]
+        return len(others) >= floor
+
+    def downscale(self, inst: Instance) -> bool:
+        """An autoscaled replica idle for `downscale_delay_s`: remove it (put to sleep with a
+        sleep policy, else stop) if the model has more than `min_replicas` awake and no other
+        removal is under way; False when it stays (its timer is armed again)."""
+        scale = self.spec.autoscale
+        if scale is None or inst.state is not State.RUNNING or inst.leases > 0:
+            return True
+        awake = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
+        leaving = [i for i in self.instances if i.state is State.STOPPING
+                   or (i.state is State.SLEEPING and not i.asleep)]  # fmt: skip
+        if len(awake) <= scale.min_replicas or leaving:
+            return False
+        log.info("%s: idle for %gs, scaling %s down to %d replica(s)", inst.id,
+                 scale.downscale_delay_s, self.name, len(awake) - 1)  # fmt: skip
+        if inst.sleep("downscale") is None:
+            inst.evict("downscale")
+        return True
 
     def starting(self) -> asyncio.Task[None] | None:
         """The start task in progress, if any."""
@@ -213,7 +350,10 @@ class Model:
                 raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
             inst = self._new_instance()
             try:
-                await inst.start()
+                start = inst.start()
+                if self._scaled:  # the other replicas the model wants start alongside
+                    self._check_load()
+                await start
                 self.last_error = None
                 return
             except Stopped:
@@ -251,7 +391,7 @@ class Model:
 
     def _new_instance(self) -> Instance:
         inst = Instance(
-            self.spec, self._new_id(self.name), self.ctx, self._instance_changed, self._queued
+            self.spec, self._new_id(self.name), self.ctx, self._instance_changed, self._queued, self
         )
         self.instances.append(inst)
         keep = {int(i.id.rpartition("#")[2]) for i in self.instances}
@@ -263,7 +403,10 @@ class Model:
         if inst.state is State.RUNNING:  # started: no more waiting, but not yet proven
             self._retry_at = 0.0
             loop = asyncio.get_running_loop()
-            self._stable[inst] = loop.call_later(STABLE_S, self._proven, inst)
+            if inst not in self._stable and old is State.STARTING:
+                self._stable[inst] = loop.call_later(STABLE_S, self._proven, inst)
+            if self._scaled:
+                self._check_load()  # the replica floor, and load that came meanwhile
         if inst.state in DOWN and inst.done:
             if inst in self.instances:
                 self.instances.remove(inst)
@@ -336,11 +479,23 @@ class Model:
             for inst in self.instances:
                 inst.spec = spec
                 inst.rearm_idle()
+            self._resize(drain_timeout_s)
             return
         was_up = any(i.state in (State.RUNNING, State.STARTING) for i in self.instances)
         self.retire_all(drain_timeout_s)
         if was_up:
             self.ensure_started()
+
+    def _resize(self, drain_timeout_s: float) -> None:
+        """After a reload changed the replica bounds: retire replicas above the new ceiling
+        (the least busy first; they drain), and grow toward the new floor if the model is up."""
+        _, ceiling = self.spec.replica_bounds()
+        live = sorted(self._replicas(), key=lambda i: (i.leases, -i.last_used))
+        for inst in live[: max(len(live) - ceiling, 0)]:
+            log.info("%s: replicas of %s reduced to %d; retiring it", inst.id, self.name, ceiling)
+            inst.retire(drain_timeout_s)
+        if self.serving() is not None:
+            self._check_load()
 
     def retire_all(self, drain_timeout_s: float) -> list[asyncio.Task[None]]:
         """Retire every instance: no new requests, drain, stop."""
@@ -423,6 +578,18 @@ class Model:
 
     # -- views ---------------------------------------------------------------------------
 
+    def _replica_status(self) -> dict[str, object]:
+        floor, ceiling = self.spec.replica_bounds()
+        scale = self.spec.autoscale
+        return {
+            "mode": "autoscale" if scale else ("fixed" if self.spec.replicas else "single"),
+            "min": floor,
+            "max": ceiling,
+            "desired": self.desired_replicas() if self.serving() is not None else floor,
+            "live": len(self._replicas()),
+            "affinity_header": self.spec.affinity_header,
+        }
+
     def status(self) -> dict[str, object]:
         """What an operator sees of the model and its instances."""
         last = self.last_ended
@@ -430,6 +597,7 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.model_dump() if self.spec.sleep is not None else None,
+            "replicas": self._replica_status(),
             "aliases": list(self.spec.aliases),
             "state": self.state().value,
             "leases": sum(i.leases for i in self.instances),

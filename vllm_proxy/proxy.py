@@ -349,8 +349,10 @@ class Proxy:
             body = json.dumps(data).encode()
         tap.model = model.name
         status = "error"
+        affinity = model.spec.affinity_header
+        session = request.headers.get(affinity) if affinity else None
         try:
-            async with self.manager.lease(model) as (inst, engine):
+            async with self.manager.lease(model, session) as (inst, engine):
                 tap.instance = inst.id
                 resp = await self._relay(request, path, body, inst, engine, tap)
             status = CLIENT_CLOSED if tap.client_gone else str(resp.status)

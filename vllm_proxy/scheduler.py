@@ -23,10 +23,12 @@ Reclaim policy (sleep before stop, never a busy engine):
   that still lacks some, and a model on several devices frees its memory on each of them;
 * once the demand fits, actions that are not needed after all are undone, the most recently
   used first (a stop becomes a sleep again where that is enough, then goes);
-* among device sets that can be made to fit, the winner is the one with the fewest megabytes
-  stopped (an instance counts ``what it holds x number of its devices``), then the fewest
-  instances stopped, then the fewest megabytes put to sleep, then the least free memory left on
-  the set after the start (best fit: big holes stay for big models), then the lowest device ids.
+* among device sets that can be made to fit, the winner is the one that shares the fewest
+  devices with the model's other replicas (a replica on a GPU of its own adds compute), then the
+  one with the fewest megabytes stopped (an instance counts ``what it holds x number of its
+  devices``), then the fewest instances stopped, then the fewest megabytes put to sleep, then
+  the least free memory left on the set after the start (best fit: big holes stay for big
+  models), then the lowest device ids.
 
 A set that fits without reclaiming anything always beats one that needs it, and best fit decides
 among those.
@@ -90,6 +92,9 @@ class Demand:
     tp: int
     allowed_devices: tuple[int, ...] | None
     reserve_mb: int
+    #: Devices the model's other replicas use: a set without them is preferred (a replica on
+    #: a GPU of its own adds compute), even when that takes reclaiming idle memory.
+    avoid_devices: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -153,13 +158,14 @@ def plan(
         return NoFit(reason, ())
     free = {i: _free(d, demand.reserve_mb) for i, d in by_id.items()}
     evictable = _evictable(demand, models)
-    best: tuple[tuple[int, int, int, int, tuple[int, ...]], Plan] | None = None
+    best: tuple[tuple[int, int, int, int, int, tuple[int, ...]], Plan] | None = None
     for ids in combinations(_allowed(demand, by_id), demand.tp):
         chosen = _reclaim(demand.footprint_mb, {i: free[i] for i in ids}, evictable)
         if chosen is None:
             continue
         slept, stopped = chosen
-        key = _cost(demand.footprint_mb, ids, free, slept, stopped)
+        shared = len(set(ids) & set(demand.avoid_devices))
+        key = (shared, *_cost(demand.footprint_mb, ids, free, slept, stopped))
         if best is None or key < best[0]:
             plan_ = Plan(ids, tuple(m.name for m in stopped), tuple(m.name for m in slept))
             best = (key, plan_)
