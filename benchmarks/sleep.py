@@ -361,6 +361,11 @@ def table(res: dict[str, Any]) -> list[str]:
         return f"{x[key + '_p50']:.1f} / {x[key + '_p90']:.1f}"
 
     out = [
+        "One vllm-proxy process in front of three models of the fake engine (`cold`: no sleep"
+        " policy; `l1`, `l2`: sleep levels 1 and 2), and beside it the same engines driven"
+        " directly; each round makes every case cold or asleep, then times one streamed chat"
+        " request (method: the docstring of `benchmarks/sleep.py`).",
+        "",
         "| case | engine knob | rounds | TTFT via proxy p50 / p90 ms | TTFT direct p50 / p90 ms"
         " | **added p50 / p90 ms** |",
         "|---|---|---:|---:|---:|---:|",
@@ -410,6 +415,12 @@ def table(res: dict[str, Any]) -> list[str]:
         " *Added* = via proxy - direct, paired by round."
         f" Awake, the same request takes {s['l1']['proxy_warm_p50']:.1f} ms via the proxy and"
         f" {s['l1']['direct_warm_p50']:.1f} ms direct (p50, l1 engine).",
+        "",
+        "A cold start's added time lies inside spawn -> ready, not around it: the proxy starts"
+        " the engine under its guard (a Python process of its own)"
+        " and polls `/health` 5-20 ms apart, and the row carries the start-up noise of Python"
+        " processes on a shared 2-core machine (a round can come out negative). The goal is"
+        " about the wake rows.",
     ]
     cmd = " ".join(["benchmarks/sleep.py", *sys.argv[1:]])
     out += [
