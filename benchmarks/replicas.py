@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Throughput of one model with 1, 2 and 4 replicas: is the proxy the bottleneck?
 
-    .venv/bin/python benchmarks/replicas.py [--seconds 10] [--clients 32] [--rounds 2]
+    .venv/bin/python benchmarks/replicas.py [--seconds 10] [--clients 32] [--rounds 2] [--slots 4]
 
 Each engine is the fake engine with a fixed per-token delay and few sequence slots
 (``max_num_seqs``), so one engine serves at most ``slots / (tokens x delay)`` requests per second
@@ -10,7 +10,7 @@ budget of four devices) runs the model with ``replicas: N``; closed-loop clients
 non-streaming chat requests for ``--seconds`` after every replica is up. The ideal is N times
 the one-replica throughput; the table shows requests/s, the speed-up over one replica, the
 efficiency (speed-up / N) and latency percentiles, interleaved over ``--rounds`` rounds (medians
-shown). Prints the table and the command; writes benchmarks/results/replicas.{json,md}.
+shown). Prints the table and the command; writes benchmarks/results/replicas-<slots>slots.{json,md}.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-TOKENS, DELAY, SLOTS = 16, 0.02, 4
+TOKENS, DELAY = 16, 0.02
 
 
 def free_port() -> int:
@@ -44,7 +44,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def config(tmp: Path, port: int, replicas: int) -> dict[str, Any]:
+def config(tmp: Path, port: int, replicas: int, slots: int) -> dict[str, Any]:
     env = {"FAKE_ENGINE_TOKENS": str(TOKENS), "FAKE_ENGINE_TOKEN_DELAY": str(DELAY)}
     return {
         "server": {
@@ -57,7 +57,7 @@ def config(tmp: Path, port: int, replicas: int) -> dict[str, Any]:
         "engine": {
             "command": [sys.executable, "-m", "fake_vllm"],
             "idle_timeout_s": 0,
-            "port_range": [32000, 32999],
+            "port_range": [31000, 31999],
         },
         "gpu": {"monitor": "static", "devices": [{"id": i, "memory_mb": 1000} for i in range(4)]},
         "models": {
@@ -66,7 +66,7 @@ def config(tmp: Path, port: int, replicas: int) -> dict[str, Any]:
                 "memory_mb": 600,
                 "replicas": replicas,
                 "env": env,
-                "args": {"max_num_seqs": SLOTS},
+                "args": {"max_num_seqs": slots},
             }
         },
     }
@@ -118,11 +118,11 @@ async def load(url: str, clients: int, seconds: float) -> dict[str, float]:
     }
 
 
-def spawn(tmp: Path, replicas: int) -> tuple[subprocess.Popen[bytes], int]:
+def spawn(tmp: Path, replicas: int, slots: int) -> tuple[subprocess.Popen[bytes], int]:
     """vllm-proxy as a real process (its own group), logging to the temp dir."""
     port = free_port()
     path = tmp / f"proxy-{replicas}.yaml"
-    path.write_text(yaml.safe_dump(config(tmp, port, replicas)))
+    path.write_text(yaml.safe_dump(config(tmp, port, replicas, slots)))
     with open(tmp / f"proxy-{replicas}.log", "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_proxy.cli", "--config", str(path)],
@@ -134,8 +134,10 @@ def spawn(tmp: Path, replicas: int) -> tuple[subprocess.Popen[bytes], int]:
     return proc, port
 
 
-async def one(tmp: Path, replicas: int, clients: int, seconds: float) -> dict[str, float]:
-    proc, port = spawn(tmp, replicas)
+async def one(
+    tmp: Path, replicas: int, slots: int, clients: int, seconds: float
+) -> dict[str, float]:
+    proc, port = spawn(tmp, replicas, slots)
     url = f"http://127.0.0.1:{port}"
     try:
         async with aiohttp.ClientSession() as session:
@@ -163,19 +165,20 @@ async def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--slots", type=int, default=4, help="max_num_seqs of each engine")
     args = parser.parse_args()
     counts = (1, 2, 4)
     runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
     with tempfile.TemporaryDirectory(prefix="vllm-proxy-replicas-") as tmp:
         for _ in range(args.rounds):
             for n in counts:
-                runs[n].append(await one(Path(tmp), n, args.clients, args.seconds))
-    ceiling = SLOTS / (TOKENS * DELAY)
+                runs[n].append(await one(Path(tmp), n, args.slots, args.clients, args.seconds))
+    ceiling = args.slots / (TOKENS * DELAY)
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in runs[n][0]} for n in counts}
     base = med[1]["rps"]
     command = "python benchmarks/replicas.py " + " ".join(sys.argv[1:])
     lines = [
-        f"Fake engine: {TOKENS} tokens x {DELAY * 1000:g} ms, max_num_seqs {SLOTS} "
+        f"Fake engine: {TOKENS} tokens x {DELAY * 1000:g} ms, max_num_seqs {args.slots} "
         f"(one engine serves at most {ceiling:.1f} req/s); {args.clients} closed-loop clients, "
         f"{args.seconds:g} s per run, median of {args.rounds} interleaved rounds.",
         "",
@@ -192,8 +195,9 @@ async def main() -> None:
     table = "\n".join(lines)
     print(table)
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "replicas.md").write_text(table + "\n")
-    (RESULTS / "replicas.json").write_text(json.dumps({"runs": runs, "median": med}, indent=2))
+    stem = f"replicas-{args.slots}slots"
+    (RESULTS / f"{stem}.md").write_text(table + "\n")
+    (RESULTS / f"{stem}.json").write_text(json.dumps({"runs": runs, "median": med}, indent=2))
 
 
 if __name__ == "__main__":
