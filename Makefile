@@ -39,7 +39,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
-# Debian packages for the status-page, Prometheus and systemd tests (and the benchmarks).
+# Debian packages for the status-page, Prometheus, systemd and cluster tests (and the benchmarks).
 system-deps:
 	sh scripts/system-deps.sh
 

@@ -3,13 +3,14 @@
 #   chromium    the status page test (headless screenshot and DOM)
 #   prometheus  the scrape test against /metrics
 #   systemd     systemd-analyze, for the unit file test
+#   haproxy     the cluster tier (tests/test_cluster.py: HAProxy in front of three proxies)
 #   nginx, wrk  the benchmarks
 # Idempotent: nothing is installed when every binary is already there.
 set -eu
 
 # binary:package pairs
 DEPS="/usr/bin/chromium:chromium /usr/bin/prometheus:prometheus /usr/bin/systemd-analyze:systemd
-      /usr/sbin/nginx:nginx /usr/bin/wrk:wrk"
+      /usr/sbin/haproxy:haproxy /usr/sbin/nginx:nginx /usr/bin/wrk:wrk"
 
 missing=""
 for dep in $DEPS; do

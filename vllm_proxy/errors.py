@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
+#: Seconds a client (or a load balancer) is told to wait before it retries a 503.
+RETRY_AFTER_S = 5
+
 
 def error_body(message: str, type_: str, code: str | int | None, param: str | None = None) -> dict:
     """The OpenAI error shape: ``{"error": {"message", "type", "param", "code"}}``."""
@@ -110,13 +113,16 @@ class EngineTimeout(ProxyError):
 
 
 class Unavailable(ProxyError):
-    """No capacity right now, or the proxy is shutting down; the client may retry."""
+    """No capacity right now, or the proxy is shutting down; the client may retry (and a load
+    balancer may try another server): always with ``Retry-After``."""
 
     status = 503
     type_ = "service_unavailable"
     code = "service_unavailable"
 
-    def __init__(self, message: str, *, retry_after_s: int = 5, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, retry_after_s: int = RETRY_AFTER_S, code: str | None = None
+    ) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
 
 

@@ -24,6 +24,7 @@ from multidict import CIMultiDict
 from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
+    RETRY_AFTER_S,
     BadRequest,
     EngineTimeout,
     Forbidden,
@@ -92,8 +93,11 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_response(err: ProxyError, request_id: str | None = None) -> web.Response:
     """The OpenAI-shaped error; with the request id in ``X-Request-ID`` and, for the proxy's and
-    engines' failures (5xx), in the message, so an operator can find it in the log."""
+    engines' failures (5xx), in the message, so an operator can find it in the log. A 503 always
+    carries ``Retry-After``: a client backs off, a load balancer tries another server."""
     headers = dict(err.headers)
+    if err.status == 503:
+        headers.setdefault("Retry-After", str(RETRY_AFTER_S))
     body = err.body()
     if request_id is not None:
         headers["X-Request-ID"] = request_id
@@ -424,6 +428,8 @@ class Proxy:
             raise await inst.upstream_failure_after_exit(engine) from None
         try:
             headers = _downstream_headers(up.headers)
+            if up.status == 503 and "Retry-After" not in headers:  # vLLM's own (queue limits)
+                headers["Retry-After"] = str(RETRY_AFTER_S)
             if headers.get("Content-Type", "").lower().startswith("text/event-stream"):
                 return await self._stream(request, up, headers, inst, engine, tap)
             try:
@@ -578,8 +584,15 @@ class Proxy:
         return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 while the proxy takes requests; 503 + ``Retry-After`` from the moment a drain
+        starts (SIGTERM), while in-flight requests finish: a load balancer stops sending here
+        before the engines stop."""
         if self.manager.closing:
-            return web.json_response({"status": "shutting_down"}, status=503)
+            return web.json_response(
+                {"status": "shutting_down"},
+                status=503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
         body: dict[str, object] = {"status": "ok"}
         if self.manager.preloading:  # the proxy serves meanwhile; these models are coming up
             body["preloading"] = sorted(self.manager.preloading)
