@@ -40,6 +40,7 @@ from .errors import (
 from .instance import Instance
 from .manager import Manager
 from .metrics import Metrics
+from .model import Model
 from .upstream import NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
@@ -356,9 +357,12 @@ class Proxy:
         affinity = model.spec.affinity_header
         session = request.headers.get(affinity) if affinity else None
         try:
-            async with self.manager.lease(model, session) as (inst, engine):
-                tap.instance = inst.id
-                resp = await self._relay(request, path, body, inst, engine, tap)
+            if data.get("stream") is True and model.serving() is None:
+                resp = await self._forward_loading(request, path, body, model, session, tap)
+            else:
+                async with self.manager.lease(model, session) as (inst, engine):
+                    tap.instance = inst.id
+                    resp = await self._relay(request, path, body, inst, engine, tap)
             status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
             return resp
         except ProxyError as err:
@@ -369,6 +373,58 @@ class Proxy:
             raise
         finally:
             self._observe(model.name, status, tap.started, tap)
+
+    async def _forward_loading(
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        model: Model,
+        session: str | None,
+        tap: Tap,
+    ) -> web.StreamResponse:
+        """A stream for a model with no serving instance (it starts or wakes): if no instance
+        serves within ``keepalive_s``, answer 200 with ``text/event-stream`` and send an SSE
+        comment (``: loading <model>``) every ``keepalive_s`` so balancers and clients in between
+        keep the connection; with ``loading_progress`` a chat stream gets visible progress
+        (``reasoning_content`` chunks) instead. Then the engine's stream follows byte for byte;
+        a failure after the 200 is an SSE error event and ``data: [DONE]``."""
+        lease = self.manager.lease(model, session)
+        acquiring = asyncio.ensure_future(lease.__aenter__())
+        spec = model.spec
+        progress = spec.loading_progress and path.endswith("/chat/completions")
+        resp: web.StreamResponse | None = None
+        waited = 0.0
+        try:
+            while not (await asyncio.wait({acquiring}, timeout=spec.keepalive_s))[0]:
+                waited += spec.keepalive_s
+                if resp is None:
+                    resp = _sse_response(request)
+                    await resp.prepare(request)
+                if progress:
+                    await resp.write(_progress_chunk(model.name, request[REQUEST_ID], waited))
+                else:
+                    await resp.write(b": loading %s\n\n" % model.name.encode())
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            tap.client_gone = True
+            _abandon(acquiring)
+            assert resp is not None
+            return resp
+        except BaseException:  # cancelled (client gone): the start goes on for the others
+            _abandon(acquiring)
+            raise
+        try:
+            inst, engine = acquiring.result()
+        except ProxyError as err:
+            if resp is None:
+                raise
+            await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
+            return resp
+        try:
+            tap.instance = inst.id
+            return await self._relay(request, path, body, inst, engine, tap, resp)
+        finally:
+            inst.release()
 
     async def _read_body(self, request: web.Request) -> bytes:
         try:
@@ -414,7 +470,10 @@ class Proxy:
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
+        prepared: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """The engine's answer to the client. `prepared`: a stream already answered 200 (while
+        the model loaded): an SSE answer goes on in it, anything else becomes an SSE error."""
         timeout = inst.spec.read_timeout_s
         try:
             up = await self.upstream.request(
@@ -431,7 +490,9 @@ class Proxy:
             if up.status == 503 and "Retry-After" not in headers:  # vLLM's own (queue limits)
                 headers["Retry-After"] = str(RETRY_AFTER_S)
             if headers.get("Content-Type", "").lower().startswith("text/event-stream"):
-                return await self._stream(request, up, headers, inst, engine, tap)
+                return await self._stream(request, up, headers, inst, engine, tap, prepared)
+            if prepared is not None:
+                return await self._error_into_stream(up, inst, prepared)
             try:
                 first = await up.read_chunk(timeout)
                 if up.complete():  # the whole body is here (the usual case): one response
@@ -447,6 +508,24 @@ class Proxy:
             return await self._body(request, up, headers, first, inst, tap)
         finally:
             up.release()  # not read to the end (client gone, error): closes, the engine aborts
+
+    async def _error_into_stream(
+        self, up: UpstreamResponse, inst: Instance, resp: web.StreamResponse
+    ) -> web.StreamResponse:
+        """A non-stream answer (an engine's error) to a stream that already answered 200."""
+        try:
+            data = await up.read_chunk(inst.spec.read_timeout_s) + up.take_rest()
+        except (TimeoutError, UpstreamError):
+            data = b""
+        message = f"model '{inst.name}': the engine answered {up.status}"
+        try:
+            err = json.loads(data).get("error")
+            if isinstance(err, dict) and isinstance(err.get("message"), str):
+                message = err["message"]
+        except (ValueError, AttributeError):
+            pass
+        await _write_quietly(resp, sse_error(message, "engine_error", str(up.status)))
+        return resp
 
     async def _body(
         self,
@@ -516,12 +595,14 @@ class Proxy:
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
+        resp: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(status=up.status, headers=headers)
-        resp.headers["X-Accel-Buffering"] = "no"
-        resp.headers["Cache-Control"] = "no-cache"
-        resp.headers["X-Request-ID"] = request[REQUEST_ID]
-        await resp.prepare(request)
+        if resp is None:
+            resp = web.StreamResponse(status=up.status, headers=headers)
+            resp.headers["X-Accel-Buffering"] = "no"
+            resp.headers["Cache-Control"] = "no-cache"
+            resp.headers["X-Request-ID"] = request[REQUEST_ID]
+            await resp.prepare(request)
         timeout = inst.spec.read_timeout_s
         while True:
             try:
@@ -616,6 +697,43 @@ def _check_key(request: web.Request, keys: list[bytes]) -> None:
         ok |= hmac.compare_digest(given, key)
     if scheme.lower() != "bearer" or not ok:
         raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer KEY')")
+
+
+def _sse_response(request: web.Request) -> web.StreamResponse:
+    """The 200 of a stream that is answered before its engine is up."""
+    resp = web.StreamResponse(status=200)
+    resp.headers["Content-Type"] = "text/event-stream; charset=utf-8"
+    resp.headers["Cache-Control"] = "no-cache"
+    resp.headers["X-Accel-Buffering"] = "no"
+    resp.headers["X-Request-ID"] = request[REQUEST_ID]
+    return resp
+
+
+def _progress_chunk(model: str, rid: str, waited: float) -> bytes:
+    """Visible loading progress for chat UIs: a chunk whose delta is ``reasoning_content``
+    (shown as "thinking", not as the answer)."""
+    chunk = {
+        "id": f"loading-{rid}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"reasoning_content": f"Loading model {model}... {waited:.0f}s\n"},
+                "finish_reason": None,
+            }
+        ],
+    }
+    return b"data: " + json.dumps(chunk).encode() + b"\n\n"
+
+
+def _abandon(acquiring: asyncio.Future[tuple[Instance, EngineProcess]]) -> None:
+    """Stop waiting for an instance; a lease that was taken meanwhile goes back."""
+    if not acquiring.done():
+        acquiring.cancel()
+    elif not acquiring.cancelled() and acquiring.exception() is None:
+        acquiring.result()[0].release()
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
