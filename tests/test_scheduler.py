@@ -340,3 +340,18 @@ def test_waking_and_falling_asleep_hold_their_memory(flag: str) -> None:
     result = plan(want(600), [dev(0, 1000, 600)], [moving])
     assert isinstance(result, NoFit) and result.blockers == ("w",)
     assert ("waking" if flag == "waking" else "going to sleep") in result.reason
+
+
+def test_a_replica_prefers_a_device_of_its_own_even_at_the_cost_of_an_idle_model() -> None:
+    """GPU0 holds a sibling replica and has room; GPU1 holds an idle model of another kind:
+    the new replica takes GPU1 (sleeping the idle one there) rather than share GPU0."""
+    devices = [dev(0, 1000, 400), dev(1, 1000, 700)]
+    other = ModelView("other", 700, (1,), True, 0, 1.0, False, sleep_mb=100)
+    models = [mdl("sibling", 400, (0,), leases=1), other]
+    demand = Demand("new", 400, 1, None, 0, avoid_devices=(0,))
+    assert plan(demand, devices, models) == Plan((1,), (), ("other",))
+    # Without siblings, the same snapshot fits on GPU0 with nothing touched.
+    assert plan(want(400), devices, models) == Plan((0,), ())
+    # A busy model on the other device: sharing is better than waiting.
+    busy = [models[0], ModelView("other", 700, (1,), True, 2, 1.0, False, sleep_mb=100)]
+    assert plan(demand, devices, busy) == Plan((0,), ())
