@@ -458,3 +458,54 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
         assert pending == {0: 0}, "its allocation so far is already in the reading"
         (dev,) = memory.device_views(pending)
         assert dev.used_mb + dev.pending_mb == 62 * 1024
+
+
+# -- level 1 needs host RAM -------------------------------------------------------------------
+
+
+def test_level_1_falls_back_to_level_2_without_host_ram_for_the_weights(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from unittest.mock import MagicMock
+
+    import psutil
+
+    from vllm_proxy.instance import EngineContext
+    from vllm_proxy.metrics import Metrics
+
+    cfg = parse_config(
+        {"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x", "sleep": {}}}}
+    )
+    available = psutil.virtual_memory().available // 2**20
+    weights = {"mb": available * 4}
+    ctx = EngineContext(
+        session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics(),
+        weights_mb=lambda _spec: weights["mb"],
+    )  # fmt: skip
+    inst = Instance(cfg.specs()["m"], "m#1", ctx, lambda _i, _o: None)
+    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
+        assert inst._choose_level(1) == 2
+    assert "using level 2" in caplog.text and f"{weights['mb']} MiB" in caplog.text
+    weights["mb"] = 1
+    assert inst._choose_level(1) == 1, "weights that fit in host RAM keep level 1"
+    assert inst._choose_level(2) == 2
+
+
+def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> None:
+    from vllm_proxy.manager import Manager
+
+    cfg = parse_config(
+        {
+            "server": {"state_dir": str(tmp_path)},
+            "models": {"p": {"model": "x", "params_b": 7}, "m": {"model": "x", "memory_mb": 900}},
+        }
+    )
+    specs = cfg.specs()
+    weights = Manager._weights_mb(MagicMockManager(), specs["p"])  # type: ignore[arg-type]
+    assert weights is not None and 13_000 < weights < 14_000, "7e9 x 2 bytes"
+    # Only memory_mb known: the whole footprint stands in for the weights (an upper bound).
+    assert Manager._weights_mb(MagicMockManager(), specs["m"]) == 900  # type: ignore[arg-type]
+
+
+class MagicMockManager:
+    memory = None

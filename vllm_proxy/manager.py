@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -317,11 +318,15 @@ class Manager:
             try:
                 fp = footprint_for_spec(spec, None, spec.params_b)
             except (ValueError, OSError):
-                return None
-        weights = fp.detail.get("weights_mb")
-        if isinstance(weights, int | float):
+                fp = None
+        weights = fp.detail.get("weights_mb") if fp is not None else None
+        if fp is not None and isinstance(weights, int | float):
             return int(weights) * fp.tp
-        return fp.per_device_mb * fp.tp  # no breakdown (memory_mb): the whole footprint
+        if spec.params_b is not None:  # 16-bit weights
+            return math.ceil(spec.params_b * 1e9 * 2 / 2**20)
+        if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
+            return fp.per_device_mb * fp.tp
+        return None
 
     async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
         waits = [
