@@ -162,6 +162,7 @@ async def test_autoscale_up_under_streams_then_down_to_min(
     assert evictions in text
     (last,) = running(proxy)
     await wait_for(lambda: last.state is State.RUNNING and last.leases == 0, what="idle")
+    await wait_for(lambda: proxy.model("m").instances == [last], what="the others stopped")
     stops_before = [i.id for i in proxy.model("m").instances]
     assert await short(proxy) == 200
     assert [i.id for i in proxy.model("m").instances] == stops_before, "min_replicas is kept"

@@ -140,6 +140,31 @@ async def test_a_replica_that_fails_to_start_fails_no_request_another_replica_se
     assert await request == 200, "failed although a replica was serving"
 
 
+async def test_replicas_the_load_asks_for_are_not_scaled_down_as_idle(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Three streams wait for a cold model and all land on its first replica (the other two
+    are still starting). Load 3 with target 1 asks for three replicas: the two idle ones must
+    not be scaled down while the streams run (else every new request scales up again)."""
+    scale = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1,
+             "downscale_delay_s": 0.2}  # fmt: skip
+    proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}))
+    streams = await asyncio.gather(*(open_stream(proxy) for _ in range(3)))
+    await wait_for(lambda: len(running(proxy)) == 3, timeout=30, what="scaled up to 3")
+
+    def kept_while_loaded() -> str | None:
+        load = sum(i.leases for i in proxy.model("m").instances)
+        awake = running(proxy)
+        if load >= 3 and len(awake) < 3:
+            return f"{len(awake)} replica(s) awake under a load of {load} (target 1)"
+        return None
+
+    async with watching(kept_while_loaded) as problems:
+        for stream in streams:
+            await stream.read()
+    assert problems == []
+
+
 async def test_a_reload_that_lowers_the_count_retires_sleeping_replicas_too(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
@@ -158,6 +183,25 @@ async def test_a_reload_that_lowers_the_count_retires_sleeping_replicas_too(
     assert report["kept"] == ["m"]
     await wait_for(lambda: len(kept(proxy)) <= 1, timeout=5, what="the surplus retired")
     assert await short(proxy) == 200
+
+
+async def test_a_reload_that_lowers_the_count_while_replicas_start_keeps_the_new_count(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Three fixed replicas are starting for the first request when a reload lowers the count
+    to one: the surplus is retired, and no replacement starts for it."""
+    env = {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}
+    proxy = await start_proxy(config(tmp_path, {"replicas": 3, "env": env}))
+    model = proxy.model("m")
+    request = asyncio.ensure_future(short(proxy))
+    await wait_for(lambda: len(model.instances) == 3, what="three replicas starting")
+    report = proxy.manager.reload(config(tmp_path, {"replicas": 1, "env": env}).specs(), 5.0)
+    assert report["kept"] == ["m"]
+    assert await request == 200
+    await wait_for(
+        lambda: not any(i.state is State.STARTING for i in model.instances), what="starts over"
+    )
+    assert [i.state for i in kept(proxy)] == [State.RUNNING], "one replica, as configured"
 
 
 async def test_the_instances_gauge_stays_true_across_remove_add_remove(

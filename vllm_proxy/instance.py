@@ -631,7 +631,8 @@ class Instance:
         self._changed.set()  # memory came back; waiters re-plan
         self._changed = asyncio.Event()
         self.ctx.on_capacity()
-        if self.leases == 0 and not self.retired and self._idle_timer is None:
+        idle = self.leases == 0 and not self.retired and self._wake_task is None
+        if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
 
     def wake(self) -> asyncio.Task[None]:
@@ -641,6 +642,8 @@ class Instance:
         fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for the wake
         did not come in time (it stays asleep)."""
         if self._wake_task is None:
+            if self.state is State.SLEEPING:  # a request waits for it: it is not idle
+                self._cancel_idle_timer()
             self._wake_task = asyncio.ensure_future(self._wake())
             self._wake_task.add_done_callback(self._wake_done)
         return self._wake_task

@@ -414,7 +414,8 @@ class Manager:
         stops = model.remove(drain_timeout_s)
         starting = model.starting()
         if not model.instances and starting is None:
-            self.ctx.metrics.forget_model(model.name)
+            if all(m.name != model.name for m in self.removed):  # none of an older one drains
+                self.ctx.metrics.forget_model(model.name)
             return
         self.removed.add(model)  # still counted (and stopped at shutdown) until it is down
 
@@ -424,10 +425,15 @@ class Manager:
                 await asyncio.gather(starting, return_exceptions=True)
             await asyncio.gather(*(i.stop() for i in list(model.instances)), return_exceptions=True)
             self.removed.discard(model)
-            if model.name not in self.models:
-                self.ctx.metrics.forget_model(model.name)
+            self._forget_model(model.name)
 
         asyncio.ensure_future(gone()).add_done_callback(retrieve)
+
+    def _forget_model(self, name: str) -> None:
+        """Drop a model's gauges once nothing of that name is configured or still draining (a
+        name removed, added back and removed again has two generations of instances)."""
+        if name not in self.models and all(m.name != name for m in self.removed):
+            self.ctx.metrics.forget_model(name)
 
     # -- views ---------------------------------------------------------------------------
 
