@@ -260,6 +260,26 @@ async def test_an_unload_during_a_wake_starts_no_engine_while_it_drains(
     assert proxy.engine_starts("m") == 2, "the sleeper, then one cold start after the unload"
 
 
+async def test_a_reload_that_changes_a_preloaded_pool_preloads_the_new_engine(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A preloaded model whose pool is asleep gets a new engine by a reload: the old engine
+    stops, and the new one is preloaded (put to sleep) like the first, so that the next
+    request still pays only a wake."""
+    policy = {"level": 1, "after_idle_s": 60}
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(policy, preload=True)}))
+    await wait_for(lambda: not proxy.manager.preloading, what="preloaded")
+    old = proxy.instance("m")
+    assert old.asleep
+    specs = config(tmp_path, {"m": sleepy(policy, preload=True, args={"seed": 1})}).specs()
+    assert proxy.manager.reload(specs, 5.0)["restarted"] == ["m"]
+    await wait_for(lambda: old.state is State.STOPPED, what="the old engine stopped")
+    model = proxy.model("m")
+    await wait_for(lambda: any(i.asleep for i in model.instances), what="the new pool asleep")
+    status, _ = await chat(proxy, "m")
+    assert status == 200 and proxy.engine_starts("m") == 2
+
+
 # -- invariants that hold ---------------------------------------------------------------------
 
 

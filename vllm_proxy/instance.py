@@ -318,7 +318,7 @@ class Instance:
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
         if self.state in (State.RUNNING, State.SLEEPING) and self.leases == 0:
-            if not self.retired:
+            if not self.retired and self._wake_task is None:  # a wake: a request waits
                 self._arm_idle_timer()
 
     # -- start ---------------------------------------------------------------------------

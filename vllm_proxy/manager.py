@@ -367,6 +367,7 @@ class Manager:
         """
         report: dict[str, list[str]] = {"added": [], "removed": [], "restarted": [], "kept": []}
         models: dict[str, Model] = {}
+        asleep = {n for n, m in self.models.items() if m.sleeper() is not None}
         for name, spec in specs.items():
             cur = self.models.get(name)
             if cur is None:
@@ -385,7 +386,9 @@ class Manager:
         self.models = models
         self._index_names()
         self._capacity_changed()
-        self.preload(report["added"])
+        # A restarted model whose pool was asleep has nothing coming up: preload it again.
+        pools = [n for n in report["restarted"] if n in asleep and models[n].starting() is None]
+        self.preload(report["added"] + pools)
         log.info("reloaded: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v) or "none")
         return report
 
