@@ -280,6 +280,27 @@ async def test_a_reload_that_changes_a_preloaded_pool_preloads_the_new_engine(
     assert status == 200 and proxy.engine_starts("m") == 2
 
 
+async def test_an_unexpected_error_in_a_wake_never_leaves_the_instance_waking(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wake call that fails in a way nobody planned for (a bug, an error the HTTP client does
+    not wrap): like a start, the wake must end with the engine stopped and the request served
+    by a cold start, not with an instance stuck in WAKING that holds its memory forever."""
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy()}))
+    assert (await chat(proxy, "m"))[0] == 200
+    first = proxy.instance("m")
+    await wait_for(lambda: first.asleep, what="asleep")
+
+    async def broken(self: EngineProcess, session: aiohttp.ClientSession, level: int) -> None:
+        raise ConnectionResetError("unexpected")
+
+    monkeypatch.setattr(EngineProcess, "wake", broken)
+    status, _ = await chat(proxy, "m")
+    assert first.state is not State.WAKING, "left half-woken"
+    assert status == 200 and proxy.instance("m") is not first
+    await wait_for(lambda: first.state is State.STOPPED, what="the engine stopped")
+
+
 # -- invariants that hold ---------------------------------------------------------------------
 
 

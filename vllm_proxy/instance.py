@@ -611,7 +611,9 @@ class Instance:
         try:
             async with asyncio.timeout(self.spec.sleep_timeout_s):
                 await engine.sleep(self.ctx.session, level)
-        except (CallFailed, TimeoutError) as err:
+        except Exception as err:  # failed, timed out, or a bug: the engine is stopped
+            if not isinstance(err, CallFailed | TimeoutError):
+                log.exception("%s: sleep failed", self.id)
             if self.state is State.SLEEPING and self.engine is engine:
                 why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
                 log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
@@ -670,6 +672,9 @@ class Instance:
                 if self.leases == 0 and not self.retired:
                     self._arm_idle_timer()
             raise
+        except Exception as err:  # a bug or an OS error: never left half-woken
+            log.exception("%s: admission of the wake failed", self.id)
+            return await self._wake_failed(type(err).__name__)
         if self.state is not State.WAKING:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         started = time.monotonic()
@@ -682,6 +687,9 @@ class Instance:
         except (CallFailed, TimeoutError) as err:
             why = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
             return await self._wake_failed(why)
+        except Exception as err:  # a bug or an OS error: never left half-woken
+            log.exception("%s: wake failed", self.id)
+            return await self._wake_failed(type(err).__name__)
         if self.state is not State.WAKING or self.engine is not engine:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = time.monotonic() - started
