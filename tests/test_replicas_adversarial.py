@@ -54,9 +54,10 @@ async def open_stream(proxy: RunningProxy) -> aiohttp.ClientResponse:
     return resp
 
 
-async def short(proxy: RunningProxy, max_tokens: int = 1) -> int:
+async def short(proxy: RunningProxy, max_tokens: int = 1, **headers: str) -> int:
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    async with proxy.http.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+    url = proxy.url + "/v1/chat/completions"
+    async with proxy.http.post(url, json=body, headers=headers) as resp:
         await resp.read()
         return resp.status
 
@@ -359,3 +360,47 @@ async def test_a_sleeping_replica_killed_beside_a_streaming_one_cuts_nothing(
     assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
     assert awake.state is State.RUNNING
     assert await short(proxy) == 200
+
+
+async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
+    assert inst.engine is not None
+    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+async def test_a_burst_on_asleep_fixed_replicas_wakes_each_once_and_reaches_no_sleeper(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Both fixed replicas asleep, twenty concurrent requests, sessions sticky to replicas
+    that went to sleep: each engine is woken once, none is started again, and no request
+    reaches an engine while it sleeps or wakes."""
+    model = {"replicas": 2, "sleep": SLEEPY, "affinity_header": "X-Session-ID",
+             "env": {"FAKE_ENGINE_WAKE_DELAY": "0.3"}}  # fmt: skip
+    proxy = await start_proxy(config(tmp_path, model, devices=2))
+    for user in ("alice", "bob"):
+        assert await short(proxy, **{"X-Session-ID": user}) == 200
+    m = proxy.model("m")
+    await wait_for(
+        lambda: len(m.instances) == 2 and all(i.asleep for i in m.instances),
+        timeout=30,
+        what="both replicas asleep",
+    )
+    replicas = list(m.instances)
+    users = ["alice", "bob", "carol", "dave"]
+    statuses = await asyncio.gather(
+        *(short(proxy, **{"X-Session-ID": users[n % 4]}) for n in range(20))
+    )
+    assert statuses == [200] * 20
+    for inst in replicas:  # the second one is woken in the background (the fixed count)
+        await wait_for(
+            lambda i=inst: engine_metric(proxy, i, "fake_engine:wakes_total"), what="woken"
+        )
+    assert proxy.engine_starts("m") == 2
+    for inst in replicas:
+        assert await engine_metric(proxy, inst, "fake_engine:wakes_total") == 1
+        assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0

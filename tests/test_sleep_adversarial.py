@@ -301,6 +301,42 @@ async def test_an_unexpected_error_in_a_wake_never_leaves_the_instance_waking(
     await wait_for(lambda: first.state is State.STOPPED, what="the engine stopped")
 
 
+async def test_a_wake_never_allocates_while_an_engine_starts_on_the_same_device(
+    tmp_path: Path, start_proxy: StartProxy, waking: set[int]
+) -> None:
+    """Starts on one device are serialised because an engine profiling its memory counts
+    whatever else allocates meanwhile as its own. A wake reallocates the weights and the KV
+    cache: it must not run while another engine starts on the same device (either order)."""
+    policy = {"level": 1, "after_idle_s": 60}
+    models = {
+        "a": sleepy(policy, memory_mb=600, env={"FAKE_ENGINE_WAKE_DELAY": "0.5"}),
+        "b": {"model": "x", "memory_mb": 600, "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}},
+    }
+    proxy = await start_proxy(config(tmp_path, models, budget_mb=2000, sleep_memory_mb=100))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    task = a.sleep("test")
+    assert task is not None
+    await task
+
+    def overlap() -> str | None:
+        starting = [
+            i.id
+            for i in proxy.manager.all_instances()
+            if i.state is State.STARTING and i.engine is not None and i.engine.exit_code is None
+        ]
+        if waking and starting:
+            return f"a wake runs while {starting} start(s) on the same device"
+        return None
+
+    cold = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: proxy.model("b").instances and proxy.instance("b").engine, what="b")
+    async with watching(overlap) as problems:
+        results = await asyncio.gather(cold, chat(proxy, "a"))
+    assert [s for s, _ in results] == [200, 200]
+    assert problems == []
+
+
 # -- invariants that hold ---------------------------------------------------------------------
 
 
