@@ -69,7 +69,9 @@ async def test_keepalive_comments_while_the_engine_starts(
     assert comments == [] and content(events) == EXPECTED and done
 
 
-async def test_the_openai_sdk_ignores_the_comments(tmp_path: Path, start_proxy: StartProxy) -> None:
+async def test_the_openai_sdk_ignores_the_comments(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     proxy = await start_proxy(config(tmp_path))
     client = openai.AsyncOpenAI(base_url=proxy.url + "/v1", api_key="none", max_retries=0)
     stream = await client.chat.completions.create(
