@@ -172,6 +172,7 @@ async def test_autoscale_down_one_at_a_time_to_min_replicas(
     text = await (await proxy.http.get(proxy.url + "/metrics")).text()
     assert 'vllm_proxy_evictions_total{model_id="m",reason="downscale"} 2.0' in text
     (last,) = running(proxy)
+    await wait_for(lambda: proxy.model("m").instances == [last], what="the others stopped")
     assert await short(proxy) == 200
     assert running(proxy) == [last] and len(proxy.model("m").instances) == 1, "min is kept"
 

@@ -318,7 +318,7 @@ class Instance:
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
         if self.state in (State.RUNNING, State.SLEEPING) and self.leases == 0:
-            if not self.retired:
+            if not self.retired and self._wake_task is None:  # a wake: a request waits
                 self._arm_idle_timer()
 
     # -- start ---------------------------------------------------------------------------
@@ -611,7 +611,9 @@ class Instance:
         try:
             async with asyncio.timeout(self.spec.sleep_timeout_s):
                 await engine.sleep(self.ctx.session, level)
-        except (CallFailed, TimeoutError) as err:
+        except Exception as err:  # failed, timed out, or a bug: the engine is stopped
+            if not isinstance(err, CallFailed | TimeoutError):
+                log.exception("%s: sleep failed", self.id)
             if self.state is State.SLEEPING and self.engine is engine:
                 why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
                 log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
@@ -631,7 +633,8 @@ class Instance:
         self._changed.set()  # memory came back; waiters re-plan
         self._changed = asyncio.Event()
         self.ctx.on_capacity()
-        if self.leases == 0 and not self.retired and self._idle_timer is None:
+        idle = self.leases == 0 and not self.retired and self._wake_task is None
+        if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
 
     def wake(self) -> asyncio.Task[None]:
@@ -641,6 +644,8 @@ class Instance:
         fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for the wake
         did not come in time (it stays asleep)."""
         if self._wake_task is None:
+            if self.state is State.SLEEPING:  # a request waits for it: it is not idle
+                self._cancel_idle_timer()
             self._wake_task = asyncio.ensure_future(self._wake())
             self._wake_task.add_done_callback(self._wake_done)
         return self._wake_task
@@ -667,6 +672,9 @@ class Instance:
                 if self.leases == 0 and not self.retired:
                     self._arm_idle_timer()
             raise
+        except Exception as err:  # a bug or an OS error: never left half-woken
+            log.exception("%s: admission of the wake failed", self.id)
+            return await self._wake_failed(type(err).__name__)
         if self.state is not State.WAKING:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         started = time.monotonic()
@@ -679,6 +687,9 @@ class Instance:
         except (CallFailed, TimeoutError) as err:
             why = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
             return await self._wake_failed(why)
+        except Exception as err:  # a bug or an OS error: never left half-woken
+            log.exception("%s: wake failed", self.id)
+            return await self._wake_failed(type(err).__name__)
         if self.state is not State.WAKING or self.engine is not engine:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = time.monotonic() - started

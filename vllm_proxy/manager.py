@@ -372,6 +372,7 @@ class Manager:
         """
         report: dict[str, list[str]] = {"added": [], "removed": [], "restarted": [], "kept": []}
         models: dict[str, Model] = {}
+        asleep = {n for n, m in self.models.items() if m.sleeper() is not None}
         for name, spec in specs.items():
             cur = self.models.get(name)
             if cur is None:
@@ -390,7 +391,9 @@ class Manager:
         self.models = models
         self._index_names()
         self._capacity_changed()
-        self.preload(report["added"])
+        # A restarted model whose pool was asleep has nothing coming up: preload it again.
+        pools = [n for n in report["restarted"] if n in asleep and models[n].starting() is None]
+        self.preload(report["added"] + pools)
         log.info("reloaded: %s", ", ".join(f"{k} {v}" for k, v in report.items() if v) or "none")
         return report
 
@@ -419,7 +422,8 @@ class Manager:
         stops = model.remove(drain_timeout_s)
         starting = model.starting()
         if not model.instances and starting is None:
-            self.ctx.metrics.forget_model(model.name)
+            if all(m.name != model.name for m in self.removed):  # none of an older one drains
+                self.ctx.metrics.forget_model(model.name)
             return
         self.removed.add(model)  # still counted (and stopped at shutdown) until it is down
 
@@ -429,10 +433,15 @@ class Manager:
                 await asyncio.gather(starting, return_exceptions=True)
             await asyncio.gather(*(i.stop() for i in list(model.instances)), return_exceptions=True)
             self.removed.discard(model)
-            if model.name not in self.models:
-                self.ctx.metrics.forget_model(model.name)
+            self._forget_model(model.name)
 
         asyncio.ensure_future(gone()).add_done_callback(retrieve)
+
+    def _forget_model(self, name: str) -> None:
+        """Drop a model's gauges once nothing of that name is configured or still draining (a
+        name removed, added back and removed again has two generations of instances)."""
+        if name not in self.models and all(m.name != name for m in self.removed):
+            self.ctx.metrics.forget_model(name)
 
     # -- views ---------------------------------------------------------------------------
 

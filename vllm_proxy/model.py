@@ -84,6 +84,8 @@ class Model:
         #: The proxy is shutting down.
         self.closed = False
         self._bringup: asyncio.Task[None] | None = None
+        #: The instance the bring-up is waking or starting now (the waiting requests' own).
+        self._bringing: Instance | None = None
         #: Failed starts in a row (an engine that died soon after readiness counts); the next
         #: start is not tried before `_retry_at` (event-loop time).
         self.failures = 0
@@ -174,6 +176,10 @@ class Model:
                 if self.draining or self.removed or self.closed:
                     continue  # the loop answers for the unload, removal or shutdown
                 raise
+            except ProxyError:
+                if self.route(session) is not None and not self.draining:
+                    continue  # this start failed, but another replica serves meanwhile
+                raise
 
     def backoff_s(self) -> float:
         """Seconds until the next start may be tried (0: now)."""
@@ -236,6 +242,8 @@ class Model:
 
     def _upscale_due(self) -> None:
         self._upscale_at = None
+        if self.serving() is None:  # unloaded, idle-stopped or crashed meanwhile: no load
+            return
         missing = self.desired_replicas() - len(self._replicas())
         if missing > 0 and not (self.closed or self.removed or self.draining):
             self._grow(missing)
@@ -283,15 +291,18 @@ class Model:
 
     def downscale(self, inst: Instance) -> bool:
         """An autoscaled replica idle for `downscale_delay_s`: remove it (put to sleep with a
-        sleep policy, else stop) if the model has more than `min_replicas` awake and no other
-        removal is under way; False when it stays (its timer is armed again)."""
+        sleep policy, else stop) if the model has more replicas awake than `min_replicas` and
+        than the load asks for (`desired_replicas`), and no other removal is under way; False
+        when it stays (its timer is armed again)."""
         scale = self.spec.autoscale
         if scale is None or inst.state is not State.RUNNING or inst.leases > 0:
             return True
         awake = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
         leaving = [i for i in self.instances if i.state is State.STOPPING
                    or (i.state is State.SLEEPING and not i.asleep)]  # fmt: skip
-        if len(awake) <= scale.min_replicas or leaving:
+        # The load decides, not this replica's idleness: streams stay where they started, so
+        # a replica the load asks for can sit idle while another carries the requests.
+        if len(awake) <= max(scale.min_replicas, self.desired_replicas()) or leaving:
             return False
         log.info("%s: idle for %gs, scaling %s down to %d replica(s)", inst.id,
                  scale.downscale_delay_s, self.name, len(awake) - 1)  # fmt: skip
@@ -306,6 +317,7 @@ class Model:
     def _bringup_done(self, task: asyncio.Task[None]) -> None:
         if self._bringup is task:
             self._bringup = None
+            self._bringing = None
         retrieve(task)
 
     async def _wait_bringup(self, task: asyncio.Task[None]) -> None:
@@ -336,19 +348,21 @@ class Model:
         a new port, an out-of-memory start once after evicting one more idle instance."""
         sleeper = self.sleeper()
         if sleeper is not None:
+            self._bringing = sleeper
             try:
                 await sleeper.wake()
                 return
             except WakeFailed as err:
                 log.warning("%s: %s; cold start instead", sleeper.id, err.message)
             except Stopped:
-                if self.removed or self.closed:
-                    raise
+                if self.removed or self.closed or self.draining:
+                    raise  # the waiters' loop answers (an unload: they wait for its end)
         port_attempts, oom_retried = 0, False
         while True:
-            if self.removed or self.closed:  # removed or shut down between two attempts
+            if self.removed or self.closed or self.draining:  # between two attempts
                 raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
             inst = self._new_instance()
+            self._bringing = inst
             try:
                 start = inst.start()
                 if self._scaled:  # the other replicas the model wants start alongside
@@ -488,9 +502,19 @@ class Model:
 
     def _resize(self, drain_timeout_s: float) -> None:
         """After a reload changed the replica bounds: retire replicas above the new ceiling
-        (the least busy first; they drain), and grow toward the new floor if the model is up."""
+        (asleep ones first, then the least busy; they drain; never the one that waiting
+        requests are brought up on), and grow toward the new floor if the model is up."""
         _, ceiling = self.spec.replica_bounds()
-        live = sorted(self._replicas(), key=lambda i: (i.leases, -i.last_used))
+        kept = [i for i in self.instances if i.state in _KEPT and not i.retired]
+        live = sorted(
+            kept,
+            key=lambda i: (
+                i is self._bringing,
+                i.state is not State.SLEEPING,
+                i.leases,
+                -i.last_used,
+            ),
+        )
         for inst in live[: max(len(live) - ceiling, 0)]:
             log.info("%s: replicas of %s reduced to %d; retiring it", inst.id, self.name, ceiling)
             inst.retire(drain_timeout_s)
@@ -552,7 +576,9 @@ class Model:
                     code="model_busy",
                 )
             naps = [i.sleep("admin", level) for i in instances]
-            await asyncio.gather(*(t for t in naps if t is not None))
+            # Shielded: an admin client that hangs up must not cancel a /sleep call half-way
+            # (the engine would sleep, the proxy not knowing at which level).
+            await asyncio.shield(asyncio.gather(*(t for t in naps if t is not None)))
         finally:
             self.draining = False
             self._changed.set()

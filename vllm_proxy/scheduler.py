@@ -30,8 +30,9 @@ Reclaim policy (sleep before stop, never a busy engine):
   the least free memory left on the set after the start (best fit: big holes stay for big
   models), then the lowest device ids.
 
-A set that fits without reclaiming anything always beats one that needs it, and best fit decides
-among those.
+Among sets that share as many devices with the model's other replicas, one that fits without
+reclaiming anything always beats one that needs it, and best fit decides among those. A set that
+shares fewer devices wins even when it takes putting idle instances to sleep or stopping them.
 """
 
 from __future__ import annotations
