@@ -126,6 +126,8 @@ class EngineContext:
     vacate: Callable[[str], None] = lambda _iid: None
     #: Serialises starts per device (memory managed only).
     memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
+    #: Serialises a wake with starts on the same devices (memory managed only).
+    device_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
     #: A sleeping instance now holds only this many MiB per device (memory managed only).
@@ -679,11 +681,18 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         started = time.monotonic()
         level = self.sleep_level
+        lock = self.ctx.device_lock(self.devices) if self.ctx.device_lock else _nothing()
         try:
-            async with asyncio.timeout(self.spec.wake_timeout_s):
+            # Not while another engine starts on these devices (its memory profiling would
+            # count the wake's allocations as its own); the wait is bounded by that start.
+            async with lock, asyncio.timeout(self.spec.wake_timeout_s):
+                if self.state is not State.WAKING:
+                    raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
                 await engine.wake(self.ctx.session, level)
                 if self.spec.warmup:
                     await engine.warmup(self.ctx.session)
+        except Stopped:
+            raise
         except (CallFailed, TimeoutError) as err:
             why = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
             return await self._wake_failed(why)

@@ -71,6 +71,7 @@ class Manager:
             ctx.admit = self._admit
             ctx.readmit = self._readmit
             ctx.memory_lock = memory.starting_on
+            ctx.device_lock = memory.device_lock
             ctx.vacate = memory.vacate
             ctx.doze = memory.doze
         ctx.weights_mb = self._weights_mb

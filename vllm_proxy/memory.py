@@ -287,6 +287,16 @@ class Memory:
         }
 
     @contextlib.asynccontextmanager
+    async def device_lock(self, devices: tuple[int, ...]) -> AsyncIterator[None]:
+        """The per-device start locks, without a measurement: a wake reallocates its memory and
+        must not overlap another engine's start (and its memory profiling) on those devices."""
+        locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
+        async with contextlib.AsyncExitStack() as stack:
+            for lock in locks:
+                await stack.enter_async_context(lock)
+            yield
+
+    @contextlib.asynccontextmanager
     async def starting_on(self, devices: tuple[int, ...], owner: str) -> AsyncIterator[None]:
         """Serialise engine starts per device (two vLLMs profiling one GPU at once both fail).
 
