@@ -78,7 +78,8 @@ class Model:
         #: Requests waiting for an instance to start (the per-model admission queue).
         self.waiting = 0
         #: Set while an unload drains; new requests wait for it.
-        self.draining = False
+        #: Unloads and admin sleeps under way: while any runs, new requests wait.
+        self._drains = 0
         #: No longer configured (reload); requests still waiting get an error.
         self.removed = False
         #: The proxy is shutting down.
@@ -105,6 +106,11 @@ class Model:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def draining(self) -> bool:
+        """An unload or an admin sleep is under way: new requests wait for it."""
+        return self._drains > 0
 
     # -- routing -------------------------------------------------------------------------
 
@@ -424,6 +430,9 @@ class Model:
         if inst.state in DOWN and inst.done:
             if inst in self.instances:
                 self.instances.remove(inst)
+            if self._sessions:  # sessions on it move to another replica at their next request
+                for key in [k for k, v in self._sessions.items() if v is inst]:
+                    del self._sessions[key]
             self.last_ended = inst
             stable = self._stable.pop(inst, None)
             if stable is not None:
@@ -533,12 +542,12 @@ class Model:
 
     async def unload(self, timeout: float) -> None:
         """Admin unload: new requests wait; in-flight ones get `timeout`; every instance stops."""
-        self.draining = True
+        self._drains += 1
         try:
             while self.instances:
                 await asyncio.gather(*(i.drain_and_stop(timeout) for i in list(self.instances)))
         finally:
-            self.draining = False
+            self._drains -= 1
             self._changed.set()
             self._changed = asyncio.Event()
 
@@ -564,7 +573,7 @@ class Model:
                 f"model '{self.name}' has no sleep policy (set sleep: {{level: 1}} for it)",
                 code="sleep_not_enabled",
             )
-        self.draining = True
+        self._drains += 1
         try:
             instances = [i for i in self.instances if i.state is State.RUNNING]
             await asyncio.gather(*(i.drained(timeout) for i in instances))
@@ -580,7 +589,7 @@ class Model:
             # (the engine would sleep, the proxy not knowing at which level).
             await asyncio.shield(asyncio.gather(*(t for t in naps if t is not None)))
         finally:
-            self.draining = False
+            self._drains -= 1
             self._changed.set()
             self._changed = asyncio.Event()
 
