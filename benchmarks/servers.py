@@ -329,6 +329,8 @@ http {{
     proxy_http_version 1.1;
     proxy_set_header Connection "";
     proxy_read_timeout 600s;
+    client_max_body_size 0;  # the large-body benchmark (streams.py) sends 10 MB requests:
+    client_body_buffer_size 40m;  # buffered in memory, not in a temp file
 {blocks}
 }}
 """

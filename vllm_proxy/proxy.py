@@ -19,6 +19,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
 from .config import ServerConfig
@@ -158,6 +159,36 @@ class Tap:
 
 _DECODER = json.JSONDecoder()
 TAP = web.RequestKey("tap", Tap)
+
+
+class _ClientSink:
+    """Writes relayed pieces of a stream straight to the client's transport, framed as the
+    response's own writer would (HTTP/1.1 chunks, or raw for an HTTP/1.0 client), and says
+    when the client's socket buffer is full. Only for a prepared response whose writer has no
+    compression and no length (an SSE stream)."""
+
+    __slots__ = ("chunked", "protocol", "tap", "transport", "writer")
+
+    def __init__(self, transport: asyncio.Transport, writer: Any, tap: Tap) -> None:
+        self.transport = transport
+        self.writer = writer
+        self.protocol = writer.protocol
+        self.chunked = bool(writer.chunked)
+        self.tap = tap
+
+    def __call__(self, data: bytes) -> bool:
+        transport = self.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
+        transport.write(frame)
+        self.writer.output_size += len(frame)
+        tap = self.tap
+        if tap.first_byte is None:
+            tap.first_byte = time.monotonic()
+        tap.bytes += len(data)
+        tap.feed(data)
+        return bool(self.protocol.writing_paused)
 
 
 def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], str]:
@@ -509,36 +540,47 @@ class Proxy:
         engine: EngineProcess,
         tap: Tap,
     ) -> web.StreamResponse:
+        """An SSE stream: each piece the engine sends is written to the client from the engine
+        socket's read callback (`UpstreamResponse.relay`), as it arrived: no merging, no task
+        switch or timer per event."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         resp.headers["X-Accel-Buffering"] = "no"
         resp.headers["Cache-Control"] = "no-cache"
         resp.headers["X-Request-ID"] = request[REQUEST_ID]
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
+        assert writer is not None and request.transport is not None
+        sink = _ClientSink(request.transport, writer, tap)
         timeout = inst.spec.read_timeout_s
-        while True:
-            try:
-                chunk = await up.read_chunk(timeout)
-            except TimeoutError:
-                msg = f"model '{inst.name}': no data for {timeout:g}s"
-                await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
-                return resp
-            except UpstreamError:
-                err = await inst.upstream_failure_after_exit(engine)
-                await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
-                return resp
-            if not chunk:
-                break
-            try:
-                await self._send(request, resp, chunk)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
-                tap.client_gone = True
-                return resp  # the client left; the unread response closes the engine connection
-            if tap.first_byte is None:
-                tap.first_byte = time.monotonic()
-            tap.bytes += len(chunk)
-            tap.feed(chunk)
+        try:
+            await up.relay(sink, lambda: self._drain(request, writer), timeout)
+        except TimeoutError:
+            msg = f"model '{inst.name}': no data for {timeout:g}s"
+            await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
+            return resp
+        except UpstreamError:
+            err = await inst.upstream_failure_after_exit(engine)
+            await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
+            return resp
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
+            tap.client_gone = True
+            return resp  # the client left; the unread response closes the engine connection
         await resp.write_eof()
         return resp
+
+    async def _drain(self, request: web.Request, writer: AbstractStreamWriter) -> None:
+        """Wait until the client has taken its backlog; a client that takes nothing for
+        ``send_timeout_s`` is dropped (`ClientTooSlow`)."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        try:
+            async with asyncio.timeout(self.send_timeout_s):
+                await writer.drain()
+        except TimeoutError:
+            log.warning("request %s: the client took nothing for %gs, dropped",
+                        request[REQUEST_ID], self.send_timeout_s)  # fmt: skip
+            transport.abort()
+            raise ClientTooSlow from None
 
     # -- proxy's own routes --------------------------------------------------------------
 
