@@ -523,12 +523,12 @@ def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) 
         ),
         None,
     )
-    targets: dict[str, tuple[int, list[int]]] = {
+    every: dict[str, tuple[int, list[int]]] = {
         "vllm-proxy": (proxy_port, target_pids("vllm-proxy", proxy.proc.pid)),
         "nginx": (ng, target_pids("nginx", nginx.pid)),
+        "direct": (up, [upstream_pid] if upstream_pid is not None else []),
     }
-    if args.direct and upstream_pid is not None:
-        targets["direct"] = (up, [upstream_pid])
+    targets = {k: every[k] for k in args.targets}
     if args.levels:
         phase_streams(targets, args, res)
     if args.body_mb and args.body_requests:
@@ -568,7 +568,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=20, help="events per second per stream")
     p.add_argument("--ramp", type=float, default=2, help="seconds over which streams open")
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--direct", action="store_true", help="also run the streams direct")
+    p.add_argument(
+        "--targets",
+        type=lambda s: [x for x in s.split(",") if x],
+        default=["vllm-proxy", "nginx"],
+        help="of vllm-proxy, nginx, direct (default vllm-proxy,nginx)",
+    )
     p.add_argument("--body-mb", type=floats, default=[1, 10], help="large-body sizes (MB)")
     p.add_argument("--body-requests", type=int, default=30, help="requests per size and target")
     p.add_argument("--docs", action="store_true", help="update docs/benchmarks.md and its plot")

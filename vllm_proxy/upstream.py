@@ -443,10 +443,10 @@ class UpstreamPool:
             conn.close()
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(port), "127.0.0.1", port),
-                self.connect_timeout_s,
-            )
+            # asyncio.timeout, not wait_for: on 3.11 wait_for runs the connect in a task of its
+            # own, two more loop iterations before a new stream's request can go out.
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, proto = await loop.create_connection(lambda: _Conn(port), "127.0.0.1", port)
         except OSError as err:
             if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
                 log.error("out of file descriptors: cannot open a connection to an engine")
