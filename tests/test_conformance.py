@@ -6,6 +6,7 @@ client receives and what the engine was sent.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import sys
@@ -42,6 +43,27 @@ async def test_event_stream_is_matched_case_insensitively(
     resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT)
     assert resp.headers["X-Accel-Buffering"] == "no", "treated as a stream"
     assert await resp.read() == events
+
+
+async def test_a_stream_to_an_http10_client_is_unframed_and_ends_with_the_connection(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    events = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    answer += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    body = json.dumps(CHAT).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)  # to the end: the proxy closes
+    writer.close()
+    head, _, got = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding" not in head.lower()
+    assert got == events, "the engine's bytes, without chunk framing"
 
 
 async def test_close_delimited_body_reaches_the_client_whole(
