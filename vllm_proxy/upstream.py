@@ -394,7 +394,7 @@ class UpstreamPool:
         method: str,
         path: str,
         headers: Iterable[tuple[str, str]],
-        body: bytes,
+        body: bytes | bytearray,
         timeout: float,
         share: str = "",
     ) -> UpstreamResponse:
