@@ -31,14 +31,13 @@ from .errors import (
     Forbidden,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     ProxyError,
-    RequestTimeout,
     Unauthorized,
     Unavailable,
     error_body,
 )
 from .instance import Instance
+from .intake import read_body, too_large
 from .manager import Manager
 from .metrics import Metrics
 from .upstream import NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
@@ -77,8 +76,6 @@ MODEL_ROUTES = (
     "/detokenize",
 )
 CLIENT_CLOSED = "499"
-#: Bodies announced at least this long are read into one buffer as they arrive.
-PREALLOCATE_FROM = 64 * 1024
 #: Bytes queued for a client beyond which a write is timed (``server.send_timeout_s``).
 SEND_BACKLOG = 64 * 1024
 
@@ -354,17 +351,7 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        if request.content.is_eof():  # the whole body came with the head: no timer needed
-            body, ascii = await self._read_body(request)
-        else:
-            try:
-                async with asyncio.timeout(self.body_timeout_s):
-                    body, ascii = await self._read_body(request)
-            except TimeoutError:
-                raise RequestTimeout(
-                    f"the request body did not arrive within {self.body_timeout_s:g}s"
-                    " (server.body_timeout_s)"
-                ) from None
+        body, ascii = await read_body(request, self.max_body_bytes, self.body_timeout_s)
         parsed = model_of(body, forced, ascii)
         model = self.manager.resolve(parsed.model)
         body = parsed.body_for(model.name)
@@ -384,51 +371,6 @@ class Proxy:
             raise
         finally:
             self._observe(model.name, status, tap.started, tap)
-
-    async def _read_body(self, request: web.Request) -> tuple[Body, bool]:
-        """The body as received (decoded if compressed), in one piece, and whether it is all
-        ASCII; 413 past ``max_body_mb`` (before reading when the client announced a longer
-        plain body).
-
-        A large body with a known length is copied into one buffer as its pieces arrive,
-        while the rest is still on its way, rather than joined at the end (a 10 MB join took
-        5 ms here, most of it faulting in fresh pages)."""
-        limit = self.max_body_bytes
-        length = request.content_length
-        plain = "Content-Encoding" not in request.headers
-        if length is not None and length > limit and plain:
-            raise _too_large(limit)
-        content = request.content
-        content.set_read_chunk_size(limit)  # no pause/resume of the socket every 64 KiB
-        if length is not None and length >= PREALLOCATE_FROM and plain:
-            buf = bytearray(length)
-            view = memoryview(buf)
-            size = 0
-            ascii = True
-            while True:
-                data, end_of_chunk = await content.readchunk()
-                if not data:
-                    if end_of_chunk:
-                        continue
-                    break
-                view[size : size + len(data)] = data  # aiohttp stops at Content-Length
-                size += len(data)
-                ascii = ascii and data.isascii()
-            return (buf if size == length else bytes(view[:size])), ascii
-        chunks = []
-        size = 0
-        while True:
-            data, end_of_chunk = await content.readchunk()
-            if not data:
-                if end_of_chunk:  # the end of an HTTP chunk, not of the body
-                    continue
-                break
-            size += len(data)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(data)
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return body, body.isascii()
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self._series.get(model) or self._series_for(model)
@@ -679,16 +621,10 @@ def _guarded(path: str) -> bool:
     return path.startswith(("/v1/", "/serve/")) or path in ("/tokenize", "/detokenize")
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
-    return PayloadTooLarge(
-        f"request body too large: the limit is {limit / 1048576:g} MB (server.max_body_mb)"
-    )
-
-
 def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
     """aiohttp's own refusals (routing, body size) in the OpenAI shape."""
     if exc.status == 413:
-        return _too_large(limit)
+        return too_large(limit)
     if exc.status == 404:
         return NotFound(
             f"unknown endpoint {request.method} {request.path}", code="unknown_endpoint"
