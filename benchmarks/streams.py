@@ -56,6 +56,7 @@ from servers import (
     BENCH_DIR,
     ROOT,
     Procs,
+    ProxyHandle,
     log,
     pick_ports,
     start_nginx_proxy,
@@ -66,7 +67,13 @@ from servers import (
 KEY = "sk-bench-" + os.urandom(16).hex()
 NODE = os.environ.get("NODE", "node")
 RESULTS = BENCH_DIR / "results"
-LABEL = {"vllm-proxy": "vllm-proxy", "nginx": "nginx proxy_pass", "direct": "direct (no proxy)"}
+#: Targets in table order; "base" is vllm-proxy of an earlier revision (``--base``).
+LABEL = {
+    "base": "vllm-proxy (base)",
+    "vllm-proxy": "vllm-proxy",
+    "nginx": "nginx proxy_pass",
+    "direct": "direct (no proxy)",
+}
 SECTIONS = ("## Stream capacity", "## Large request bodies")
 
 
@@ -327,36 +334,69 @@ def streams_table(res: dict[str, Any]) -> list[str]:
 
 def goals(res: dict[str, Any]) -> list[str]:
     by = {(r["streams"], r["target"]): r for r in res["streams"]}
+    levels = sorted({r["streams"] for r in res["streams"]})
+    if not levels:
+        return []
+    top = levels[-1]
+    p, n, b = by.get((top, "vllm-proxy")), by.get((top, "nginx")), by.get((top, "base"))
+    base = LABEL["base"].removeprefix("vllm-proxy ").removesuffix(" (before)")
     out = []
-    top = max((r["streams"] for r in res["streams"]), default=0)
-    p, n = by.get((top, "vllm-proxy")), by.get((top, "nginx"))
     if p and n:
-        ratio = p["ttfe_p99_ms"] / n["ttfe_p99_ms"]
+        was = f"; {base}: {f(b['ttfe_p99_ms'])} ms" if b else ""
         out.append(
             f"* time to first event p99 at {top:,} streams: {f(p['ttfe_p99_ms'])} ms vs nginx "
-            f"{f(n['ttfe_p99_ms'])} ms = **{ratio:.2f}x** (goal ≤ 2x)"
+            f"{f(n['ttfe_p99_ms'])} ms = **{p['ttfe_p99_ms'] / n['ttfe_p99_ms']:.2f}x** "
+            f"(goal ≤ 2x{was})"
         )
-    cpu = [
-        (lvl, by[(lvl, "vllm-proxy")]["cpu_ms_per_1000"] / by[(lvl, "nginx")]["cpu_ms_per_1000"])
-        for lvl in sorted({r["streams"] for r in res["streams"]})
-        if (lvl, "vllm-proxy") in by and (lvl, "nginx") in by
-    ]
+        was = f"; {base}: {b['listen_queue_peak']}" if b else ""
+        out.append(
+            f"* listen queue peak at {top:,} streams: {p['listen_queue_peak']} connections vs "
+            f"nginx {n['listen_queue_peak']}{was}"
+        )
+
+    def ratio(target: str, lvl: int) -> str:
+        mine, ng = by.get((lvl, target)), by.get((lvl, "nginx"))
+        return f"{mine['cpu_ms_per_1000'] / ng['cpu_ms_per_1000']:.2f}x" if mine and ng else "n/a"
+
+    cpu = [lvl for lvl in levels if (lvl, "vllm-proxy") in by and (lvl, "nginx") in by]
     if cpu:
+        was = (
+            f"; {base}: " + ", ".join(ratio("base", lvl) for lvl in cpu)
+            if any((lvl, "base") in by for lvl in cpu)
+            else ""
+        )
         out.append(
             "* CPU per event, vllm-proxy / nginx: "
-            + ", ".join(f"{lvl:,} streams **{x:.2f}x**" for lvl, x in cpu)
-            + " (goal ≤ 1.5x)"
+            + ", ".join(f"{lvl:,} streams **{ratio('vllm-proxy', lvl)}**" for lvl in cpu)
+            + f" (goal ≤ 1.5x{was})"
         )
     mine = [r for r in res["streams"] if r["target"] == "vllm-proxy"]
     if mine:
         lost = sum(r["lost"] + r["disorder"] + r["extra"] for r in mine)
         intact = sum(r["intact"] for r in mine)
         total = sum(r["streams"] for r in mine)
+        merged = sum(r["merged_reads"] for r in mine)
         out.append(
             f"* via vllm-proxy: {intact:,}/{total:,} streams intact, {lost} events lost, "
-            "duplicated or out of order (goal 0)"
+            f"duplicated or out of order (goal 0); {merged} client reads carried more than one "
+            "event"
         )
     return out
+
+
+def body_goals(res: dict[str, Any]) -> list[str]:
+    rows = [r for r in res["bodies"] if "vllm-proxy_added_ms" in r]
+    if not rows:
+        return []
+    top = max(r["mb"] for r in rows)
+    parts = []
+    for r in rows:
+        if r["mb"] == top:
+            order = "first" if r["model_first"] else "last"
+            ng = f", nginx {f(r['nginx_added_ms'])}" if "nginx_added_ms" in r else ""
+            was = f", {LABEL['base']} {f(r['base_added_ms'])}" if "base_added_ms" in r else ""
+            parts.append(f"model {order} **{f(r['vllm-proxy_added_ms'])} ms**{ng}{was}")
+    return [f"* added at {top:g} MB: " + "; ".join(parts) + " (goal ≤ 5 ms)"]
 
 
 def bodies_table(res: dict[str, Any]) -> list[str]:
@@ -364,7 +404,7 @@ def bodies_table(res: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     targets = [k for k in LABEL if f"{k}_p50_ms" in rows[0]]
-    targets.sort(key=lambda k: ["direct", "vllm-proxy", "nginx"].index(k))
+    targets.sort(key=lambda k: ["direct", "base", "vllm-proxy", "nginx"].index(k))
     head = "| body | `model` | " + " | ".join(f"{LABEL[k]} p50 / p90 ms" for k in targets)
     head += " | " + " | ".join(f"**added by {LABEL[k]}** ms" for k in targets if k != "direct")
     out = [head + " |", "|" + "---:|" * 2 + "---:|" * (2 * len(targets) - 1)]
@@ -397,7 +437,13 @@ def markdown(res: dict[str, Any]) -> str:
             "take turns. *Delivered* counts events while every stream should be open; CPU is the "
             "proxy's user + system time from /proc over the whole run, per 1000 events delivered "
             "(kernel = its system share); the listen queue is the accept queue of the proxy's "
-            "listening socket, sampled every 10 ms.",
+            "listening socket, sampled every 10 ms."
+            + (
+                f" {LABEL['base']} is the same benchmark against that revision (run from a "
+                "git worktree, with an upstream process of its own)."
+                if "base" in {r["target"] for r in res["streams"]}
+                else ""
+            ),
             "",
             f"**Machine:** {machine}. **Versions:** vllm-proxy {v['vllm-proxy']}, "
             f"python {v['python']}, aiohttp {v['aiohttp']}, uvloop {v['uvloop']}, "
@@ -419,7 +465,9 @@ def markdown(res: dict[str, Any]) -> str:
             "the upstream (`sse_upstream.js`) reads the body to its end and answers a small "
             "`chat.completion`. `model` last is the order the OpenAI SDK sends; *added* = via "
             "minus direct, paired per round, median. nginx buffers a large request body before it "
-            "forwards it (`proxy_request_buffering` on, its default).",
+            "forwards it (`proxy_request_buffering` on, its default; in memory here).",
+            "",
+            *body_goals(res),
             "",
             *bodies_table(res),
             "",
@@ -453,7 +501,7 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         return False
     rows = res["streams"]
     levels = sorted({r["streams"] for r in rows})
-    colors = {"vllm-proxy": "#1f77b4", "nginx": "#2ca02c", "direct": "#777777"}
+    colors = {"base": "#ff7f0e", "vllm-proxy": "#1f77b4", "nginx": "#2ca02c", "direct": "#777777"}
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = (
         ("ttfe_p99_ms", "time to first event p99 (ms, log)", True),
@@ -495,25 +543,37 @@ def node_version() -> str:
         return "unavailable"
 
 
-def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) -> None:
-    proxy_port, up, ng = pick_ports(3)
-    models: dict[str, dict[str, object]] = {
+def sse_model(port: int, rate: float) -> dict[str, dict[str, object]]:
+    """Model ``sse``: the Node SSE server as its engine, on `port`."""
+    return {
         "sse": {
             "model": "node/sse",
             "command": [NODE, str(BENCH_DIR / "sse_upstream.js")],
-            "port_range": [up, up],
-            "env": {"SSE_RATE": str(args.rate)},
+            "port_range": [port, port],
+            "env": {"SSE_RATE": str(rate)},
         }
     }
-    log(f"temp dir {tmp}; starting vllm-proxy on 127.0.0.1:{proxy_port}")
-    proxy = start_proxy(procs, tmp, "vllm-proxy", proxy_port, KEY, models)
+
+
+def start_sse_proxy(
+    procs: Procs, tmp: Path, name: str, port: int, up: int, rate: float, tree: Path | None = None
+) -> ProxyHandle:
+    """A vllm-proxy whose model ``sse`` has been started (a first request) on port `up`."""
     import uvloop
 
+    proxy = start_proxy(procs, tmp, name, port, KEY, sse_model(up, rate), tree)
     status, body = uvloop.run(first_request(proxy.url))
     if status != 200:
-        raise RuntimeError(f"first request via vllm-proxy: HTTP {status} {body[:300]!r}")
+        raise RuntimeError(f"first request via {name}: HTTP {status} {body[:300]!r}")
     if proxy.engine_port("sse") != up:
-        raise RuntimeError("the engine is not on its configured port")
+        raise RuntimeError(f"{name}: the engine is not on its configured port")
+    return proxy
+
+
+def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) -> None:
+    proxy_port, up, ng, base_port, base_up = pick_ports(5)
+    log(f"temp dir {tmp}; starting vllm-proxy on 127.0.0.1:{proxy_port}")
+    proxy = start_sse_proxy(procs, tmp, "vllm-proxy", proxy_port, up, args.rate)
     nginx = start_nginx_proxy(procs, tmp, {"sse": (ng, up, False)})
     upstream_pid = next(
         (
@@ -528,16 +588,26 @@ def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) 
         "nginx": (ng, target_pids("nginx", nginx.pid)),
         "direct": (up, [upstream_pid] if upstream_pid is not None else []),
     }
-    targets = {k: every[k] for k in args.targets}
+    urls = {
+        "direct": f"http://127.0.0.1:{up}",
+        "vllm-proxy": proxy.url,
+        "nginx": f"http://127.0.0.1:{ng}",
+    }
+    if args.base:
+        tree = tmp / "base-tree"
+        subprocess.run(
+            ["git", "worktree", "add", "--detach", "-f", str(tree), args.base],
+            cwd=ROOT, check=True, capture_output=True,
+        )  # fmt: skip
+        log(f"starting vllm-proxy {args.base} on 127.0.0.1:{base_port}")
+        base = start_sse_proxy(procs, tmp, "vllm-proxy-base", base_port, base_up, args.rate, tree)
+        every["base"] = (base_port, target_pids("vllm-proxy", base.proc.pid))
+        urls["base"] = base.url
+    targets = {k: every[k] for k in args.targets + (["base"] if args.base else [])}
     if args.levels:
         phase_streams(targets, args, res)
     if args.body_mb and args.body_requests:
-        urls = {
-            "direct": f"http://127.0.0.1:{up}",
-            "vllm-proxy": proxy.url,
-            "nginx": f"http://127.0.0.1:{ng}",
-        }
-        phase_bodies(urls, args, res)
+        phase_bodies({k: v for k, v in urls.items() if k == "direct" or k in targets}, args, res)
     res["proxy_log_errors"] = [
         line
         for line in proxy.log_path.read_text(errors="replace").splitlines()
@@ -568,6 +638,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rate", type=float, default=20, help="events per second per stream")
     p.add_argument("--ramp", type=float, default=2, help="seconds over which streams open")
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--base", help="also run vllm-proxy of this earlier revision (e.g. a commit)")
     p.add_argument(
         "--targets",
         type=lambda s: [x for x in s.split(",") if x],
@@ -590,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
 
     raise_nofile()
     res: dict[str, Any] = {"streams": [], "bodies": [], "notes": []}
+    if args.base:
+        LABEL["base"] = f"vllm-proxy {args.base} (before)"
     cmd = " ".join([".venv/bin/python", "benchmarks/streams.py", *(argv or sys.argv[1:])])
     res["meta"] = {
         "command": cmd,
@@ -611,6 +684,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         log("stopping every server ...")
         procs.stop_all()
+        if args.base:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(tmp / "base-tree")],
+                cwd=ROOT, capture_output=True,
+            )  # fmt: skip
         if args.keep_tmp:
             log(f"kept {tmp}")
         else:

@@ -19,7 +19,7 @@ import errno
 import json
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -126,8 +126,8 @@ class Listener(asyncio.AbstractServer):
         self._loop = loop
         self._sockets = sockets
         self._factory = factory
-        #: Connections being set up (a task each; they finish within a loop iteration or two).
-        self._pending: set[asyncio.Task[Any]] = set()
+        #: Connections being set up: their transport's waiter -> the setup coroutine.
+        self._pending: dict[asyncio.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._serving = True
         for sock in sockets:
             loop.add_reader(sock.fileno(), self._accept, sock)
@@ -151,14 +151,35 @@ class Listener(asyncio.AbstractServer):
                     return
                 continue  # ECONNABORTED and the like: that client is gone, the next may not be
             conn.setblocking(False)
-            task = self._loop.create_task(self._loop.connect_accepted_socket(self._factory, conn))
-            self._pending.add(task)
-            task.add_done_callback(self._accepted)
+            self._connect(conn)
 
-    def _accepted(self, task: asyncio.Task[Any]) -> None:
-        self._pending.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("an accepted connection could not be set up: %s", task.exception())
+    def _connect(self, conn: socket.socket) -> None:
+        """`loop.connect_accepted_socket`, stepped here rather than in a task of its own: the
+        transport is made and reading starts now, one loop iteration sooner (those are long
+        while thousands of streams are relayed); its last step, returning the pair nobody
+        needs, runs when its waiter is done."""
+        coro = self._loop.connect_accepted_socket(self._factory, conn)
+        try:
+            waiter = coro.send(None)
+        except StopIteration:
+            return
+        except Exception as err:
+            log.warning("an accepted connection could not be set up: %s", err)
+            conn.close()
+            return
+        self._pending[waiter] = coro
+        waiter.add_done_callback(self._connected)
+
+    def _connected(self, waiter: asyncio.Future[Any]) -> None:
+        coro = self._pending.pop(waiter, None)
+        if coro is None:
+            return
+        try:
+            coro.send(None)
+        except StopIteration:
+            pass
+        except (Exception, asyncio.CancelledError) as err:
+            log.warning("an accepted connection could not be set up: %r", err)
 
     def _resume(self, sock: socket.socket) -> None:
         if self._serving and sock.fileno() >= 0:
@@ -173,8 +194,9 @@ class Listener(asyncio.AbstractServer):
             if sock.fileno() >= 0:
                 self._loop.remove_reader(sock.fileno())
                 sock.close()
-        for task in self._pending:
-            task.cancel()
+        for coro in self._pending.values():
+            coro.close()  # closes that connection's transport
+        self._pending.clear()
 
     def get_loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
@@ -189,8 +211,7 @@ class Listener(asyncio.AbstractServer):
         raise NotImplementedError("serve through the runner")
 
     async def wait_closed(self) -> None:
-        if self._pending:
-            await asyncio.gather(*self._pending, return_exceptions=True)
+        pass  # close() finishes synchronously
 
 
 def listen(host: str | None, port: int, backlog: int = BACKLOG) -> list[socket.socket]:

@@ -46,8 +46,8 @@ class UpstreamResponse:
 
     __slots__ = (
         "_backed", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_last",
-        "_loop", "_paused", "_pool", "_sink", "_sink_error", "_slot", "_timer", "_waiter",
-        "got_data", "headers", "keep_alive", "status", "until_close",
+        "_loop", "_paused", "_pieces", "_pool", "_sink", "_sink_error", "_slot", "_timer",
+        "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
@@ -68,6 +68,7 @@ class UpstreamResponse:
         # While relaying: where body pieces go, whether it asked us to stop reading, what it
         # raised, and when the engine last sent something (the silence timer's reference).
         self._sink: Sink | None = None
+        self._pieces: list[bytes] = []  # parsed from the current socket read, not yet handed
         self._backed = False
         self._sink_error: BaseException | None = None
         self._last = 0.0
@@ -81,20 +82,8 @@ class UpstreamResponse:
             self._waiter.set_result(None)
 
     def _feed(self, data: bytes) -> None:
-        sink = self._sink
-        if sink is not None:
-            self._last = self._loop.time()  # type: ignore[union-attr]
-            try:
-                backed = sink(data)
-            except Exception as err:  # the consumer's failure, not the engine's
-                self._sink_error = err
-                self._sink = None
-                backed = True
-            if backed and not self._backed:
-                self._backed = True
-                if self._conn.transport is not None:
-                    self._conn.transport.pause_reading()
-                self._wake()
+        if self._sink is not None:  # relaying: handed over once the socket read is parsed
+            self._pieces.append(data)
             return
         self._chunks.append(data)
         self._buffered += len(data)
@@ -102,6 +91,30 @@ class UpstreamResponse:
             self._conn.transport.pause_reading()
             self._paused = True
         self._wake()
+
+    def _flush(self) -> None:
+        """Hand what one socket read carried to the sink, in one piece: one write to the
+        client per read, as many events as the engine's write put in it."""
+        pieces = self._pieces
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        sink = self._sink
+        if sink is None:  # the relay ended meanwhile: keep it for whoever reads next
+            self._chunks.append(data)
+            self._buffered += len(data)
+            return
+        self._last = self._loop.time()  # type: ignore[union-attr]
+        try:
+            backed = sink(data)
+        except Exception as err:  # the consumer's failure, not the engine's
+            self._sink_error = err
+            self._sink = None
+            backed = True
+        if backed and not self._backed:
+            self._backed = True
+            if self._conn.transport is not None:
+                self._conn.transport.pause_reading()
+            self._wake()
 
     def _finish(self, error: Exception | None = None) -> None:
         if not self._done:
@@ -145,8 +158,11 @@ class UpstreamResponse:
     async def relay(self, sink: Sink, drain: Callable[[], Awaitable[None]], timeout: float) -> None:
         """Pass the rest of the body to `sink`, piece by piece as the socket delivers it.
 
-        `sink` runs inside the connection's read callback (it must not block); when it returns
-        True the socket stops being read until `drain()` returns. What `sink` or `drain` raise
+        `sink` runs inside the connection's read callback (it must not block), once per socket
+        read with the part of the body that read carried (chunk framing removed): an event
+        that arrived split goes on split, events that arrived together go on together, the
+        bytes always the engine's, in order. When it returns True the socket stops being read
+        until `drain()` returns. What `sink` or `drain` raise
         ends the relay and is raised here; `TimeoutError` after `timeout` seconds without a
         byte from the engine, `UpstreamError` if the engine's response breaks. Returns at the
         end of the body.
@@ -269,13 +285,19 @@ class _Conn(asyncio.Protocol):
         if self.parser is None or self.resp is None:  # bytes nobody asked for: unusable
             self.close()
             return
-        self.resp.got_data = True
+        resp = self.resp
+        resp.got_data = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, UpstreamError) as err:
+            if resp._pieces:
+                resp._flush()
             why = self.refused or str(err)  # a callback's own reason, not the parser's wrapper
-            self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
+            resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
             self.close()
+            return
+        if resp._pieces:
+            resp._flush()
 
     def eof_received(self) -> bool:
         self._lost("engine closed the connection")
