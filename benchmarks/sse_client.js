@@ -149,6 +149,13 @@ function report() {
       if (sec >= 0 && sec < perSecond.length) perSecond[sec] += 1;
     }
   }
+  // The slowest first event among the streams opened in each tenth of the ramp.
+  const ttfeByRamp = new Array(10).fill(0);
+  for (const s of streams) {
+    if (!s || s.got === 0) continue;
+    const slot = Math.min(9, Math.floor(((s.sent - t0) / (RAMP * 1000)) * 10));
+    ttfeByRamp[slot] = Math.max(ttfeByRamp[slot], s.times[0] - s.sent);
+  }
   ttfe.sort((a, b) => a - b);
   const gs = gaps.subarray(0, g).sort();
   const windowS = Math.max(0.001, (w1 - w0) / 1000);
@@ -160,6 +167,7 @@ function report() {
     gap_p50_ms: pct(gs, 50), gap_p99_ms: pct(gs, 99), gap_max_ms: pct(gs, 100),
     offered_eps: N * RATE, delivered_eps: inWindow / windowS, window_s: windowS,
     per_second: perSecond.slice(0, Math.ceil((end - t0) / 1000)),
+    ttfe_max_by_ramp_tenth_ms: ttfeByRamp.map((x) => Math.round(x)),
     wall_s: (end - t0) / 1000,
   };
   process.stdout.write(`SSEJSON ${JSON.stringify(out)}\n`);

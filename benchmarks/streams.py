@@ -221,8 +221,8 @@ def phase_streams(
                 res["streams"].append(r)
                 log(
                     f"{n:5d} streams via {key:10}: intact {r['intact']}/{n}, lost {r['lost']}, "
-                    f"first event p99 {r['ttfe_p99_ms']:.0f} ms, gap p99 {r['gap_p99_ms']:.0f} ms"
-                    f", {r['cpu_ms_per_1000']:.1f} CPU ms/1000 events "
+                    f"first event p99 {f(r['ttfe_p99_ms'], 0)} ms, gap p99 "
+                    f"{f(r['gap_p99_ms'], 0)} ms, {f(r['cpu_ms_per_1000'])} CPU ms/1000 events "
                     f"({r['kernel_share']:.0%} kernel), listen queue peak "
                     f"{r['listen_queue_peak']}, other programs {r['foreign_cpu']:.0%} CPU"
                 )
