@@ -507,15 +507,17 @@ class Proxy:
         engine: EngineProcess,
         tap: Tap,
     ) -> web.StreamResponse:
-        """An SSE stream: each piece the engine sends is written to the client from the engine
-        socket's read callback (`UpstreamResponse.relay`), as it arrived: no merging, no task
-        switch or timer per event."""
+        """An SSE stream: what each read of the engine socket carries is written to the client
+        from that read's callback (`UpstreamResponse.relay`), bytes as the engine sent them,
+        with no task switch and no timer per event."""
         resp = web.StreamResponse(status=up.status, headers=headers)
         resp.headers["X-Accel-Buffering"] = "no"
         resp.headers["Cache-Control"] = "no-cache"
         resp.headers["X-Request-ID"] = request[REQUEST_ID]
         writer = await resp.prepare(request)
-        assert writer is not None and request.transport is not None
+        if writer is None or request.transport is None:  # the client left meanwhile
+            tap.client_gone = True
+            return resp
         sink = _ClientSink(request.transport, writer, tap)
         timeout = inst.spec.read_timeout_s
         try:

@@ -4,8 +4,8 @@ Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy do
 general-purpose client on its hottest path. This one writes the request head and body in one
 `write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
 over as they arrive, pausing the socket when the client reads slower than the engine writes.
-A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay`): each
-piece of body goes to the client as it is parsed, with no task switch and no timer per piece.
+A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay`): what
+each read carries goes to the client at once, with no task switch and no timer per event.
 A response that is not read to its end closes its connection: for vLLM that aborts the request.
 `aiohttp` still serves everything else (health polling, engine metrics).
 """
@@ -162,10 +162,9 @@ class UpstreamResponse:
         read with the part of the body that read carried (chunk framing removed): an event
         that arrived split goes on split, events that arrived together go on together, the
         bytes always the engine's, in order. When it returns True the socket stops being read
-        until `drain()` returns. What `sink` or `drain` raise
-        ends the relay and is raised here; `TimeoutError` after `timeout` seconds without a
-        byte from the engine, `UpstreamError` if the engine's response breaks. Returns at the
-        end of the body.
+        until `drain()` returns. What `sink` or `drain` raise ends the relay and is raised
+        here; so are `TimeoutError` after `timeout` seconds without a byte from the engine and
+        `UpstreamError` if the engine's response breaks. Returns at the end of the body.
         """
         loop = self._loop = asyncio.get_running_loop()
         while self._chunks:  # what arrived before the relay started
