@@ -1,11 +1,11 @@
 """Reading a request body from the client, whole, before it goes to an engine.
 
 Bounded by ``max_body_mb`` (413, before reading when the client announced a longer plain body)
-and, unless it came with the request head, by ``body_timeout_s`` (408). A large body whose
-length is known is copied into one buffer piece by piece as it arrives, while the rest is still
-on its way, rather than joined at the end (aiohttp's ``read()`` copies it twice more; a 10 MB
-join took 5 ms here, most of it faulting in fresh pages), and each piece is checked for ASCII
-while it is hot, which `body.scan` then need not do.
+and, unless it came with the request head, by ``body_timeout_s`` (408). A small body, or one
+of unknown length, is read by aiohttp's ``read()``. A large one whose length is known is copied
+into one buffer piece by piece as it arrives, while the rest is still on its way: ``read()``
+copies it twice more, and a 10 MB join took 5 ms here, most of it faulting in fresh pages. Each
+piece is checked for ASCII while it is hot, which `body.scan` then need not do.
 
 The body is read whole before anything goes to an engine: the model is often its last key (the
 OpenAI SDK sends ``messages`` first), and a body that turns out invalid must start nothing.
@@ -49,35 +49,25 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> tuple
 async def _read(request: web.Request, limit: int) -> tuple[Body, bool | None]:
     length = request.content_length
     plain = "Content-Encoding" not in request.headers  # else the length is not the body's
-    if length is not None and length > limit and plain:
+    if length is None or length < PREALLOCATE_FROM or not plain:
+        # The usual small request, or one whose size is unknown: aiohttp's read() (which
+        # answers 413 past client_max_size, that is max_body_mb).
+        return await request.read(), None
+    if length > limit:
         raise too_large(limit)
     content = request.content
     content.set_read_chunk_size(limit)  # no pause/resume of the socket every 64 KiB
-    if length is not None and length >= PREALLOCATE_FROM and plain:
-        buf = bytearray(length)
-        view = memoryview(buf)
-        size = 0
-        ascii = True
-        while True:
-            data, end_of_http_chunk = await content.readchunk()  # a piece as held, no join
-            if not data:
-                if end_of_http_chunk:
-                    continue
-                break
-            view[size : size + len(data)] = data  # aiohttp stops at Content-Length
-            size += len(data)
-            ascii = ascii and data.isascii()
-        return (buf if size == length else bytes(view[:size])), ascii
-    chunks = []
+    buf = bytearray(length)
+    view = memoryview(buf)
     size = 0
+    ascii = True
     while True:
-        data, end_of_http_chunk = await content.readchunk()
+        data, end_of_http_chunk = await content.readchunk()  # a piece as held, no join
         if not data:
             if end_of_http_chunk:  # (b"", True): the end of an HTTP chunk, not of the body
                 continue
             break
+        view[size : size + len(data)] = data  # aiohttp stops at Content-Length
         size += len(data)
-        if size > limit:
-            raise too_large(limit)
-        chunks.append(data)
-    return (chunks[0] if len(chunks) == 1 else b"".join(chunks)), None
+        ascii = ascii and data.isascii()
+    return (buf if size == length else bytes(view[:size])), ascii
