@@ -378,7 +378,7 @@ def goals(res: dict[str, Any]) -> list[str]:
         merged = sum(r["merged_reads"] for r in mine)
         out.append(
             f"* via vllm-proxy: {intact:,}/{total:,} streams intact, {lost} events lost, "
-            f"duplicated or out of order (goal 0); {merged} client reads carried more than one "
+            f"duplicated or out of order (goal 0); {merged:,} client reads carried more than one "
             "event"
         )
     return out
@@ -437,7 +437,8 @@ def markdown(res: dict[str, Any]) -> str:
             "take turns. *Delivered* counts events while every stream should be open; CPU is the "
             "proxy's user + system time from /proc over the whole run, per 1000 events delivered "
             "(kernel = its system share); the listen queue is the accept queue of the proxy's "
-            "listening socket, sampled every 10 ms."
+            "listening socket, sampled every 10 ms. The machine is shared and small: a repeat run "
+            "moves the ratios by up to a third (compare targets within one run, not across runs)."
             + (
                 f" {LABEL['base']} is the same benchmark against that revision (run from a "
                 "git worktree, with an upstream process of its own)."
@@ -649,7 +650,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--body-requests", type=int, default=30, help="requests per size and target")
     p.add_argument("--docs", action="store_true", help="update docs/benchmarks.md and its plot")
     p.add_argument("--keep-tmp", action="store_true")
+    p.add_argument(
+        "--render", metavar="JSON", help="only write the tables (and --docs) from a saved run"
+    )
     return p.parse_args(argv)
+
+
+def write_out(res: dict[str, Any], docs: bool, failed: bool) -> None:
+    """Raw results, the tables, and with `docs` the report's sections and the plot."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    if docs and res["streams"]:
+        png = ROOT / "docs" / "benchmarks" / "stream-capacity.png"
+        if plot(res, png):
+            res["plot"] = "benchmarks/stream-capacity.png"
+    text = markdown(res)
+    (RESULTS / "streams.json").write_text(json.dumps(res, indent=1, default=str))
+    (RESULTS / "streams.md").write_text(text + "\n")
+    if docs and not failed:
+        replace_sections(ROOT / "docs" / "benchmarks.md", text)
+    print(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -660,6 +679,13 @@ def main(argv: list[str] | None = None) -> int:
     from run import raise_nofile
 
     raise_nofile()
+    if args.render:
+        res = json.loads(Path(args.render).read_text())
+        base = res["meta"]["args"].get("base")
+        if base:
+            LABEL["base"] = f"vllm-proxy {base} (before)"
+        write_out(res, args.docs, failed=False)
+        return 0
     res: dict[str, Any] = {"streams": [], "bodies": [], "notes": []}
     if args.base:
         LABEL["base"] = f"vllm-proxy {args.base} (before)"
@@ -694,17 +720,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             shutil.rmtree(tmp, ignore_errors=True)
     res["meta"]["runtime_s"] = time.monotonic() - t0
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    if args.docs and res["streams"]:
-        png = ROOT / "docs" / "benchmarks" / "stream-capacity.png"
-        if plot(res, png):
-            res["plot"] = "benchmarks/stream-capacity.png"
-    text = markdown(res)
-    (RESULTS / "streams.json").write_text(json.dumps(res, indent=1, default=str))
-    (RESULTS / "streams.md").write_text(text + "\n")
-    if args.docs and not failed:
-        replace_sections(ROOT / "docs" / "benchmarks.md", text)
-    print(text)
+    write_out(res, args.docs, failed is not None)
     if isinstance(failed, KeyboardInterrupt):
         return 130
     return 1 if failed else 0
