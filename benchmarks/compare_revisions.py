@@ -7,7 +7,10 @@ Checks the base revision out into a temporary git worktree and runs, in each rou
 revision in turn (the order alternating), vllm-proxy in front of the static nginx upstream
 (`nginx_engine.py`) and wrk against it at c=1 and c=64. Both revisions run from the same venv
 (the base through ``PYTHONPATH``), on the same cores, minutes apart at most; the table shows
-medians over rounds and the ratio new/base, which is what a noisy machine can compare.
+medians over rounds and the ratio new/base, which is what a noisy machine can compare. It also
+shows the proxy's CPU time per request (user + system, from /proc): at c=1 throughput mostly
+measures how the scheduler interleaves wrk, proxy and upstream on two busy cores, CPU per
+request what the proxy itself spends.
 Everything binds 127.0.0.1 and is stopped at the end.
 """
 
@@ -27,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen
 import run
 import servers
+from streams import cpu_times
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 64)
@@ -47,8 +51,16 @@ def measure(tree: Path, tmp: Path, seconds: float) -> dict[int, dict[str, float]
         loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, 64, 1)  # warm-up
         out = {}
         for c in CONCURRENCY:
+            u0, s0 = cpu_times([proxy.pid])
             r = loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, c, seconds)
-            out[c] = {"rps": r["rps"], "p50": r["p50_us"] / 1000, "p99": r["p99_us"] / 1000}
+            u1, s1 = cpu_times([proxy.pid])
+            cpu_us = (u1 - u0 + s1 - s0) * 1e6 / max(1, r["requests"])
+            out[c] = {
+                "rps": r["rps"],
+                "p50": r["p50_us"] / 1000,
+                "p99": r["p99_us"] / 1000,
+                "cpu": cpu_us,
+            }
         return out
     finally:
         procs.stop_all()
@@ -116,21 +128,29 @@ def table(results: Results, args: argparse.Namespace) -> list[str]:
         "",
     ]
     names = list(results)
-    out.append("| c | revision | req/s (median) | p50 ms | p99 ms |")
-    out.append("|---:|---|---:|---:|---:|")
+    out.append("| c | revision | req/s (median) | p50 ms | p99 ms | proxy CPU µs per request |")
+    out.append("|---:|---|---:|---:|---:|---:|")
     med: dict[tuple[str, int], dict[str, float]] = {}
     for c in CONCURRENCY:
         for name in names:
             m = {
-                k: statistics.median(r[c][k] for r in results[name]) for k in ("rps", "p50", "p99")
+                k: statistics.median(r[c][k] for r in results[name])
+                for k in ("rps", "p50", "p99", "cpu")
             }
             med[(name, c)] = m
-            out.append(f"| {c} | {name} | {m['rps']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} |")
+            out.append(
+                f"| {c} | {name} | {m['rps']:,.0f} | {m['p50']:.3f} | {m['p99']:.3f} "
+                f"| {m['cpu']:.0f} |"
+            )
     out.append("")
     for c in CONCURRENCY:
         base, new = med[(names[0], c)], med[(names[1], c)]
         ratio, p50 = new["rps"] / base["rps"], new["p50"] / base["p50"]
-        out.append(f"* c={c}: new/base throughput **{ratio:.2f}x**, p50 {p50:.2f}x")
+        cpu = new["cpu"] / base["cpu"]
+        out.append(
+            f"* c={c}: new/base throughput **{ratio:.2f}x**, p50 {p50:.2f}x, "
+            f"CPU per request {cpu:.2f}x"
+        )
     cmd = " ".join(["benchmarks/compare_revisions.py", *sys.argv[1:]])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.append("")

@@ -275,8 +275,15 @@ class ProxyHandle:
 
 
 def start_proxy(
-    procs: Procs, tmp: Path, name: str, port: int, key: str, models: dict[str, dict[str, object]]
+    procs: Procs,
+    tmp: Path,
+    name: str,
+    port: int,
+    key: str,
+    models: dict[str, dict[str, object]],
+    tree: Path | None = None,
 ) -> ProxyHandle:
+    """vllm-proxy with `models`; from the checkout at `tree` (through ``PYTHONPATH``) if given."""
     state = tmp / f"{name}-state"
     config = {
         "server": {
@@ -299,8 +306,9 @@ def start_proxy(
     cfg.write_text(json.dumps(config, indent=2))  # JSON is YAML
     log_path = tmp / f"{name}.log"
     exe = str(Path(PYTHON).parent / "vllm-proxy")
-    argv = [exe] if os.path.exists(exe) else [PYTHON, "-m", "vllm_proxy"]
-    proc = procs.start(name, [*argv, "--config", str(cfg), "--log-level", "info"], log_path)
+    argv = [exe] if os.path.exists(exe) and tree is None else [PYTHON, "-m", "vllm_proxy"]
+    env = {"PYTHONPATH": str(tree)} if tree is not None else None
+    proc = procs.start(name, [*argv, "--config", str(cfg), "--log-level", "info"], log_path, env)
     try:
         wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
     except RuntimeError as err:
@@ -329,6 +337,8 @@ http {{
     proxy_http_version 1.1;
     proxy_set_header Connection "";
     proxy_read_timeout 600s;
+    client_max_body_size 0;  # the large-body benchmark (streams.py) sends 10 MB requests:
+    client_body_buffer_size 40m;  # buffered in memory, not in a temp file
 {blocks}
 }}
 """

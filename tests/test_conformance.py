@@ -6,6 +6,7 @@ client receives and what the engine was sent.
 
 from __future__ import annotations
 
+import asyncio
 import gzip
 import json
 import sys
@@ -18,11 +19,13 @@ from conftest import RunningProxy, StartProxy, make_config
 RAW_ENGINE = [sys.executable, str(Path(__file__).parent / "engines" / "raw_engine.py")]
 
 
-async def raw_proxy(tmp_path: Path, start_proxy: StartProxy, answer: bytes) -> RunningProxy:
+async def raw_proxy(
+    tmp_path: Path, start_proxy: StartProxy, answer: bytes, **server: Any
+) -> RunningProxy:
     (tmp_path / "answer").write_bytes(answer)
     env = {"RAW_ENGINE_ANSWER": str(tmp_path / "answer"), "RAW_ENGINE_LOG": str(tmp_path / "seen")}
-    models = {"m1": {"model": "raw", "command": RAW_ENGINE, "env": env}}
-    return await start_proxy(make_config(tmp_path, models))
+    models = {"m1": {"model": "raw", "command": RAW_ENGINE, "env": env, "aliases": ["a1"]}}
+    return await start_proxy(make_config(tmp_path, models, server=server))
 
 
 def seen(tmp_path: Path) -> list[dict[str, Any]]:
@@ -42,6 +45,88 @@ async def test_event_stream_is_matched_case_insensitively(
     resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT)
     assert resp.headers["X-Accel-Buffering"] == "no", "treated as a stream"
     assert await resp.read() == events
+
+
+async def test_a_stream_to_an_http10_client_is_unframed_and_ends_with_the_connection(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    events = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+    answer += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    body = json.dumps(CHAT).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    raw = await asyncio.wait_for(reader.read(), 10)  # to the end: the proxy closes
+    writer.close()
+    head, _, got = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
+    assert b"transfer-encoding" not in head.lower()
+    assert got == events, "the engine's bytes, without chunk framing"
+
+
+OK_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+
+def image_request(model: str, pad: int = 400_000) -> bytes:
+    """A chat request with a base64 "image" and odd spacing, ``model`` last (as the OpenAI SDK
+    sends it), large enough to be scanned rather than parsed."""
+    url = "data:image/jpeg;base64," + "QUJD+/" * (pad // 6)
+    return (
+        b'{ "messages" : [{"role":"user","content":[{"type":"text","text":"What is \\"this\\"?"},'
+        b'{"type":"image_url","image_url":{"url":"%s"}}]}],\n  "model":"%s" , "max_tokens":16}'
+        % (url.encode(), model.encode())
+    )
+
+
+async def test_a_large_body_reaches_the_engine_byte_for_byte(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await raw_proxy(tmp_path, start_proxy, OK_ANSWER)
+    body = image_request("m1")
+    headers = {"Content-Type": "application/json"}
+    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=body, headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert seen(tmp_path)[-1]["body"].encode("latin-1") == body
+
+    async def pieces() -> Any:  # chunked: no length announced, read piece by piece
+        for i in range(0, len(body), 65536):
+            yield body[i : i + 65536]
+
+    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=pieces(), headers=headers)
+    assert resp.status == 200, await resp.text()
+    assert seen(tmp_path)[-1]["body"].encode("latin-1") == body
+
+
+async def test_an_alias_in_a_large_body_is_replaced_in_place(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await raw_proxy(tmp_path, start_proxy, OK_ANSWER)
+    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=image_request("a1"))
+    assert resp.status == 200, await resp.text()
+    assert seen(tmp_path)[-1]["body"].encode("latin-1") == image_request("m1")
+
+
+async def test_large_bad_bodies_are_refused_before_any_engine_starts(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    proxy = await raw_proxy(tmp_path, start_proxy, OK_ANSWER, max_body_mb=0.45)
+    good = image_request("m1")
+    cases = [
+        (good[:-1], 400, "not valid JSON"),  # cut short
+        (good.replace(b'"max_tokens":16', b'"max_tokens":[1 2]'), 400, "not valid JSON"),
+        (good.replace(b'"model":"m1"', b'"model":7'), 400, "'model' is required"),
+        (good.replace(b'"model":"m1"', b'"model":"nope"'), 404, "does not exist"),
+        (image_request("m1", pad=480_000), 413, "max_body_mb"),
+    ]
+    for data, status, fragment in cases:
+        resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=data)
+        assert resp.status == status, (status, await resp.text())
+        assert fragment in (await resp.json())["error"]["message"]
+    assert proxy.model("m1").instances == [], "no engine started for a bad body"
 
 
 async def test_close_delimited_body_reaches_the_client_whole(

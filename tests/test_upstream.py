@@ -16,6 +16,7 @@ class Upstream:
     def __init__(self) -> None:
         self.port = free_port()
         self.cancelled = asyncio.Event()
+        self.finished = asyncio.Event()
         self.peers: list[int] = []
 
     async def echo(self, request: web.Request) -> web.Response:
@@ -33,6 +34,18 @@ class Upstream:
             self.cancelled.set()
             raise
         await resp.write_eof()
+        self.finished.set()
+        return resp
+
+    async def halves(self, request: web.Request) -> web.StreamResponse:
+        """Each event in two writes, a pause between them: the proxy sees it in two pieces."""
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i in range(3):
+            await resp.write(b'data: {"n": %d, ' % i)
+            await asyncio.sleep(0.05)
+            await resp.write(b'"pad": "%s"}\n\n' % (b"x" * i))
+        await resp.write_eof()
         return resp
 
     async def big(self, request: web.Request) -> web.Response:
@@ -46,6 +59,7 @@ async def upstream() -> AsyncIterator[Upstream]:
     app.router.add_post("/echo", up.echo)
     app.router.add_post("/stream", up.stream)
     app.router.add_post("/big", up.big)
+    app.router.add_post("/halves", up.halves)
     runner = web.AppRunner(app, handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", up.port).start()
@@ -94,6 +108,83 @@ async def test_silence_is_a_timeout(upstream: Upstream) -> None:
     with pytest.raises(TimeoutError):
         await resp.read_chunk(0.2)
     resp.release()
+    pool.close()
+
+
+# -- relay: pieces handed to a sink from the read callback -------------------------------------
+
+
+async def no_drain() -> None:
+    raise AssertionError("the sink never asked for a drain")
+
+
+async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) -> None:
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/halves", [], b"", 5)
+    pieces: list[bytes] = []
+    await resp.relay(lambda data: pieces.append(data) is not None, no_drain, 5)
+    resp.release()
+    # What arrives is handed on at once: the first half of an event goes before the engine
+    # has sent the rest; the bytes are the engine's, in order.
+    assert pieces[0] == b'data: {"n": 0, ' and len(pieces) >= 4
+    assert b"".join(pieces) == b"".join(
+        b'data: {"n": %d, "pad": "%s"}\n\n' % (i, b"x" * i) for i in range(3)
+    )
+    assert pool._idle[upstream.port], "read to its end: the connection is kept"
+    pool.close()
+
+
+async def test_relay_stops_reading_while_the_sink_is_backed_up(upstream: Upstream) -> None:
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/stream?n=4&delay=0.02", [], b"", 5)
+    pieces: list[bytes] = []
+    drained = asyncio.Event()
+    drains = 0
+
+    async def drain() -> None:
+        nonlocal drains
+        drains += 1
+        await drained.wait()
+
+    relay = asyncio.ensure_future(resp.relay(lambda d: pieces.append(d) is None, drain, 5))
+    await wait_for(upstream.finished.is_set, what="the engine wrote every event")
+    await wait_for(lambda: drains == 1, what="a drain asked for")
+    assert pieces == [b"data: 0\n\n"], "nothing read while the sink was backed up"
+    drained.set()
+    await asyncio.wait_for(relay, 5)
+    resp.release()
+    assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(4))
+    pool.close()
+
+
+async def test_relay_times_out_on_silence_not_on_length(upstream: Upstream) -> None:
+    pool = UpstreamPool(limit=8)
+    # 8 events 0.1 s apart: the whole stream takes longer than the timeout, no gap does.
+    resp = await pool.request(upstream.port, "POST", "/stream?n=8&delay=0.1", [], b"", 5)
+    pieces: list[bytes] = []
+    await resp.relay(lambda d: pieces.append(d) is not None, no_drain, 0.5)
+    resp.release()
+    assert len(pieces) == 8
+    resp = await pool.request(upstream.port, "POST", "/stream?n=2&delay=5", [], b"", 5)
+    pieces.clear()
+    with pytest.raises(TimeoutError):
+        await resp.relay(lambda d: pieces.append(d) is not None, no_drain, 0.3)
+    assert pieces == [b"data: 0\n\n"]
+    resp.release()
+    pool.close()
+
+
+async def test_what_the_sink_raises_ends_the_relay_and_the_request(upstream: Upstream) -> None:
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/stream?n=1000&delay=0.02", [], b"", 5)
+
+    def sink(data: bytes) -> bool:
+        raise ConnectionResetError("client gone")
+
+    with pytest.raises(ConnectionResetError, match="client gone"):
+        await resp.relay(sink, no_drain, 5)
+    resp.release()  # not read to its end: the engine connection closes, the engine aborts
+    await wait_for(upstream.cancelled.is_set, what="upstream handler cancelled")
     pool.close()
 
 

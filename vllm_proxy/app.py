@@ -17,7 +17,7 @@ from aiohttp import web
 
 from .admin import Admin, add_admin_routes
 from .config import Config, ModelSpec, load_for_reload, state_dir
-from .connection import Runner
+from .connection import Runner, Site
 from .engine import PortAllocator
 from .errors import BadRequest, ConfigError, ProxyError
 from .instance import EngineContext
@@ -175,8 +175,7 @@ class Server:
         )
         await self.runner.setup()
         s = self.config.server
-        site = web.TCPSite(self.runner, s.host, s.port, backlog=2048, reuse_address=True)
-        await site.start()
+        await Site(self.runner, s.host, s.port).start()
         log.info("vllm-proxy listening on %s", ", ".join(self.urls))
         self.runtime.manager.preload()
 

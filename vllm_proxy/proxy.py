@@ -1,7 +1,7 @@
 """aiohttp handlers: parse just enough, hold a lease, pass bytes through, answer errors.
 
 The request body is forwarded as received; only the ``model`` field is read (and rewritten when
-the client used an alias). Streams are passed through chunk by chunk as they arrive.
+the client used an alias): see `body`. Streams are passed through chunk by chunk as they arrive.
 """
 
 from __future__ import annotations
@@ -19,8 +19,10 @@ from urllib.parse import urlencode
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
+from .body import Body, model_of
 from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
@@ -30,14 +32,13 @@ from .errors import (
     Forbidden,
     MethodNotAllowed,
     NotFound,
-    PayloadTooLarge,
     ProxyError,
-    RequestTimeout,
     Unauthorized,
     Unavailable,
     error_body,
 )
 from .instance import Instance
+from .intake import read_body, too_large
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
@@ -165,22 +166,34 @@ _DECODER = json.JSONDecoder()
 TAP = web.RequestKey("tap", Tap)
 
 
-def model_of(body: bytes, forced: str | None = None) -> tuple[dict[str, Any], str]:
-    """The parsed body and its ``model`` (or `forced`); `BadRequest` for anything unusable."""
-    if not body:
-        raise BadRequest("the request body is empty; expected a JSON object")
-    try:
-        data = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise BadRequest(f"the request body is not valid JSON: {err}") from None
-    except RecursionError:
-        raise BadRequest("the request body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise BadRequest("the request body must be a JSON object")
-    model = forced or data.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required and must be a non-empty string", param="model")
-    return data, model
+class _ClientSink:
+    """Writes relayed pieces of a stream straight to the client's transport, framed as the
+    response's own writer would (HTTP/1.1 chunks, or raw for an HTTP/1.0 client), and says
+    when the client's socket buffer is full. Only for a prepared response whose writer has no
+    compression and no length (an SSE stream)."""
+
+    __slots__ = ("chunked", "protocol", "tap", "transport", "writer")
+
+    def __init__(self, transport: asyncio.Transport, writer: Any, tap: Tap) -> None:
+        self.transport = transport
+        self.writer = writer
+        self.protocol = writer.protocol
+        self.chunked = bool(writer.chunked)
+        self.tap = tap
+
+    def __call__(self, data: bytes) -> bool:
+        transport = self.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
+        transport.write(frame)
+        self.writer.output_size += len(frame)
+        tap = self.tap
+        if tap.first_byte is None:
+            tap.first_byte = time.monotonic()
+        tap.bytes += len(data)
+        tap.feed(data)
+        return bool(self.protocol.writing_paused)
 
 
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
@@ -343,21 +356,16 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        if request.content.is_eof():  # the whole body came with the head: no timer needed
-            body = await request.read()
-        else:
-            body = await self._read_body(request)
-        data, requested = model_of(body, forced)
-        model = self.manager.resolve(requested)
-        if data.get("model") != model.name:  # an alias: the engine only knows the canonical name
-            data["model"] = model.name
-            body = json.dumps(data).encode()
+        body, ascii = await read_body(request, self.max_body_bytes, self.body_timeout_s)
+        parsed = model_of(body, forced, ascii)
+        model = self.manager.resolve(parsed.model)
+        body = parsed.body_for(model.name)
         tap.model = model.name
         status = "error"
         affinity = model.spec.affinity_header
         session = request.headers.get(affinity) if affinity else None
         try:
-            if data.get("stream") is True and model.serving() is None:
+            if parsed.stream and model.serving() is None:
                 resp = await self._forward_loading(request, path, body, model, session, tap)
             else:
                 async with self.manager.lease(model, session) as (inst, engine):
@@ -378,7 +386,7 @@ class Proxy:
         self,
         request: web.Request,
         path: str,
-        body: bytes,
+        body: Body,
         model: Model,
         session: str | None,
         tap: Tap,
@@ -426,16 +434,6 @@ class Proxy:
         finally:
             inst.release()
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        try:
-            async with asyncio.timeout(self.body_timeout_s):
-                return await request.read()
-        except TimeoutError:
-            raise RequestTimeout(
-                f"the request body did not arrive within {self.body_timeout_s:g}s"
-                " (server.body_timeout_s)"
-            ) from None
-
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self._series.get(model) or self._series_for(model)
         count = series.status.get(status) or series.status.setdefault(
@@ -466,7 +464,7 @@ class Proxy:
         self,
         request: web.Request,
         path: str,
-        body: bytes,
+        body: Body,
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
@@ -597,37 +595,51 @@ class Proxy:
         tap: Tap,
         resp: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
+        """An SSE stream: what each read of the engine socket carries is written to the client
+        from that read's callback (`UpstreamResponse.relay`), bytes as the engine sent them,
+        with no task switch and no timer per event. `resp`: a stream already answered 200
+        while the model loaded."""
         if resp is None:
             resp = web.StreamResponse(status=up.status, headers=headers)
             resp.headers["X-Accel-Buffering"] = "no"
             resp.headers["Cache-Control"] = "no-cache"
             resp.headers["X-Request-ID"] = request[REQUEST_ID]
-            await resp.prepare(request)
+        writer = await resp.prepare(request)
+        if writer is None or request.transport is None:  # the client left meanwhile
+            tap.client_gone = True
+            return resp
+        sink = _ClientSink(request.transport, writer, tap)
         timeout = inst.spec.read_timeout_s
-        while True:
-            try:
-                chunk = await up.read_chunk(timeout)
-            except TimeoutError:
-                msg = f"model '{inst.name}': no data for {timeout:g}s"
-                await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
-                return resp
-            except UpstreamError:
-                err = await inst.upstream_failure_after_exit(engine)
-                await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
-                return resp
-            if not chunk:
-                break
-            try:
-                await self._send(request, resp, chunk)
-            except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
-                tap.client_gone = True
-                return resp  # the client left; the unread response closes the engine connection
-            if tap.first_byte is None:
-                tap.first_byte = time.monotonic()
-            tap.bytes += len(chunk)
-            tap.feed(chunk)
+        try:
+            await up.relay(sink, lambda: self._drain(request, writer), timeout)
+        except TimeoutError:
+            msg = f"model '{inst.name}': no data for {timeout:g}s"
+            await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
+            return resp
+        except UpstreamError:
+            err = await inst.upstream_failure_after_exit(engine)
+            await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
+            return resp
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
+            tap.client_gone = True
+            return resp  # the client left; the unread response closes the engine connection
         await resp.write_eof()
         return resp
+
+    async def _drain(self, request: web.Request, writer: AbstractStreamWriter) -> None:
+        """Wait until the client has taken its backlog; a client that takes nothing for
+        ``send_timeout_s`` is dropped (`ClientTooSlow`)."""
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        try:
+            async with asyncio.timeout(self.send_timeout_s):
+                await writer.drain()
+        except TimeoutError:
+            log.warning("request %s: the client took nothing for %gs, dropped",
+                        request[REQUEST_ID], self.send_timeout_s)  # fmt: skip
+            transport.abort()
+            raise ClientTooSlow from None
 
     # -- proxy's own routes --------------------------------------------------------------
 
@@ -751,9 +763,7 @@ def _guarded(path: str) -> bool:
 def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
     """aiohttp's own refusals (routing, body size) in the OpenAI shape."""
     if exc.status == 413:
-        return PayloadTooLarge(
-            f"request body too large: the limit is {limit / 1048576:g} MB (server.max_body_mb)"
-        )
+        return too_large(limit)
     if exc.status == 404:
         return NotFound(
             f"unknown endpoint {request.method} {request.path}", code="unknown_endpoint"

@@ -4,6 +4,8 @@ Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy do
 general-purpose client on its hottest path. This one writes the request head and body in one
 `write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
 over as they arrive, pausing the socket when the client reads slower than the engine writes.
+A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay`): what
+each read carries goes to the client at once, with no task switch and no timer per event.
 A response that is not read to its end closes its connection: for vLLM that aborts the request.
 `aiohttp` still serves everything else (health polling, engine metrics).
 """
@@ -15,7 +17,7 @@ import collections
 import errno
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
@@ -34,12 +36,18 @@ class UpstreamError(Exception):
     """The connection to the engine failed, or broke before the response was complete."""
 
 
+#: Takes a piece of the body; True when the consumer is backed up (stop reading for now).
+Sink = Callable[[bytes], bool]
+
+
 class UpstreamResponse:
-    """Status, headers and the body as a stream of chunks; `release()` when done."""
+    """Status, headers and the body as a stream of chunks (`read_chunk`) or relayed to a sink
+    (`relay`); `release()` when done."""
 
     __slots__ = (
-        "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_paused", "_pool",
-        "_slot", "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
+        "_backed", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_last",
+        "_loop", "_paused", "_pieces", "_pool", "_sink", "_sink_error", "_slot", "_timer",
+        "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
@@ -57,6 +65,15 @@ class UpstreamResponse:
         self._done = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
+        # While relaying: where body pieces go, whether it asked us to stop reading, what it
+        # raised, and when the engine last sent something (the silence timer's reference).
+        self._sink: Sink | None = None
+        self._pieces: list[bytes] = []  # parsed from the current socket read, not yet handed
+        self._backed = False
+        self._sink_error: BaseException | None = None
+        self._last = 0.0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- fed by the protocol --------------------------------------------------------------
 
@@ -65,12 +82,39 @@ class UpstreamResponse:
             self._waiter.set_result(None)
 
     def _feed(self, data: bytes) -> None:
+        if self._sink is not None:  # relaying: handed over once the socket read is parsed
+            self._pieces.append(data)
+            return
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
             self._conn.transport.pause_reading()
             self._paused = True
         self._wake()
+
+    def _flush(self) -> None:
+        """Hand what one socket read carried to the sink, in one piece: one write to the
+        client per read, as many events as the engine's write put in it."""
+        pieces = self._pieces
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        sink = self._sink
+        if sink is None:  # the relay ended meanwhile: keep it for whoever reads next
+            self._chunks.append(data)
+            self._buffered += len(data)
+            return
+        self._last = self._loop.time()  # type: ignore[union-attr]
+        try:
+            backed = sink(data)
+        except Exception as err:  # the consumer's failure, not the engine's
+            self._sink_error = err
+            self._sink = None
+            backed = True
+        if backed and not self._backed:
+            self._backed = True
+            if self._conn.transport is not None:
+                self._conn.transport.pause_reading()
+            self._wake()
 
     def _finish(self, error: Exception | None = None) -> None:
         if not self._done:
@@ -110,6 +154,72 @@ class UpstreamResponse:
             self._conn.transport.resume_reading()
             self._paused = False
         return data
+
+    async def relay(self, sink: Sink, drain: Callable[[], Awaitable[None]], timeout: float) -> None:
+        """Pass the rest of the body to `sink`, piece by piece as the socket delivers it.
+
+        `sink` runs inside the connection's read callback (it must not block), once per socket
+        read with the part of the body that read carried (chunk framing removed): an event
+        that arrived split goes on split, events that arrived together go on together, the
+        bytes always the engine's, in order. When it returns True the socket stops being read
+        until `drain()` returns. What `sink` or `drain` raise ends the relay and is raised
+        here; so are `TimeoutError` after `timeout` seconds without a byte from the engine and
+        `UpstreamError` if the engine's response breaks. Returns at the end of the body.
+        """
+        loop = self._loop = asyncio.get_running_loop()
+        while self._chunks:  # what arrived before the relay started
+            data = self._chunks.popleft()
+            self._buffered -= len(data)
+            if sink(data):
+                await drain()
+        if self._paused and self._conn.transport is not None:
+            self._paused = False
+            self._conn.transport.resume_reading()
+        self._last = loop.time()
+        self._sink = sink
+        try:
+            while True:
+                if self._sink_error is not None:
+                    raise self._sink_error
+                if self._backed:
+                    await drain()
+                    self._backed = False
+                    transport = self._conn.transport
+                    if transport is not None and not self._conn.closed and not self._done:
+                        transport.resume_reading()
+                    continue
+                if self._done:
+                    if self._error is not None:
+                        raise self._error
+                    return
+                await self._wait_silence(loop, timeout)
+        finally:
+            self._sink = None
+
+    async def _wait_silence(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+        """Until woken (the end, an error, a backed-up sink); `TimeoutError` once the engine
+        has been silent for `timeout`. One timer per wait, re-armed from the time of the last
+        piece rather than per piece."""
+        self._waiter = fut = loop.create_future()
+        self._timer = loop.call_at(self._last + timeout, self._silence, fut, timeout)
+        try:
+            await fut
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._waiter = None
+
+    def _silence(self, fut: asyncio.Future[None], timeout: float) -> None:
+        if fut.done():
+            return
+        assert self._loop is not None
+        deadline = self._last + timeout
+        if self._loop.time() >= deadline - 0.001:  # the loop's clock ticks in milliseconds
+            self._timer = None
+            fut.set_exception(TimeoutError())
+        else:
+            self._timer = self._loop.call_at(deadline, self._silence, fut, timeout)
 
     def complete(self) -> bool:
         """The whole body has arrived (and is buffered here), without error."""
@@ -174,13 +284,19 @@ class _Conn(asyncio.Protocol):
         if self.parser is None or self.resp is None:  # bytes nobody asked for: unusable
             self.close()
             return
-        self.resp.got_data = True
+        resp = self.resp
+        resp.got_data = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, UpstreamError) as err:
+            if resp._pieces:
+                resp._flush()
             why = self.refused or str(err)  # a callback's own reason, not the parser's wrapper
-            self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
+            resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
             self.close()
+            return
+        if resp._pieces:
+            resp._flush()
 
     def eof_received(self) -> bool:
         self._lost("engine closed the connection")
@@ -299,7 +415,7 @@ class UpstreamPool:
         method: str,
         path: str,
         headers: Iterable[tuple[str, str]],
-        body: bytes,
+        body: bytes | bytearray,
         timeout: float,
         share: str = "",
     ) -> UpstreamResponse:
@@ -348,10 +464,10 @@ class UpstreamPool:
             conn.close()
         loop = asyncio.get_running_loop()
         try:
-            _, proto = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(port), "127.0.0.1", port),
-                self.connect_timeout_s,
-            )
+            # asyncio.timeout, not wait_for: on 3.11 wait_for runs the connect in a task of its
+            # own, two more loop iterations before a new stream's request can go out.
+            async with asyncio.timeout(self.connect_timeout_s):
+                _, proto = await loop.create_connection(lambda: _Conn(port), "127.0.0.1", port)
         except OSError as err:
             if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
                 log.error("out of file descriptors: cannot open a connection to an engine")

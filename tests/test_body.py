@@ -1,0 +1,254 @@
+"""Finding ``model`` in a request body without parsing it whole (`vllm_proxy.body`).
+
+Every case is checked against `json.loads`: the scan must find what the parser finds, or not
+decide at all (then the proxy parses the body, so the client gets the parser's answer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from typing import Any
+
+import pytest
+
+from vllm_proxy import body as body_mod
+from vllm_proxy.body import (
+    CHECK_STRINGS_BELOW,
+    MAX_DEPTH,
+    SCAN_MIN_BYTES,
+    model_of,
+    scan,
+)
+from vllm_proxy.errors import BadRequest
+
+
+def parsed_model(doc: bytes) -> Any:
+    return json.loads(doc).get("model")
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b'{"model":"a"}',
+        b' \t\r\n{ "model" : "a" }\n ',
+        b'{"messages":[{"role":"user","content":"hi"}],"model":"m"}',
+        b'{"model":"first","x":1,"model":"last"}',  # duplicates: the last wins, as in json.loads
+        b'{"x":{"model":"nested"},"model":"top"}',  # a nested "model" is not the model
+        b'{"x":[{"model":"in an array"}],"y":{"z":{"model":"deep"}}}',  # none at the top
+        b'{"x":"\\"model\\": \\"inside a string\\"","model":"y"}',
+        b'{"x":"ends with a backslash \\\\","model":"y"}',
+        b'{"x":"\\\\\\"","model":"y"}',  # an escaped backslash, then an escaped quote
+        b'{"mod\\u0065l":"escaped key"}',
+        b'{"model":"\\u00e9t\\u00e9 \\ud83d\\ude00"}',  # escapes in the value
+        b'{"model":"caf\xc3\xa9"}',  # UTF-8 in the value
+        b'{"model":"x\\/y\\n"}',
+        b"{}",
+        b'{"a":[1,-2.5e+3,0,true,false,null,NaN,Infinity,-Infinity],"b":{},"c":[]}',
+        b'{"a":[[[[]]]],"model":"after depth"}',
+        b'{"":"empty key","model":""}',
+    ],
+)
+def test_scan_agrees_with_the_parser(doc: bytes) -> None:
+    found = scan(doc)
+    assert found is not None, "the scan decides on valid JSON"
+    assert found.model == parsed_model(doc)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b"[1, 2]",  # not an object
+        b'"model"',
+        b"",
+        b"   ",
+        b'{"model":5}',  # not a string: the parser's error says so
+        b'{"model":{"a":1}}',
+        b'{"model":null}',
+        b"{not json",
+        b'{"a":1,}',
+        b'{"a" 1}',
+        b'{"a":1 "b":2}',
+        b'{"a":[1 2]}',
+        b'{"a":[1,]}',
+        b'{"a":01}',
+        b'{"a":1.}',
+        b'{"a":tru}',
+        b'{"a":[}',
+        b'{"a":{]}',
+        b'{"a":"unterminated}',
+        b'{"model":"x"} trailing',
+        b'{"model":"x"}{}',
+        b'{"model":"x"',
+        b'{"a":"\x01"}',  # a raw control character in a (short) string
+        b'{"a":"\\x"}',  # a bad escape
+        b'{"a":"\\u12"}',
+        b'{"a":"\xff"}',  # not UTF-8
+        b'\xef\xbb\xbf{"model":"bom"}',  # a BOM: the parser decides
+        b'{"a" : 1 , }',
+        b"{,}",
+        b'{"a":1}}',
+    ],
+)
+def test_scan_leaves_anything_doubtful_to_the_parser(doc: bytes) -> None:
+    assert scan(doc) is None
+
+
+def test_deep_nesting_is_left_to_the_parser() -> None:
+    ok = b'{"x":' + b"[" * (MAX_DEPTH - 2) + b"]" * (MAX_DEPTH - 2) + b',"model":"m"}'
+    assert scan(ok + b" " * 100_000) is not None
+    deep = b'{"x":' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b',"model":"m"}'
+    assert scan(deep + b" " * 100_000) is None
+
+
+def test_a_dense_body_is_left_to_the_parser() -> None:
+    """More than one token per BYTES_PER_TOKEN bytes: json.loads is faster per token."""
+    dense = json.dumps({"model": "m", "input": list(range(200_000))}).encode()
+    assert scan(dense) is None
+    sparse = json.dumps({"model": "m", "input": "x" * 500_000, "n": list(range(100))}).encode()
+    assert scan(sparse) is not None
+
+
+def test_long_strings_are_only_bounded() -> None:
+    """A string of 64 KiB or more is skipped by its bounds: escaped quotes inside still count as
+    inside, and its contents are not decoded."""
+    long = "a" * CHECK_STRINGS_BELOW
+    doc = json.dumps({"x": long + '"model": "no"' + long, "model": "yes"}).encode()
+    assert scan(doc) is not None and scan(doc).model == "yes"  # type: ignore[union-attr]
+    ctrl = b'{"x":"' + b"a" * CHECK_STRINGS_BELOW + b'\x01","model":"m"}'
+    found = scan(ctrl)  # a raw control character in a long string is the engine's to refuse
+    assert found is not None and found.model == "m"
+    long_key = b'{"' + b"k" * CHECK_STRINGS_BELOW + b'":1,"model":"m"}'
+    assert scan(long_key).model == "m"  # type: ignore[union-attr]
+
+
+def random_value(rng: random.Random, depth: int) -> Any:
+    kind = rng.randrange(8 if depth < 4 else 5)
+    if kind == 0:
+        return rng.randint(-(10**6), 10**6)
+    if kind == 1:
+        return rng.random() * 10 ** rng.randint(-5, 5)
+    if kind == 2:
+        return rng.choice([True, False, None])
+    if kind in (3, 4):
+        alphabet = 'ab "\\/\n\t\u00e9\u2028\U0001f600model{}[],:'
+        return "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+    if kind in (5, 6):
+        keys = ["model", "messages", "content", "x", 'mo"del', "mod\\el"]
+        return {rng.choice(keys): random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))}
+    return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
+
+
+def test_random_documents_agree_with_the_parser() -> None:
+    rng = random.Random(20260101)
+    decided = 0
+    for _ in range(3000):
+        doc: dict[str, Any] = {}
+        for _ in range(rng.randint(0, 5)):
+            key = rng.choice(["model", "messages", "x", "stream", "model"])
+            doc[key] = random_value(rng, 1)
+        if rng.random() < 0.7:
+            doc["model"] = random_value(rng, 4) if rng.random() < 0.2 else "m-" + str(rng.random())
+        text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        raw = text.encode()
+        found = scan(raw)
+        want = doc.get("model")
+        if isinstance(want, str):
+            assert found is not None, raw
+            decided += 1
+        if found is not None:
+            assert found.model == want, raw
+    assert decided > 1000
+
+
+@pytest.mark.parametrize(
+    ("doc", "name", "expected"),
+    [
+        (b'{"model":"alias","x":1}', "canonical", {"model": "canonical", "x": 1}),
+        (b'{"model":"a","model":"alias"}', "canonical", {"model": "canonical"}),
+        (b'{"x":1}', "forced", {"x": 1, "model": "forced"}),
+        (b"{ }", "forced", {"model": "forced"}),
+        (b'{"model":"same"}', "same", {"model": "same"}),
+    ],
+)
+def test_the_engine_gets_the_body_with_the_canonical_name(
+    doc: bytes, name: str, expected: dict[str, Any]
+) -> None:
+    found = scan(doc)
+    assert found is not None
+    out = found.with_model(doc, name)
+    assert json.loads(out) == expected
+    if found.model == name:
+        assert out is doc, "a body that already names the model goes on as received"
+
+
+def test_only_the_model_value_changes_for_an_alias() -> None:
+    doc = b'{"messages" : [ {"content": "\\u00e9"} ],\n "model":"alias" }'
+    found = scan(doc)
+    assert found is not None
+    assert found.with_model(doc, "real") == doc.replace(b'"alias"', b'"real"')
+
+
+def large(doc: bytes) -> bytes:
+    """`doc` padded with whitespace to the size from which bodies are scanned."""
+    return doc + b" " * SCAN_MIN_BYTES
+
+
+@pytest.mark.parametrize(
+    ("doc", "fragment"),
+    [
+        (b"{not json", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b'{"messages": []}', "'model' is required"),
+        (b'{"model": 5}', "'model' is required"),
+        (b'{"model": ""}', "'model' is required"),
+        (b'{"model": "x", "a": [1 2]}', "not valid JSON"),
+        (b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b', "model": "m"}', "nested too deeply"),
+    ],
+)
+def test_large_bad_bodies_get_the_same_errors_as_small_ones(doc: bytes, fragment: str) -> None:
+    for body in (doc, large(doc)):
+        with pytest.raises(BadRequest, match=fragment):
+            model_of(body)
+
+
+def test_large_bodies_are_scanned_and_small_ones_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+    real = body_mod.scan
+    monkeypatch.setattr(body_mod, "scan", lambda b, a=None: calls.append(len(b)) or real(b, a))
+    small = b'{"model": "m"}'
+    assert model_of(small).model == "m" and calls == []
+    assert model_of(large(small)).model == "m" and calls == [len(large(small))]
+    assert model_of(bytearray(large(small))).model == "m", "the reader's buffer scans too"
+    parsed = model_of(large(b'{"x": 1}'), forced="from-path")
+    assert parsed.model == "from-path"
+    assert json.loads(parsed.body_for("from-path")) == {"x": 1, "model": "from-path"}
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b'{"model":"m","stream":true}',
+        b'{"stream":true,"model":"m"}',
+        b'{"model":"m","stream":false}',
+        b'{"model":"m"}',
+        b'{"model":"m","stream":"true"}',  # a string is not a stream request
+        b'{"model":"m","stream":1}',
+        b'{"model":"m","stream":{"x":true}}',
+        b'{"model":"m","x":{"stream":true}}',  # a nested "stream" is not the request's
+        b'{"model":"m","stream":true,"stream":false}',  # the last one wins
+        b'{"model":"m","stream":false,"stream":true}',
+        b'{"model":"m","stream":null}',
+    ],
+)
+def test_stream_is_read_like_the_parser_reads_it(doc: bytes) -> None:
+    """`Parsed.stream` (does a model that is still loading owe this client keep-alives?) is the
+    same for a small body, parsed, and for a large one, scanned."""
+    expected = json.loads(doc).get("stream") is True
+    assert model_of(doc).stream is expected
+    padding = b'"pad":"' + b"x" * SCAN_MIN_BYTES + b'",'
+    large = doc[:1] + padding + doc[1:]
+    found = scan(large)
+    assert found is not None, "a large body is scanned"
+    assert found.stream is expected
+    assert model_of(large).stream is expected
