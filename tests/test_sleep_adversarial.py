@@ -472,7 +472,10 @@ async def test_two_models_swap_under_concurrent_load_from_both(
     assert proxy.engine_starts("a") == 1 and proxy.engine_starts("b") == 1
     for inst in (a, b):
         assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
-    assert await engine_metric(proxy, a, "fake_engine:wakes_total") >= 1
+    # Both engines ran on a budget that holds one awake: at least one went to sleep for the
+    # other (which one, and whether it was woken again, depends on how the clients interleave).
+    sleeps = [await engine_metric(proxy, i, "fake_engine:sleeps_total") for i in (a, b)]
+    assert sum(sleeps) >= 1
     await wait_for(lambda: settled(proxy), what="nothing half-way")
 
 
