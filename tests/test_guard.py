@@ -274,3 +274,49 @@ def test_sweep_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_the_death_handler_can_interrupt_the_tree_lock_holder() -> None:
+    """The parent-death handler runs in the guard's main thread between any two bytecodes,
+    also inside `Tree.refresh()`/`Tree.kill()` (a multithreaded parent's death delivers the
+    signal once per exiting thread, so one handler can interrupt another): taking the tree's
+    lock again from there must not deadlock."""
+    import threading
+
+    from vllm_proxy.guard import Tree
+
+    tree = Tree(os.getpid())
+    tree.refresh()
+    done = threading.Event()
+
+    def nested() -> None:
+        with tree._lock:  # what the interrupted frame holds
+            tree.kill()  # what the handler does
+        done.set()
+
+    worker = threading.Thread(target=nested, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert done.is_set(), "the handler deadlocked on the tree's lock"
+
+
+def test_repeated_death_signals_still_take_the_group_down(tmp_path: Path) -> None:
+    from vllm_proxy.guard import DEATH_SIGNAL
+
+    script = tmp_path / "engine.py"
+    script.write_text(CHILD)
+    log = tmp_path / "e.log"
+    guard = subprocess.Popen(
+        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()), "--log",
+         str(log), "--", sys.executable, str(script), "600", "0"],
+        start_new_session=True,
+    )  # fmt: skip
+    wait_for_sync(
+        lambda: len(_pids(log, "child")) == 1 and len(_pids(log, "main")) == 1,
+        timeout=60,
+        what="engine and its child to start",
+    )
+    for _ in range(20):  # as a dying multithreaded parent can deliver it
+        os.kill(guard.pid, DEATH_SIGNAL)
+    guard.wait(timeout=15)
+    wait_for_sync(lambda: not group_alive(guard.pid), what="engine group gone")

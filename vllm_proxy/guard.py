@@ -118,7 +118,9 @@ class Tree:
     def __init__(self, root: int) -> None:
         self.root = root
         self.seen: dict[int, int] = {}
-        self._lock = threading.Lock()
+        # Reentrant: the parent-death handler runs in the main thread between any two
+        # bytecodes, also while that thread is inside `refresh()` or `kill()`.
+        self._lock = threading.RLock()
 
     def refresh(self) -> None:
         parents: dict[int, tuple[int, int]] = {}
@@ -220,7 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     tree = Tree(os.getpid())
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
+    dying = False
+
     def on_parent_death(_sig: int, _frame: FrameType | None) -> None:
+        # A multithreaded parent's death can deliver the signal once per exiting thread (the
+        # guard is handed from thread to thread as each exits): act once, whatever it interrupts.
+        nonlocal dying
+        if dying:
+            return
+        dying = True
         tree.kill()
         os.killpg(pgid, signal.SIGKILL)
 
