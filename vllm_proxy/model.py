@@ -263,7 +263,7 @@ class Model:
         for _ in range(count):
             if sleepers:
                 inst = sleepers.pop()
-                task = asyncio.ensure_future(self._wake_replica(inst))
+                task = inst.wake()  # the instance's one wake task, shared with any waiter
             else:
                 inst = self._new_instance()
                 log.info("%s: new replica of %s (%d wanted)", inst.id, self.name,
@@ -271,9 +271,6 @@ class Model:
                 task = inst.start()
             self._growing.add(task)
             task.add_done_callback(self._grown)
-
-    async def _wake_replica(self, inst: Instance) -> None:
-        await inst.wake()
 
     def _grown(self, task: asyncio.Task[None]) -> None:
         self._growing.discard(task)
@@ -555,7 +552,9 @@ class Model:
         """Start at boot (in the background): up, and with a sleep policy put to sleep at
         once, so that the first request pays only a wake."""
         try:
-            await asyncio.shield(self.ensure_started() or _done())
+            started = self.ensure_started()
+            if started is not None:
+                await asyncio.shield(started)
         except ProxyError as err:
             log.error("%s: preload failed: %s", self.name, err.message)
             return
@@ -648,7 +647,3 @@ class Model:
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
         }
-
-
-async def _done() -> None:
-    return None
