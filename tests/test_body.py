@@ -17,6 +17,8 @@ from vllm_proxy.body import (
     CHECK_STRINGS_BELOW,
     MAX_DEPTH,
     SCAN_MIN_BYTES,
+    Found,
+    Scan,
     model_of,
     scan,
 )
@@ -252,3 +254,82 @@ def test_stream_is_read_like_the_parser_reads_it(doc: bytes) -> None:
     assert found is not None, "a large body is scanned"
     assert found.stream is expected
     assert model_of(large).stream is expected
+
+
+def scan_in_pieces(doc: bytes, cuts: list[int]) -> Found | None:
+    """`doc` scanned as a reader scans it: into a buffer of its length, fed piece by piece."""
+    buf = bytearray(len(doc))
+    s = Scan(buf)
+    for a, b in zip([0, *cuts], [*cuts, len(doc)], strict=True):
+        buf[a:b] = doc[a:b]
+        s.feed(b)
+    return s.result()
+
+
+def same(a: Found | None, b: Found | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return (a.model, a.span, a.brace, a.empty, a.stream) == (
+        b.model,
+        b.span,
+        b.brace,
+        b.empty,
+        b.stream,
+    )
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        b'{"n": 12345, "model": "m"}',  # a number cut after "12": not the number 12
+        b'{"t": true, "f": false, "z": null, "model": "m", "stream": true}',  # literals cut
+        b'{"x": "a\\\\\\"b\\"", "model": "m"}',  # runs of backslashes cut anywhere
+        b'{"model": "m"}   \n\t ',  # whitespace after the object, in pieces
+        b'{"model": "m"}   x',  # something after the object, arriving last: not decided
+        b'{"model": "m"',  # the object never closes
+        b'{"model": "m", "x": "no end',  # a string never closes
+        b'  {"a": [1, [2, {"b": "c"}]], "model": "caf\xc3\xa9"}',  # UTF-8 cut mid-character
+        b'{"model": "\\u00e9", "stream": false}',
+        b"[1, 2]",
+        b"",
+    ],
+)
+def test_a_body_scanned_as_it_arrives_gives_what_a_whole_scan_gives(doc: bytes) -> None:
+    whole = scan(doc)
+    for cut in range(1, len(doc)):  # every two-piece split
+        assert same(scan_in_pieces(doc, [cut]), whole), (doc, cut)
+    assert same(scan_in_pieces(doc, list(range(1, len(doc)))), whole), "a byte at a time"
+
+
+def test_random_documents_scanned_in_random_pieces_agree() -> None:
+    rng = random.Random(20261123)
+    decided = 0
+    for _ in range(800):
+        doc: dict[str, Any] = {}
+        for _ in range(rng.randint(0, 5)):
+            doc[rng.choice(["model", "messages", "x", "stream"])] = random_value(rng, 1)
+        if rng.random() < 0.7:
+            doc["model"] = "m-" + str(rng.random())
+        raw = json.dumps(doc, ensure_ascii=rng.random() < 0.5, indent=rng.choice([None, 1]))
+        raw_b = raw.encode() + b" " * rng.randint(0, 3)
+        cuts = sorted(rng.sample(range(1, len(raw_b)), min(len(raw_b) - 1, rng.randint(1, 12))))
+        whole = scan(raw_b)
+        assert same(scan_in_pieces(raw_b, cuts), whole), (raw_b, cuts)
+        decided += whole is not None
+    assert decided > 400
+
+
+def test_a_scan_fed_while_the_body_arrives_is_the_one_model_of_uses() -> None:
+    doc = large(b'{"messages": [], "model": "m", "stream": true}')
+    buf = bytearray(len(doc))
+    s = Scan(buf)
+    buf[:] = doc
+    s.feed(len(doc))
+    parsed = model_of(buf, None, True, s)
+    assert parsed.model == "m" and parsed.stream
+    # A scan that could not decide leaves the answer to json.loads, with its error.
+    bad = large(b'{"model": "m", "x": [1 2]}')
+    s = Scan(bytearray(bad))
+    s.feed(len(bad))
+    with pytest.raises(BadRequest, match="not valid JSON"):
+        model_of(bad, None, True, s)

@@ -101,6 +101,30 @@ async def test_a_large_body_reaches_the_engine_byte_for_byte(
     assert seen(tmp_path)[-1]["body"].encode("latin-1") == body
 
 
+async def test_a_large_body_arriving_in_small_pieces_is_scanned_as_it_comes(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Pieces cut inside the model's key and value, and inside the image: the scan that walks
+    each piece as it comes finds the model, and the engine gets the bytes as sent."""
+    proxy = await raw_proxy(tmp_path, start_proxy, OK_ANSWER)
+    body = image_request("a1")
+    at = body.index(b'"model"')
+    cuts = [1, 100, 70_000, 70_001, at + 3, at + 9, at + 11, len(body) - 2]
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True):
+        writer.write(body[a:b])
+        await writer.drain()
+        await asyncio.sleep(0)  # let the proxy read this piece on its own
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert seen(tmp_path)[-1]["body"].encode("latin-1") == image_request("m1"), "alias replaced"
+
+
 async def test_an_alias_in_a_large_body_is_replaced_in_place(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:

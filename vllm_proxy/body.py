@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Generator
 from typing import Any
 
 from .errors import BadRequest
@@ -52,6 +53,10 @@ _TOKEN = re.compile(
 )
 _END = re.compile(rb"[ \t\n\r]*\Z")
 _scanstring: Any = json.decoder.scanstring  # type: ignore[attr-defined]
+
+#: A token is read as final only with more than this many bytes after it in: ``1.`` and
+#: ``1e+`` read as the number ``1`` until the digit after them has come.
+_SETTLED = 2
 
 _LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
 _BACKSLASH, _QUOTE = 0x5C, 0x22
@@ -99,24 +104,68 @@ def scan(body: Body, ascii: bool | None = None) -> Found | None:
     """The top-level ``model`` of a JSON object, found without decoding the document; None
     when the scan cannot decide (then parse the body with `json.loads`). `ascii`: whether the
     body is known to be ASCII (else it is checked here)."""
-    try:
-        return _scan(body, ascii)
-    except (_Undecided, ValueError):  # ValueError: bad UTF-8, a bad string (JSONDecodeError)
-        return None
+    s = Scan(body)
+    s.feed(len(body))
+    return s.result(ascii)
 
 
-def _string_end(b: Body, i: int) -> int:
-    """For a string whose contents start at `i`: the index after its closing quote (the first
-    quote after an even run of backslashes)."""
-    j = b.find(b'"', i)
+class Scan:
+    """`scan`, done piece by piece while the body arrives into `buf` (of `total` bytes): each
+    `feed` walks what has come so far, so little is left to walk once the last piece is in.
+    A token that ends where the data so far ends is read again once more has come (``12`` may
+    be the start of ``123``), and so is one with `_SETTLED` bytes or fewer after it (``1.``
+    may be the start of ``1.5``)."""
+
+    __slots__ = ("_buf", "_done", "_found", "_gen", "_total")
+
+    def __init__(self, buf: Body, total: int | None = None) -> None:
+        self._buf = buf
+        self._total = len(buf) if total is None else total
+        self._gen = _scanner(buf, self._total)
+        self._done = False
+        self._found: Found | None = None
+        next(self._gen)  # runs to its first wait for data
+
+    def feed(self, avail: int) -> None:
+        """The first `avail` bytes of the buffer are in."""
+        if self._done:
+            return
+        try:
+            self._gen.send(avail)
+        except StopIteration as stop:
+            self._done, self._found = True, stop.value
+        except (_Undecided, ValueError):  # ValueError: a bad string (JSONDecodeError), UTF-8
+            self._done = True
+
+    def result(self, ascii: bool | None = None) -> Found | None:
+        """What the scan found once the whole body is in (`feed` of its length); None: not
+        decided. `ascii`: whether the body is known to be ASCII (else it is checked here)."""
+        if not self._done:
+            self.feed(self._total)
+        if self._found is None:
+            return None
+        b = self._buf
+        if not (b.isascii() if ascii is None else ascii):
+            try:
+                b.decode("utf-8")  # json.loads then gives its own error
+            except UnicodeDecodeError:
+                return None
+        return self._found
+
+
+def _string_end(b: Body, i: int, avail: int) -> int:
+    """For a string whose contents started before `i` (with no closing quote before `i`):
+    the index after its closing quote (the first quote after an even run of backslashes),
+    or -1 when it is not in ``b[:avail]``."""
+    j = b.find(b'"', i, avail)
     while j >= 0:
         k = j - 1
         while b[k] == _BACKSLASH:
             k -= 1
         if (j - 1 - k) % 2 == 0:
             return j + 1
-        j = b.find(b'"', j + 1)
-    raise _Undecided
+        j = b.find(b'"', j + 1, avail)
+    return -1
 
 
 def _decode(b: Body, start: int, end: int) -> str:
@@ -125,10 +174,17 @@ def _decode(b: Body, start: int, end: int) -> str:
     return str(value)
 
 
-def _scan(b: Body, ascii: bool | None) -> Found:
-    if not (b.isascii() if ascii is None else ascii):
-        b.decode("utf-8")  # raises on invalid UTF-8: json.loads then gives its own error
-    m = _TOKEN.match(b)
+def _scanner(b: Body, total: int) -> Generator[None, int, Found]:
+    """The scan as a generator: sent how many bytes of `b` are in, it walks them and waits
+    for more (yields) until the object has closed and all `total` bytes have come; raises
+    `_Undecided` (or ValueError) when it cannot decide."""
+    avail = yield
+    pos = 0
+    while True:  # the opening brace
+        m = _TOKEN.match(b, pos, avail)
+        if (m is not None and m.end() + _SETTLED < avail) or avail >= total:
+            break
+        avail = yield
     if m is None or m.lastindex != 1 or b[m.end() - 1] != _LBRACE:
         raise _Undecided
     pos = m.end()
@@ -141,13 +197,26 @@ def _scan(b: Body, ascii: bool | None) -> Found:
     is_model = False  # the value being read belongs to the top-level key "model"
     is_stream = False  # ... to the top-level key "stream"
     stream = False
-    for _ in range(MIN_TOKENS + len(b) // BYTES_PER_TOKEN):
-        m = _TOKEN.match(b, pos)
+    for _ in range(MIN_TOKENS + total // BYTES_PER_TOKEN):
+        while True:
+            m = _TOKEN.match(b, pos, avail)
+            if (m is not None and m.end() + _SETTLED < avail) or avail >= total:
+                break
+            avail = yield
         if m is None:
             raise _Undecided
         pos = m.end()
         kind = m.lastindex
         c = b[pos - 1] if kind == 1 else 0
+        if kind == 2:  # a string: find where it ends
+            start = pos - 1
+            end = _string_end(b, pos, avail)
+            while end < 0:
+                if avail >= total:
+                    raise _Undecided
+                searched, avail = avail, (yield)
+                end = _string_end(b, searched, avail)
+            pos = end
         if state == _COMMA_OR_END:
             top = stack[-1]
             if c == _COMMA:
@@ -155,15 +224,11 @@ def _scan(b: Body, ascii: bool | None) -> Found:
             elif (c == _RBRACE and top == _LBRACE) or (c == _RBRACK and top == _LBRACK):
                 stack.pop()
                 if not stack:
-                    if _END.match(b, pos) is None:
-                        raise _Undecided
-                    return Found(model, span, brace, empty, stream)
+                    break
             else:
                 raise _Undecided
         elif state == _VALUE or state == _VALUE_OR_END:
             if kind == 2:
-                start = pos - 1
-                pos = _string_end(b, pos)
                 if is_model:
                     model, span = _decode(b, start, pos), (start, pos)
                 elif pos - start < CHECK_STRINGS_BELOW:
@@ -190,8 +255,6 @@ def _scan(b: Body, ascii: bool | None) -> Found:
             is_model = is_stream = False
         elif state == _KEY or state == _KEY_OR_END:
             if kind == 2:
-                start = pos - 1
-                pos = _string_end(b, pos)
                 if pos - start < CHECK_STRINGS_BELOW:
                     key = _decode(b, start, pos)  # checked at every depth
                     top = len(stack) == 1
@@ -204,9 +267,7 @@ def _scan(b: Body, ascii: bool | None) -> Found:
             elif c == _RBRACE and state == _KEY_OR_END:
                 stack.pop()
                 if not stack:
-                    if _END.match(b, pos) is None:
-                        raise _Undecided
-                    return Found(model, span, brace, empty, stream)
+                    break
                 state = _COMMA_OR_END
             else:
                 raise _Undecided
@@ -214,7 +275,15 @@ def _scan(b: Body, ascii: bool | None) -> Found:
             state = _VALUE
         else:
             raise _Undecided
-    raise _Undecided  # too many tokens for the body's size
+    else:
+        raise _Undecided  # too many tokens for the body's size
+    while avail < total:  # the object has closed: only whitespace may follow
+        if _END.match(b, pos, avail) is None:
+            raise _Undecided
+        pos, avail = avail, (yield)
+    if _END.match(b, pos) is None:
+        raise _Undecided
+    return Found(model, span, brace, empty, stream)
 
 
 class Parsed:
@@ -250,12 +319,18 @@ class Parsed:
         return json.dumps(data).encode()
 
 
-def model_of(body: Body, forced: str | None = None, ascii: bool | None = None) -> Parsed:
+def model_of(
+    body: Body, forced: str | None = None, ascii: bool | None = None, scanned: Scan | None = None
+) -> Parsed:
     """The body's ``model`` (or `forced`); `BadRequest` for anything unusable. `ascii`: whether
-    the body is known to be ASCII (the reader can tell piece by piece, while they are hot)."""
+    the body is known to be ASCII, and `scanned`: its scan, fed while it arrived (the reader
+    does both piece by piece, while the pieces are hot)."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
-    found = scan(body, ascii) if len(body) >= SCAN_MIN_BYTES else None
+    if scanned is not None:
+        found = scanned.result(ascii)
+    else:
+        found = scan(body, ascii) if len(body) >= SCAN_MIN_BYTES else None
     data: dict[str, Any] | None = None
     if found is not None:
         model: Any = forced or found.model

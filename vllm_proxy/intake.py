@@ -5,7 +5,9 @@ and, unless it came with the request head, by ``body_timeout_s`` (408). A small 
 of unknown length, is read by aiohttp's ``read()``. A large one whose length is known is copied
 into one buffer piece by piece as it arrives, while the rest is still on its way: ``read()``
 copies it twice more, and a 10 MB join took 5 ms here, most of it faulting in fresh pages. Each
-piece is checked for ASCII while it is hot, which `body.scan` then need not do.
+piece is checked for ASCII while it is hot, and the scan for ``model`` (`body.Scan`) walks what
+has come so far, so that when the last piece is in, the body can go on at once (the scan of a
+10 MB body took 0.45 ms after its end; now about 3 µs).
 
 The body is read whole before anything goes to an engine: the model is often its last key (the
 OpenAI SDK sends ``messages`` first), and a body that turns out invalid must start nothing.
@@ -20,7 +22,7 @@ import asyncio
 
 from aiohttp import web
 
-from .body import Body
+from .body import SCAN_MIN_BYTES, Body, Scan
 from .errors import PayloadTooLarge, RequestTimeout
 
 #: Bodies announced at least this long are read into one buffer as they arrive.
@@ -33,8 +35,13 @@ def too_large(limit: int) -> PayloadTooLarge:
     )
 
 
-async def read_body(request: web.Request, limit: int, timeout_s: float) -> tuple[Body, bool | None]:
-    """The body (decoded if it was compressed), and whether it is all ASCII (None: not known)."""
+#: What `read_body` returns: the body, whether it is all ASCII (None: not known), and its scan
+#: for ``model`` when it was scanned while it arrived.
+Received = tuple[Body, "bool | None", "Scan | None"]
+
+
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> Received:
+    """The body (decoded if it was compressed), whether it is all ASCII, and its scan."""
     if request.content.is_eof():  # the whole body came with the head: no timer needed
         return await _read(request, limit)
     try:
@@ -46,13 +53,13 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> tuple
         ) from None
 
 
-async def _read(request: web.Request, limit: int) -> tuple[Body, bool | None]:
+async def _read(request: web.Request, limit: int) -> Received:
     length = request.content_length
     plain = "Content-Encoding" not in request.headers  # else the length is not the body's
     if length is None or length < PREALLOCATE_FROM or not plain:
         # The usual small request, or one whose size is unknown: aiohttp's read() (which
         # answers 413 past client_max_size, that is max_body_mb).
-        return await request.read(), None
+        return await request.read(), None, None
     if length > limit:
         raise too_large(limit)
     content = request.content
@@ -61,6 +68,7 @@ async def _read(request: web.Request, limit: int) -> tuple[Body, bool | None]:
     view = memoryview(buf)
     size = 0
     ascii = True
+    scan = Scan(buf) if length >= SCAN_MIN_BYTES else None
     while True:
         data, end_of_http_chunk = await content.readchunk()  # a piece as held, no join
         if not data:
@@ -70,4 +78,8 @@ async def _read(request: web.Request, limit: int) -> tuple[Body, bool | None]:
         view[size : size + len(data)] = data  # aiohttp stops at Content-Length
         size += len(data)
         ascii = ascii and data.isascii()
-    return (buf if size == length else bytes(view[:size])), ascii
+        if scan is not None:
+            scan.feed(size)
+    if size != length:  # aiohttp ends a short body with an error; this is only a safeguard
+        return bytes(view[:size]), ascii, None
+    return buf, ascii, scan
