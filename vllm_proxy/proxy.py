@@ -169,17 +169,20 @@ TAP = web.RequestKey("tap", Tap)
 class _ClientSink:
     """Writes relayed pieces of a stream straight to the client's transport, framed as the
     response's own writer would (HTTP/1.1 chunks, or raw for an HTTP/1.0 client), and says
-    when the client's socket buffer is full. Only for a prepared response whose writer has no
-    compression and no length (an SSE stream)."""
+    when the client's socket buffer is past its high-water mark. Only for a prepared response
+    whose writer has no compression and no length (an SSE stream). Called once per event read
+    from the engine, so it does its bookkeeping inline (`Tap.feed`'s included)."""
 
-    __slots__ = ("chunked", "protocol", "tap", "transport", "writer")
+    __slots__ = ("chunked", "high", "tap", "transport", "writer")
 
     def __init__(self, transport: asyncio.Transport, writer: Any, tap: Tap) -> None:
         self.transport = transport
         self.writer = writer
-        self.protocol = writer.protocol
         self.chunked = bool(writer.chunked)
         self.tap = tap
+        # The transport pauses its protocol (aiohttp's writer then waits in drain()) past
+        # this many buffered bytes; the sink asks to stop reading the engine at the same mark.
+        self.high = transport.get_write_buffer_limits()[1]
 
     def __call__(self, data: bytes) -> bool:
         transport = self.transport
@@ -192,8 +195,12 @@ class _ClientSink:
         if tap.first_byte is None:
             tap.first_byte = time.monotonic()
         tap.bytes += len(data)
-        tap.feed(data)
-        return bool(self.protocol.writing_paused)
+        i = data.rfind(b'"usage":')  # as Tap.feed
+        if i >= 0:
+            tap.usage = data[i + 8 :]
+        elif tap.usage and len(tap.usage) < 8192:
+            tap.usage += data
+        return transport.get_write_buffer_size() > self.high
 
 
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:

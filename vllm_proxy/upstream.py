@@ -81,27 +81,22 @@ class UpstreamResponse:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _feed(self, data: bytes) -> None:
-        if self._sink is not None:  # relaying: handed over once the socket read is parsed
-            self._pieces.append(data)
-            return
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
-            self._conn.transport.pause_reading()
-            self._paused = True
-        self._wake()
-
     def _flush(self) -> None:
-        """Hand what one socket read carried to the sink, in one piece: one write to the
-        client per read, as many events as the engine's write put in it."""
+        """Hand the body that one socket read carried (the parser appended its pieces to
+        `_pieces`) on in one piece: to the sink while relaying, one write to the client per
+        read with as many events as the engine's write put in it; else to the buffer that
+        `read_chunk` takes from, pausing the socket past `HIGH_WATER`."""
         pieces = self._pieces
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
         sink = self._sink
-        if sink is None:  # the relay ended meanwhile: keep it for whoever reads next
+        if sink is None:  # not relaying (or no longer): kept for whoever reads next
             self._chunks.append(data)
             self._buffered += len(data)
+            if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
+                self._conn.transport.pause_reading()
+                self._paused = True
+            self._wake()
             return
         self._last = self._loop.time()  # type: ignore[union-attr]
         try:
@@ -269,11 +264,17 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.resp: UpstreamResponse | None = None
         self.parser: httptools.HttpResponseParser | None = None
+        #: httptools' body callback, set per response (`start`).
+        self.on_body: Callable[[bytes], None] | None = None
         #: Why a parser callback refused the response.
         self.refused: str | None = None
 
     def start(self, resp: UpstreamResponse) -> None:
         self.resp = resp
+        # Body pieces go straight onto the response's list (no Python call per piece), and
+        # `data_received` hands what one read brought on once the read is parsed. httptools
+        # takes its callbacks from the protocol when the parser is made.
+        self.on_body = resp._pieces.append
         self.parser = httptools.HttpResponseParser(self)
 
     # asyncio.Protocol
@@ -354,10 +355,6 @@ class _Conn(asyncio.Protocol):
             and status not in (204, 304)
         )
         resp._wake()
-
-    def on_body(self, body: bytes) -> None:
-        assert self.resp is not None
-        self.resp._feed(body)
 
     def on_message_complete(self) -> None:
         assert self.resp is not None
