@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -18,6 +20,7 @@ from vllm_proxy.body import (
     MAX_DEPTH,
     SCAN_MIN_BYTES,
     Found,
+    Pieces,
     Scan,
     model_of,
     scan,
@@ -217,7 +220,7 @@ def test_large_bad_bodies_get_the_same_errors_as_small_ones(doc: bytes, fragment
 def test_large_bodies_are_scanned_and_small_ones_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
     real = body_mod.scan
-    monkeypatch.setattr(body_mod, "scan", lambda b, a=None: calls.append(len(b)) or real(b, a))
+    monkeypatch.setattr(body_mod, "scan", lambda b: calls.append(len(b)) or real(b))
     small = b'{"model": "m"}'
     assert model_of(small).model == "m" and calls == []
     assert model_of(large(small)).model == "m" and calls == [len(large(small))]
@@ -257,12 +260,10 @@ def test_stream_is_read_like_the_parser_reads_it(doc: bytes) -> None:
 
 
 def scan_in_pieces(doc: bytes, cuts: list[int]) -> Found | None:
-    """`doc` scanned as a reader scans it: into a buffer of its length, fed piece by piece."""
-    buf = bytearray(len(doc))
-    s = Scan(buf)
+    """`doc` scanned as a reader scans it: piece by piece as they arrive."""
+    s = Scan(len(doc))
     for a, b in zip([0, *cuts], [*cuts, len(doc)], strict=True):
-        buf[a:b] = doc[a:b]
-        s.feed(b)
+        s.feed(doc[a:b])
     return s.result()
 
 
@@ -321,15 +322,103 @@ def test_random_documents_scanned_in_random_pieces_agree() -> None:
 
 def test_a_scan_fed_while_the_body_arrives_is_the_one_model_of_uses() -> None:
     doc = large(b'{"messages": [], "model": "m", "stream": true}')
-    buf = bytearray(len(doc))
-    s = Scan(buf)
-    buf[:] = doc
-    s.feed(len(doc))
-    parsed = model_of(buf, None, True, s)
+    s = Scan(len(doc))
+    s.feed(doc)
+    parsed = model_of(Pieces([doc]), None, s)
     assert parsed.model == "m" and parsed.stream
     # A scan that could not decide leaves the answer to json.loads, with its error.
     bad = large(b'{"model": "m", "x": [1 2]}')
-    s = Scan(bytearray(bad))
-    s.feed(len(bad))
+    s = Scan(len(bad))
+    s.feed(bad)
     with pytest.raises(BadRequest, match="not valid JSON"):
-        model_of(bad, None, True, s)
+        model_of(Pieces([bad]), None, s)
+
+
+def long_doc(rng: random.Random) -> bytes:
+    """A request with long strings (skipped by a scan in pieces), some ending in backslash
+    runs or holding escaped quotes, a few short members around them, the model anywhere."""
+    members: list[bytes] = []
+    for _ in range(rng.randint(1, 3)):
+        inner = rng.choice([b"QUJD", b"\\\\", b'\\"', b'ab\\\\\\"c']) * rng.randint(1, 4)
+        text = b"x" * rng.randint(CHECK_STRINGS_BELOW, CHECK_STRINGS_BELOW + 5000) + inner
+        members.append(b'"%s": "%s"' % (rng.choice([b"image", b"model", b"data"]), text))
+    members.append(b'"n": [1, 2.5e+3, true, null, {"model": "nested"}]')
+    members.append(b'"model": "m-%d"' % rng.randint(0, 99))
+    members.append(b'"stream": %s' % rng.choice([b"true", b"false"]))
+    rng.shuffle(members)
+    return b"{" + b", ".join(members) + b"}" + b" " * rng.randint(0, 2)
+
+
+def test_long_strings_scanned_in_pieces_agree_with_the_parser() -> None:
+    rng = random.Random(11)
+    for _ in range(60):
+        doc = long_doc(rng)
+        whole = scan(doc)
+        want = json.loads(doc)
+        assert whole is not None and whole.model == want["model"]
+        assert whole.stream == (want["stream"] is True)
+        cuts = sorted(rng.sample(range(1, len(doc)), rng.randint(1, 40)))
+        quotes = [i for i in range(len(doc)) if doc[i] == 0x22]  # and cuts at quotes
+        cuts = sorted(set(cuts + [q for q in rng.sample(quotes, 3) if q > 0]))
+        assert same(scan_in_pieces(doc, cuts), whole), cuts
+
+
+def test_an_alias_in_pieces_is_replaced_where_it_lies() -> None:
+    image = b"QUJD" * (CHECK_STRINGS_BELOW // 2)
+    doc = b'{"messages": "%s", "model": "alias", "max_tokens": 1}' % image
+    at = doc.index(b'"alias"')
+    for cuts in ([at + 2], [at, at + 7], [100, 70_000, len(doc) - 3], [at - 1, at + 1]):
+        s = Scan(len(doc))
+        parts = [doc[a:b] for a, b in zip([0, *cuts], [*cuts, len(doc)], strict=True)]
+        for p in parts:
+            s.feed(p)
+        found = s.result()
+        assert found is not None and found.model == "alias"
+        out = found.with_model(Pieces(parts), "canonical")
+        assert isinstance(out, Pieces)
+        assert bytes(out) == doc.replace(b'"alias"', b'"canonical"')
+        start, end = at, at + len(b'"alias"')
+        offsets = [0, *cuts]
+        away = [p for p, a in zip(parts, offsets, strict=True) if a + len(p) <= start or a >= end]
+        assert all(any(q is p for q in out.parts) for p in away), "passed on as they are"
+    bare = doc.replace(b'"model": "alias", ', b"")  # a model given in the path instead
+    forced = Scan(len(bare))
+    forced.feed(bare[:9])
+    forced.feed(bare[9:])
+    found = forced.result()
+    assert found is not None and found.model is None
+    out = found.with_model(Pieces([bare[:9], bare[9:]]), "p")
+    assert json.loads(bytes(out)) == {**json.loads(bare), "model": "p"}
+
+
+def test_bad_utf8_is_left_to_the_parser_but_not_inside_a_long_string() -> None:
+    long = b"QUJD" * (CHECK_STRINGS_BELOW // 2)
+    bad_short = b'{"a": "\xff", "x": "%s", "model": "m"}' % long
+    assert scan(bad_short) is None and scan_in_pieces(bad_short, [3, 9, 70_000]) is None
+    bad_long = b'{"x": "%s\xff\xfe", "model": "m"}' % long
+    found = scan_in_pieces(bad_long, [40_000, 80_000])
+    assert found is not None and found.model == "m", "the engine refuses that one itself"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_the_heap_keeps_pages_for_the_next_large_body() -> None:
+    """`heap.tune` sets both thresholds (on glibc); a large body's pieces then come from a
+    heap that is kept, not from fresh pages: after one large body, the next adds no page
+    faults of its own. Run in a fresh interpreter, as the proxy's entry point runs it."""
+    code = (
+        "import resource, sys\n"
+        "from vllm_proxy import heap\n"
+        "if not heap.tune(): sys.exit(3)\n"
+        "piece = b'x' * (256 * 1024 + 1)\n"
+        "def body(): return [piece[1:] for _ in range(40)]  # malloc'd, as received pieces\n"
+        "body()\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
+        "for _ in range(5): body()\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if out.returncode == 3:
+        pytest.skip("not glibc: mallopt is not available")
+    assert out.returncode == 0, out.stderr
+    faults = int(out.stdout)
+    assert faults < 100, f"{faults} page faults for five 10 MB bodies: the heap gave pages back"

@@ -7,16 +7,22 @@ reads only the ``model`` value. Parsing a 10 MB request with one base64 image to
 proxy's time per request; the scan takes 0.4 ms. The bytes are forwarded as received;
 for an alias only the model value is replaced, in place.
 
+A large body whose length is known is kept as the pieces it arrived in (`Pieces`), never
+copied into one buffer, and scanned piece by piece as they come (`Scan.feed`): what the scan
+walks is copied into a small window, except the inside of a long string (the image), which is
+searched for its closing quote where it lies. When the last piece is in, the model is known
+and the pieces go on to the engine as they are, in one `writelines`.
+
 The scan checks what it walks as strictly as the parser: the grammar of every token at every
 depth, numbers and literals (``NaN`` and ``Infinity`` included, as `json.loads` takes them),
 every string's bounds, the contents of every string under 64 KiB (escapes, control
-characters), UTF-8, the nesting depth, and nothing after the object. The contents of a longer
-string (the base64 image itself) are not looked at: a bad escape or a raw control character in
-one reaches the engine, which rejects the body itself. Whenever the scan cannot decide (not
-an object, anything invalid, a non-string ``model``, too many tokens for its size, too deep),
-the body is parsed with `json.loads`, whose answer (and error message) is the one the client
-gets. Duplicate keys
-behave as in `json.loads`: the last ``model`` wins, and that is the one replaced for an alias.
+characters, UTF-8), UTF-8 between strings, the nesting depth, and nothing after the object.
+The contents of a longer string (the base64 image itself) are not looked at: a bad escape, a
+raw control character or bad UTF-8 in one reaches the engine, which rejects the body itself.
+Whenever the scan cannot decide (not an object, anything invalid, a non-string ``model``, too
+many tokens for its size, too deep), the body is parsed with `json.loads`, whose answer (and
+error message) is the one the client gets. Duplicate keys behave as in `json.loads`: the last
+``model`` wins, and that is the one replaced for an alias.
 """
 
 from __future__ import annotations
@@ -41,8 +47,52 @@ MIN_TOKENS = 1024
 #: Deeper nesting is left to `json.loads` (which refuses it past its recursion limit).
 MAX_DEPTH = 256
 
-#: A request body: bytes, or the buffer a large one was read into.
-Body = bytes | bytearray
+
+class Pieces:
+    """A large body as the pieces it arrived in; they go to the engine as they are."""
+
+    __slots__ = ("parts", "size")
+
+    def __init__(self, parts: list[bytes]) -> None:
+        self.parts = parts
+        self.size = sum(map(len, parts))
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.parts)
+
+    def replace(self, start: int, end: int, value: bytes) -> Pieces:
+        """These pieces with bytes ``[start, end)`` replaced by `value` (only the pieces that
+        hold the boundaries are cut; the others are shared)."""
+        out: list[bytes] = []
+        at = 0
+        placed = False
+        for part in self.parts:
+            a, b = at, at + len(part)
+            at = b
+            if b <= start or a >= end:  # wholly outside the replaced range
+                if a >= end and not placed:
+                    out.append(value)
+                    placed = True
+                out.append(part)
+                continue
+            if a < start:
+                out.append(part[: start - a])
+            if not placed:
+                out.append(value)
+                placed = True
+            if b > end:
+                out.append(part[end - a :])
+        if not placed:
+            out.append(value)
+        return Pieces([p for p in out if p])
+
+
+#: A request body: bytes, or a large one as the pieces it arrived in.
+Body = bytes | bytearray | Pieces
+
 
 _TOKEN = re.compile(
     rb"[ \t\n\r]*(?:"
@@ -95,65 +145,139 @@ class Found:
             if self.model == name:
                 return body
             start, end = self.span
-            return body[:start] + value + body[end:]
-        member = b'"model":' + value + (b"" if self.empty else b",")
-        return body[: self.brace + 1] + member + body[self.brace + 1 :]
+        else:
+            value = b'"model":' + value + (b"" if self.empty else b",")
+            start = end = self.brace + 1
+        if isinstance(body, Pieces):
+            return body.replace(start, end, value)
+        return body[:start] + value + body[end:]
 
 
-def scan(body: Body, ascii: bool | None = None) -> Found | None:
+def scan(body: bytes | bytearray) -> Found | None:
     """The top-level ``model`` of a JSON object, found without decoding the document; None
-    when the scan cannot decide (then parse the body with `json.loads`). `ascii`: whether the
-    body is known to be ASCII (else it is checked here)."""
-    s = Scan(body)
-    s.feed(len(body))
-    return s.result(ascii)
+    when the scan cannot decide (then parse the body with `json.loads`)."""
+    return Scan(len(body), body).result()
+
+
+#: What the scan asks of `Scan.feed` when it waits: more of the body (None), or, inside a long
+#: string, the body from that string's closing quote on (`_SKIP`).
+_SKIP = 1
 
 
 class Scan:
-    """`scan`, done piece by piece while the body arrives into `buf` (of `total` bytes): each
-    `feed` walks what has come so far, so little is left to walk once the last piece is in.
-    A token that ends where the data so far ends is read again once more has come (``12`` may
-    be the start of ``123``), and so is one with `_SETTLED` bytes or fewer after it (``1.``
-    may be the start of ``1.5``)."""
+    """`scan`, done piece by piece while a body of `total` bytes arrives: each `feed` walks
+    what has come so far, so little is left to walk once the last piece is in.
 
-    __slots__ = ("_buf", "_done", "_found", "_gen", "_total")
+    What the scan walks is copied into a window; the inside of a long string is not (once a
+    string is `CHECK_STRINGS_BELOW` long, `feed` finds its closing quote in the pieces
+    themselves, counting the backslashes before each quote across pieces), so the window holds
+    the document's structure and at most a piece of each long string. Positions found in the
+    window are mapped back to the body's (`_holes`). A token that ends where the data so far
+    ends is read again once more has come (``12`` may be the start of ``123``), and so is one
+    with `_SETTLED` bytes or fewer after it (``1.`` may be the start of ``1.5``)."""
 
-    def __init__(self, buf: Body, total: int | None = None) -> None:
-        self._buf = buf
-        self._total = len(buf) if total is None else total
-        self._gen = _scanner(buf, self._total)
+    __slots__ = ("_carry", "_done", "_found", "_gen", "_got", "_holes", "_longs", "_skipping",
+                 "_total", "_win")  # fmt: skip
+
+    def __init__(self, total: int, whole: bytes | bytearray | None = None) -> None:
+        """`whole`: the whole body at once (scanned where it lies, not copied)."""
+        self._total = total
+        self._win: bytes | bytearray = bytearray() if whole is None else whole
+        #: (window index, bytes of the body left out before it), one per skipped long string.
+        self._holes: list[tuple[int, int]] = []
+        #: Window spans of long strings' contents, not checked for UTF-8.
+        self._longs: list[tuple[int, int]] = []
+        self._skipping = False
+        self._carry = 0  # backslashes that ended the skipped part so far
+        self._got = 0
         self._done = False
         self._found: Found | None = None
+        self._gen = _scanner(self._win, total, self._longs)
         next(self._gen)  # runs to its first wait for data
+        if whole is not None:
+            self._got = len(whole)
+            self._send(True)
 
-    def feed(self, avail: int) -> None:
-        """The first `avail` bytes of the buffer are in."""
+    def feed(self, piece: bytes) -> None:
+        """The next piece of the body."""
+        self._got += len(piece)
         if self._done:
             return
+        final = self._got >= self._total
+        if self._skipping:
+            q = self._close(piece)
+            if q < 0:
+                if final:  # the string never closes
+                    self._done = True
+                return
+            skipped = self._got - len(piece) + q - self._abs(len(self._win))
+            self._holes.append((len(self._win), skipped))
+            self._skipping = False
+            piece = piece[q:] if q else piece
+        self._win += piece  # a bytearray while pieces come (bytes only when whole)
+        self._send(final)
+
+    def _send(self, final: bool) -> None:
         try:
-            self._gen.send(avail)
+            asked = self._gen.send((len(self._win), final))
         except StopIteration as stop:
             self._done, self._found = True, stop.value
+            return
         except (_Undecided, ValueError):  # ValueError: a bad string (JSONDecodeError), UTF-8
             self._done = True
+            return
+        if asked == _SKIP:  # inside a long string: what follows is searched, not copied
+            self._skipping = True
+            win = self._win
+            k = len(win) - 1
+            while win[k] == _BACKSLASH:
+                k -= 1
+            self._carry = len(win) - 1 - k
 
-    def result(self, ascii: bool | None = None) -> Found | None:
-        """What the scan found once the whole body is in (`feed` of its length); None: not
-        decided. `ascii`: whether the body is known to be ASCII (else it is checked here)."""
-        if not self._done:
-            self.feed(self._total)
-        if self._found is None:
+    def _close(self, piece: bytes) -> int:
+        """Where the skipped string's closing quote is in `piece` (-1: not in it)."""
+        j = piece.find(b'"')
+        while j >= 0:
+            k = j - 1
+            while k >= 0 and piece[k] == _BACKSLASH:
+                k -= 1
+            run = j - 1 - k + (self._carry if k < 0 else 0)
+            if run % 2 == 0:
+                return j
+            j = piece.find(b'"', j + 1)
+        k = len(piece) - 1
+        while k >= 0 and piece[k] == _BACKSLASH:
+            k -= 1
+        self._carry = len(piece) - 1 - k + (self._carry if k < 0 else 0)
+        return -1
+
+    def _abs(self, i: int) -> int:
+        """The body's index of window index `i`."""
+        return i + sum(skipped for at, skipped in self._holes if at <= i)
+
+    def result(self) -> Found | None:
+        """What the scan found once the whole body is in; None: not decided."""
+        if not self._done or self._found is None:
             return None
-        b = self._buf
-        if not (b.isascii() if ascii is None else ascii):
-            try:
-                b.decode("utf-8")  # json.loads then gives its own error
-            except UnicodeDecodeError:
-                return None
-        return self._found
+        win = self._win
+        at = 0
+        for a, b in [*self._longs, (len(win), len(win))]:  # UTF-8 outside long strings
+            part = win[at:a]
+            if not part.isascii():
+                try:
+                    part.decode("utf-8")  # json.loads then gives its own error
+                except UnicodeDecodeError:
+                    return None
+            at = b
+        found = self._found
+        if self._holes:
+            found.brace = self._abs(found.brace)
+            if found.span is not None:
+                found.span = (self._abs(found.span[0]), self._abs(found.span[1] - 1) + 1)
+        return found
 
 
-def _string_end(b: Body, i: int, avail: int) -> int:
+def _string_end(b: bytes | bytearray, i: int, avail: int) -> int:
     """For a string whose contents started before `i` (with no closing quote before `i`):
     the index after its closing quote (the first quote after an even run of backslashes),
     or -1 when it is not in ``b[:avail]``."""
@@ -168,23 +292,27 @@ def _string_end(b: Body, i: int, avail: int) -> int:
     return -1
 
 
-def _decode(b: Body, start: int, end: int) -> str:
+def _decode(b: bytes | bytearray, start: int, end: int) -> str:
     """The string token at b[start:end] (quotes included), decoded and checked by json."""
     value, _ = _scanstring(b[start:end].decode("utf-8"), 1, True)
     return str(value)
 
 
-def _scanner(b: Body, total: int) -> Generator[None, int, Found]:
-    """The scan as a generator: sent how many bytes of `b` are in, it walks them and waits
-    for more (yields) until the object has closed and all `total` bytes have come; raises
-    `_Undecided` (or ValueError) when it cannot decide."""
-    avail = yield
+def _scanner(
+    b: bytes | bytearray, total: int, longs: list[tuple[int, int]]
+) -> Generator[int | None, tuple[int, bool], Found]:
+    """The scan as a generator over the window `b`: sent how much of it is in and whether
+    that is all, it walks it and waits for more (yields None) until the object has closed and
+    the body has ended; inside a long string it yields `_SKIP`, and is then sent the window
+    with the string's closing quote where the window had ended. Notes the spans of long
+    strings' contents in `longs`. Raises `_Undecided` (or ValueError) when it cannot decide."""
+    avail, final = yield None
     pos = 0
     while True:  # the opening brace
         m = _TOKEN.match(b, pos, avail)
-        if (m is not None and m.end() + _SETTLED < avail) or avail >= total:
+        if (m is not None and m.end() + _SETTLED < avail) or final:
             break
-        avail = yield
+        avail, final = yield None
     if m is None or m.lastindex != 1 or b[m.end() - 1] != _LBRACE:
         raise _Undecided
     pos = m.end()
@@ -200,9 +328,9 @@ def _scanner(b: Body, total: int) -> Generator[None, int, Found]:
     for _ in range(MIN_TOKENS + total // BYTES_PER_TOKEN):
         while True:
             m = _TOKEN.match(b, pos, avail)
-            if (m is not None and m.end() + _SETTLED < avail) or avail >= total:
+            if (m is not None and m.end() + _SETTLED < avail) or final:
                 break
-            avail = yield
+            avail, final = yield None
         if m is None:
             raise _Undecided
         pos = m.end()
@@ -212,11 +340,18 @@ def _scanner(b: Body, total: int) -> Generator[None, int, Found]:
             start = pos - 1
             end = _string_end(b, pos, avail)
             while end < 0:
-                if avail >= total:
+                if final:
                     raise _Undecided
-                searched, avail = avail, (yield)
+                searched = avail
+                if avail - start >= CHECK_STRINGS_BELOW and not is_model:
+                    avail, final = yield _SKIP  # its closing quote is now at `searched`
+                    end = searched + 1
+                    break
+                avail, final = yield None
                 end = _string_end(b, searched, avail)
             pos = end
+            if pos - start >= CHECK_STRINGS_BELOW:
+                longs.append((start + 1, pos - 1))
         if state == _COMMA_OR_END:
             top = stack[-1]
             if c == _COMMA:
@@ -277,11 +412,12 @@ def _scanner(b: Body, total: int) -> Generator[None, int, Found]:
             raise _Undecided
     else:
         raise _Undecided  # too many tokens for the body's size
-    while avail < total:  # the object has closed: only whitespace may follow
+    while not final:  # the object has closed: only whitespace may follow
         if _END.match(b, pos, avail) is None:
             raise _Undecided
-        pos, avail = avail, (yield)
-    if _END.match(b, pos) is None:
+        pos = avail
+        avail, final = yield None
+    if _END.match(b, pos, avail) is None:
         raise _Undecided
     return Found(model, span, brace, empty, stream)
 
@@ -319,30 +455,29 @@ class Parsed:
         return json.dumps(data).encode()
 
 
-def model_of(
-    body: Body, forced: str | None = None, ascii: bool | None = None, scanned: Scan | None = None
-) -> Parsed:
-    """The body's ``model`` (or `forced`); `BadRequest` for anything unusable. `ascii`: whether
-    the body is known to be ASCII, and `scanned`: its scan, fed while it arrived (the reader
-    does both piece by piece, while the pieces are hot)."""
+def model_of(body: Body, forced: str | None = None, scanned: Scan | None = None) -> Parsed:
+    """The body's ``model`` (or `forced`); `BadRequest` for anything unusable. `scanned`: the
+    body's scan, fed piece by piece while it arrived."""
     if not body:
         raise BadRequest("the request body is empty; expected a JSON object")
     if scanned is not None:
-        found = scanned.result(ascii)
+        found = scanned.result()
+    elif len(body) >= SCAN_MIN_BYTES:
+        found = scan(bytes(body) if isinstance(body, Pieces) else body)
     else:
-        found = scan(body, ascii) if len(body) >= SCAN_MIN_BYTES else None
+        found = None
     data: dict[str, Any] | None = None
     if found is not None:
         model: Any = forced or found.model
     else:
-        data = _parse(body)
+        data = _parse(bytes(body) if isinstance(body, Pieces) else body)
         model = forced or data.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required and must be a non-empty string", param="model")
     return Parsed(body, model, data, found)
 
 
-def _parse(body: Body) -> dict[str, Any]:
+def _parse(body: bytes | bytearray) -> dict[str, Any]:
     try:
         data = json.loads(body)
     except (ValueError, UnicodeDecodeError) as err:

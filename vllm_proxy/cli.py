@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     import uvloop
 
+    from . import heap
     from .app import check_memory, serve
 
     if args.check:
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.config}: OK, {len(config.models)} model(s); GPU memory: {memory}")
         return 0
 
+    heap.tune()
     try:
         return uvloop.run(serve(config, args.config, overrides))
     except ConfigError as err:  # found at start-up, e.g. a model larger than any GPU

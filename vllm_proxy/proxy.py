@@ -363,8 +363,8 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        body, ascii, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s)
-        parsed = model_of(body, forced, ascii, scanned)
+        body, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s)
+        parsed = model_of(body, forced, scanned)
         model = self.manager.resolve(parsed.model)
         body = parsed.body_for(model.name)
         tap.model = model.name

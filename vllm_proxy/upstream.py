@@ -21,6 +21,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
+from .body import Body, Pieces
+
 log = logging.getLogger(__name__)
 
 #: Idle keep-alive connections older than this are closed (uvicorn closes them after 5 s).
@@ -412,7 +414,7 @@ class UpstreamPool:
         method: str,
         path: str,
         headers: Iterable[tuple[str, str]],
-        body: bytes | bytearray,
+        body: Body,
         timeout: float,
         share: str = "",
     ) -> UpstreamResponse:
@@ -429,7 +431,9 @@ class UpstreamPool:
             resp = UpstreamResponse(conn, self, slot)
             conn.start(resp)
             assert conn.transport is not None
-            if body:  # one call for head and body; (head, b"") breaks writelines on 3.12
+            if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
+                conn.transport.writelines((head, *body.parts))
+            elif body:  # one call for head and body; (head, b"") breaks writelines on 3.12
                 conn.transport.writelines((head, body))
             else:
                 conn.transport.write(head)
