@@ -9,7 +9,8 @@ import pytest
 from aiohttp import web
 from conftest import free_port, wait_for
 
-from vllm_proxy.upstream import HIGH_WATER, NoSlot, UpstreamError, UpstreamPool
+from vllm_proxy.body import Pieces
+from vllm_proxy.upstream import HIGH_WATER, NoSlot, UpstreamError, UpstreamPool, _after
 
 
 class Upstream:
@@ -55,7 +56,7 @@ class Upstream:
 @pytest.fixture
 async def upstream() -> AsyncIterator[Upstream]:
     up = Upstream()
-    app = web.Application()
+    app = web.Application(client_max_size=64 * 1024 * 1024)  # the large-body test
     app.router.add_post("/echo", up.echo)
     app.router.add_post("/stream", up.stream)
     app.router.add_post("/big", up.big)
@@ -79,6 +80,31 @@ async def test_keep_alive_connection_is_reused(upstream: Upstream) -> None:
         resp.release()
     assert len(set(upstream.peers)) == 1
     pool.close()
+
+
+async def test_a_body_larger_than_the_socket_takes_at_once_arrives_whole(
+    upstream: Upstream,
+) -> None:
+    """A new connection sends the request from its socket before the loop has a transport
+    for it; what the socket does not take then (here most of 24 MB, in pieces) the transport
+    sends after. On a pooled connection it all goes through the transport."""
+    parts = [bytes([i]) * (256 * 1024 + i) for i in range(96)]
+    body = Pieces(parts)
+    pool = UpstreamPool(limit=8)
+    for _ in range(2):  # new, then pooled
+        resp = await pool.request(upstream.port, "POST", "/echo", [], body, 30)
+        assert resp.status == 200
+        assert await resp.read_all(30) == b"".join(parts)
+        resp.release()
+    assert len(set(upstream.peers)) == 1
+
+
+def test_what_is_left_after_a_partial_send() -> None:
+    parts = (b"head", b"", b"0123456789", b"xyz")
+    assert [bytes(p) for p in _after(parts, 0)] == [b"head", b"0123456789", b"xyz"]
+    assert [bytes(p) for p in _after(parts, 6)] == [b"23456789", b"xyz"]
+    assert [bytes(p) for p in _after(parts, 14)] == [b"xyz"]
+    assert _after(parts, 17) == []
 
 
 async def test_stream_chunks_arrive_as_sent(upstream: Upstream) -> None:

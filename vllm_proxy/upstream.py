@@ -16,6 +16,8 @@ import asyncio
 import collections
 import errno
 import logging
+import os
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 
@@ -30,6 +32,9 @@ IDLE_TIMEOUT_S = 4.0
 MAX_IDLE_PER_PORT = 256
 #: Socket reads pause while this much body is buffered, and resume below the low mark.
 HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
+#: At most this many buffers go in the first send on a new connection (the system's limit
+#: on one call is 1024); the transport sends the rest.
+EARLY_PARTS = 256
 #: Bounds on an engine's response head (its count of fields, and bytes in all of them).
 MAX_HEADERS, MAX_HEADER_BYTES = 128, 64 * 1024
 
@@ -425,18 +430,23 @@ class UpstreamPool:
         engine may have started the generation).
         """
         head = _head(method, path, port, headers, len(body))
+        if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
+            parts: tuple[bytes | bytearray, ...] = (head, *body.parts)
+        else:
+            parts = (head, body) if body else (head,)
         slot = await self._take(share)
         try:
-            conn = await self._connect(port)
-            resp = UpstreamResponse(conn, self, slot)
-            conn.start(resp)
-            assert conn.transport is not None
-            if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
-                conn.transport.writelines((head, *body.parts))
-            elif body:  # one call for head and body; (head, b"") breaks writelines on 3.12
-                conn.transport.writelines((head, body))
+            conn = self._pooled(port)
+            if conn is None:
+                conn = _Conn(port)
+                resp = UpstreamResponse(conn, self, slot)
+                conn.start(resp)  # before the socket is read: the answer may come at once
+                await self._open(conn, parts)
             else:
-                conn.transport.write(head)
+                resp = UpstreamResponse(conn, self, slot)
+                conn.start(resp)
+                assert conn.transport is not None
+                conn.transport.writelines(parts)
             try:
                 await resp.wait_headers(timeout)
                 return resp
@@ -447,9 +457,8 @@ class UpstreamPool:
             slot.release()
             raise
 
-    async def _connect(self, port: int) -> _Conn:
-        """An open pooled connection to `port`, else a new one (nothing has been written yet,
-        so trying the next is safe)."""
+    def _pooled(self, port: int) -> _Conn | None:
+        """An open pooled connection to `port`, if there is one."""
         idle = self._idle.get(port)
         now = time.monotonic()
         while idle:
@@ -463,18 +472,57 @@ class UpstreamPool:
             ):
                 return conn
             conn.close()
+        return None
+
+    async def _open(self, conn: _Conn, parts: tuple[bytes | bytearray, ...]) -> None:
+        """Connect `conn` to its engine and send it `parts`.
+
+        The request goes out from the socket before the event loop has a transport for it:
+        on loopback the handshake is done when ``connect`` returns, so the engine has the
+        request (or as much of it as the socket takes; the transport sends the rest) at once,
+        not after the loop iterations that making a transport takes (two, each as long as
+        the loop's work for every other stream: a new stream waited tens of ms for them
+        with 2,000 streams open)."""
         loop = asyncio.get_running_loop()
+        port = conn.port
         try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for runs the connect in a task of its
-            # own, two more loop iterations before a new stream's request can go out.
-            async with asyncio.timeout(self.connect_timeout_s):
-                _, proto = await loop.create_connection(lambda: _Conn(port), "127.0.0.1", port)
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         except OSError as err:
-            if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
-                log.error("out of file descriptors: cannot open a connection to an engine")
-                raise NoSlot("the proxy is out of file descriptors") from None
-            raise UpstreamError(f"cannot connect to the engine on port {port}: {err}") from None
-        return proto
+            raise self._connect_error(port, err) from None
+        try:
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # asyncio.timeout, not wait_for: on 3.11 wait_for runs its awaitable in a task of
+            # its own, two more loop iterations before a new stream's request can go out.
+            async with asyncio.timeout(self.connect_timeout_s):
+                code = sock.connect_ex(("127.0.0.1", port))
+                if code == errno.EINPROGRESS:
+                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                    if code == 0 and not _connected(sock):  # not done yet: the loop waits
+                        await loop.sock_connect(sock, ("127.0.0.1", port))
+                if code:
+                    raise OSError(code, os.strerror(code))
+                try:
+                    sent = sock.sendmsg(parts[:EARLY_PARTS])
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                await loop.create_connection(lambda: conn, sock=sock)
+        except BaseException as err:
+            sock.close()
+            if isinstance(err, OSError):
+                raise self._connect_error(port, err) from None
+            raise
+        rest = _after(parts, sent)
+        if rest:
+            assert conn.transport is not None
+            conn.transport.writelines(rest)
+
+    @staticmethod
+    def _connect_error(port: int, err: OSError) -> Exception:
+        if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
+            log.error("out of file descriptors: cannot open a connection to an engine")
+            return NoSlot("the proxy is out of file descriptors")
+        return UpstreamError(f"cannot connect to the engine on port {port}: {err}")
 
     def _release(self, conn: _Conn, reusable: bool, slot: asyncio.Semaphore) -> None:
         slot.release()
@@ -494,6 +542,26 @@ class UpstreamPool:
             for conn in idle:
                 conn.close()
         self._idle.clear()
+
+
+def _connected(sock: socket.socket) -> bool:
+    try:
+        sock.getpeername()
+    except OSError:
+        return False
+    return True
+
+
+def _after(parts: tuple[bytes | bytearray, ...], sent: int) -> list[bytes | bytearray | memoryview]:
+    """What is left of `parts` once their first `sent` bytes have gone."""
+    rest: list[bytes | bytearray | memoryview] = []
+    for part in parts:
+        if sent >= len(part):
+            sent -= len(part)
+        else:
+            rest.append(memoryview(part)[sent:] if sent else part)
+            sent = 0
+    return rest
 
 
 def _head(
