@@ -422,3 +422,51 @@ def test_the_heap_keeps_pages_for_the_next_large_body() -> None:
     assert out.returncode == 0, out.stderr
     faults = int(out.stdout)
     assert faults < 100, f"{faults} page faults for five 10 MB bodies: the heap gave pages back"
+
+
+def test_whitespace_pending_across_pieces_is_walked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A megabyte of spaces arriving in small pieces: while the scan waits for the next
+    token, the spaces already in are passed for good, so the regexes are offered each byte
+    about once (not the whole run again per piece, which took 36 s of the event loop)."""
+    offered = [0]
+
+    class Counting:
+        def __init__(self, pattern: Any) -> None:
+            self.pattern = pattern
+
+        def match(self, b: Any, pos: int = 0, endpos: int = 2**62) -> Any:
+            offered[0] += min(endpos, len(b)) - pos
+            return self.pattern.match(b, pos, endpos)
+
+    monkeypatch.setattr(body_mod, "_TOKEN", Counting(body_mod._TOKEN))
+    monkeypatch.setattr(body_mod, "_SPACE", Counting(body_mod._SPACE))
+    for doc in (
+        b'{"model": "m",' + b" " * 1_000_000 + b'"a": 1}',
+        b" " * 1_000_000 + b'{"model": "m"}',
+        b'{"model": "m"}' + b"\n" * 1_000_000,
+    ):
+        offered[0] = 0
+        found = scan_in_pieces(doc, list(range(1460, len(doc), 1460)))
+        assert found is not None and found.model == "m"
+        assert offered[0] < 3 * len(doc), f"{offered[0]:,} bytes offered for {len(doc):,}"
+
+
+def test_a_number_still_open_after_a_kilobyte_is_left_to_the_parser() -> None:
+    doc = b'{"n": 1' + b"0" * 5000 + b', "model": "m"}' + b" " * SCAN_MIN_BYTES
+    assert scan_in_pieces(doc, list(range(100, len(doc), 100))) is None
+    assert model_of(Pieces([doc])).model == "m", "json.loads reads it"
+
+
+def test_a_scan_answers_once_and_keeps_only_its_answer() -> None:
+    image = b"QUJD" * (CHECK_STRINGS_BELOW // 2)
+    doc = b'{"messages": "%s", "model": "alias"}' % image
+    s = Scan(len(doc))
+    for i in range(0, len(doc), 8000):
+        s.feed(doc[i : i + 8000])
+    first = s.result()
+    assert first is not None and first.span is not None
+    assert doc[first.span[0] : first.span[1]] == b'"alias"'
+    again = s.result()
+    assert again is first and again.span == first.span, "asking twice changes nothing"
+    s.feed(b"late")  # after the answer: ignored
+    assert s.result() is first

@@ -107,6 +107,11 @@ _scanstring: Any = json.decoder.scanstring  # type: ignore[attr-defined]
 #: A token is read as final only with more than this many bytes after it in: ``1.`` and
 #: ``1e+`` read as the number ``1`` until the digit after them has come.
 _SETTLED = 2
+#: While waiting for more of the body, whitespace already in is passed for good (so a body
+#: padded with megabytes of it is walked once, not once per piece), and a token still open
+#: after this many bytes (a number of a thousand digits) is left to `json.loads`.
+_SPACE = re.compile(rb"[ \t\n\r]*")
+_PENDING_MAX = 1024
 
 _LBRACE, _RBRACE, _LBRACK, _RBRACK, _COMMA, _COLON = b"{}[],:"
 _BACKSLASH, _QUOTE = 0x5C, 0x22
@@ -176,8 +181,8 @@ class Scan:
     ends is read again once more has come (``12`` may be the start of ``123``), and so is one
     with `_SETTLED` bytes or fewer after it (``1.`` may be the start of ``1.5``)."""
 
-    __slots__ = ("_carry", "_done", "_found", "_gen", "_got", "_holes", "_longs", "_skipping",
-                 "_total", "_win")  # fmt: skip
+    __slots__ = ("_answered", "_carry", "_done", "_found", "_gen", "_got", "_holes", "_longs",
+                 "_skipping", "_total", "_win")  # fmt: skip
 
     def __init__(self, total: int, whole: bytes | bytearray | None = None) -> None:
         """`whole`: the whole body at once (scanned where it lies, not copied)."""
@@ -191,6 +196,7 @@ class Scan:
         self._carry = 0  # backslashes that ended the skipped part so far
         self._got = 0
         self._done = False
+        self._answered = False
         self._found: Found | None = None
         self._gen = _scanner(self._win, total, self._longs)
         next(self._gen)  # runs to its first wait for data
@@ -256,10 +262,16 @@ class Scan:
         return i + sum(skipped for at, skipped in self._holes if at <= i)
 
     def result(self) -> Found | None:
-        """What the scan found once the whole body is in; None: not decided."""
-        if not self._done or self._found is None:
+        """What the scan found once the whole body is in; None: not decided. Once called, the
+        scan keeps only its answer (its window is let go)."""
+        if self._answered:
+            return self._found
+        self._answered = self._done = True
+        self._gen.close()
+        win, self._win = self._win, b""
+        found, self._found = self._found, None
+        if found is None:
             return None
-        win = self._win
         at = 0
         for a, b in [*self._longs, (len(win), len(win))]:  # UTF-8 outside long strings
             part = win[at:a]
@@ -269,11 +281,11 @@ class Scan:
                 except UnicodeDecodeError:
                     return None
             at = b
-        found = self._found
         if self._holes:
             found.brace = self._abs(found.brace)
             if found.span is not None:
                 found.span = (self._abs(found.span[0]), self._abs(found.span[1] - 1) + 1)
+        self._found = found
         return found
 
 
@@ -309,9 +321,12 @@ def _scanner(
     avail, final = yield None
     pos = 0
     while True:  # the opening brace
+        pos = _SPACE.match(b, pos, avail).end()  # type: ignore[union-attr]  # always matches
         m = _TOKEN.match(b, pos, avail)
         if (m is not None and m.end() + _SETTLED < avail) or final:
             break
+        if avail - pos > _PENDING_MAX:
+            raise _Undecided
         avail, final = yield None
     if m is None or m.lastindex != 1 or b[m.end() - 1] != _LBRACE:
         raise _Undecided
@@ -327,9 +342,12 @@ def _scanner(
     stream = False
     for _ in range(MIN_TOKENS + total // BYTES_PER_TOKEN):
         while True:
+            pos = _SPACE.match(b, pos, avail).end()  # type: ignore[union-attr]  # always matches
             m = _TOKEN.match(b, pos, avail)
             if (m is not None and m.end() + _SETTLED < avail) or final:
                 break
+            if avail - pos > _PENDING_MAX:  # a number this long: json.loads reads it
+                raise _Undecided
             avail, final = yield None
         if m is None:
             raise _Undecided
