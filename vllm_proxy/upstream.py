@@ -436,15 +436,13 @@ class UpstreamPool:
             parts = (head, body) if body else (head,)
         slot = await self._take(share)
         try:
-            conn = self._pooled(port)
-            if conn is None:
-                conn = _Conn(port)
-                resp = UpstreamResponse(conn, self, slot)
-                conn.start(resp)  # before the socket is read: the answer may come at once
+            pooled = self._pooled(port)
+            conn = pooled or _Conn(port)
+            resp = UpstreamResponse(conn, self, slot)
+            conn.start(resp)  # before a new socket is read: the answer may come at once
+            if pooled is None:
                 await self._open(conn, parts)
             else:
-                resp = UpstreamResponse(conn, self, slot)
-                conn.start(resp)
                 assert conn.transport is not None
                 conn.transport.writelines(parts)
             try:
