@@ -2,6 +2,10 @@
 """Has a change made the request path slower? Two revisions of vllm-proxy side by side.
 
     .venv/bin/python benchmarks/compare_revisions.py --base 65dc40e [--rounds 5] [--seconds 4]
+    .venv/bin/python benchmarks/compare_revisions.py --base c3f5d3c 7080263 382e35b  # bisect
+
+With several ``--base`` revisions, each runs beside the others in every round and every ratio
+is against the first: a regression is placed between two commits in one run.
 
 Checks the base revision out into a temporary git worktree and runs, in each round and for each
 revision in turn (the order alternating), vllm-proxy in front of the static nginx upstream
@@ -68,7 +72,9 @@ def measure(tree: Path, tmp: Path, seconds: float) -> dict[int, dict[str, float]
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--base", required=True, help="the revision to compare with (e.g. a commit)")
+    p.add_argument(
+        "--base", required=True, nargs="+", help="the revision(s) to compare with (e.g. commits)"
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
@@ -78,18 +84,21 @@ def main() -> int:
     ).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="vllm-proxy-compare-") as tmp_name:
         tmp = Path(tmp_name)
-        base_tree = tmp / "base"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", "-f", str(base_tree), args.base],
-            cwd=ROOT, check=True, capture_output=True,
-        )  # fmt: skip
+        trees: dict[str, Path] = {}
         try:
-            trees = {f"base {args.base}": base_tree, f"new {head} (+ work tree)": ROOT}
+            for i, rev in enumerate(args.base):
+                tree = tmp / f"base{i}"
+                subprocess.run(
+                    ["git", "worktree", "add", "--detach", "-f", str(tree), rev],
+                    cwd=ROOT, check=True, capture_output=True,
+                )  # fmt: skip
+                trees[f"base {rev}"] = tree
+            trees[f"new {head} (+ work tree)"] = ROOT
             results: Results = {k: [] for k in trees}
             for rnd in range(args.rounds):
                 order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
                 for name in order:
-                    work = tmp / f"r{rnd}-{name.split()[0]}"
+                    work = tmp / f"r{rnd}-{list(trees).index(name)}"
                     work.mkdir()
                     results[name].append(measure(trees[name], work, args.seconds))
                     r = results[name][-1]
@@ -98,10 +107,12 @@ def main() -> int:
                         + ", ".join(f"c={c} {r[c]['rps']:,.0f} req/s" for c in CONCURRENCY)
                     )
         finally:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(base_tree)],
-                cwd=ROOT, capture_output=True,
-            )  # fmt: skip
+            for tree in trees.values():
+                if tree != ROOT:
+                    subprocess.run(
+                        ["git", "worktree", "remove", "--force", str(tree)],
+                        cwd=ROOT, capture_output=True,
+                    )  # fmt: skip
     print_table(results, args)
     return 0
 
@@ -144,13 +155,16 @@ def table(results: Results, args: argparse.Namespace) -> list[str]:
             )
     out.append("")
     for c in CONCURRENCY:
-        base, new = med[(names[0], c)], med[(names[1], c)]
-        ratio, p50 = new["rps"] / base["rps"], new["p50"] / base["p50"]
-        cpu = new["cpu"] / base["cpu"]
-        out.append(
-            f"* c={c}: new/base throughput **{ratio:.2f}x**, p50 {p50:.2f}x, "
-            f"CPU per request {cpu:.2f}x"
-        )
+        base = med[(names[0], c)]
+        for name in names[1:]:
+            new = med[(name, c)]
+            ratio, p50 = new["rps"] / base["rps"], new["p50"] / base["p50"]
+            cpu = new["cpu"] / base["cpu"]
+            label = "new/base" if len(names) == 2 else f"{name.split()[1]}/{names[0].split()[1]}"
+            out.append(
+                f"* c={c}: {label} throughput **{ratio:.2f}x**, p50 {p50:.2f}x, "
+                f"CPU per request {cpu:.2f}x"
+            )
     cmd = " ".join(["benchmarks/compare_revisions.py", *sys.argv[1:]])
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.append("")

@@ -10,7 +10,14 @@ from aiohttp import web
 from conftest import free_port, wait_for
 
 from vllm_proxy.body import Pieces
-from vllm_proxy.upstream import HIGH_WATER, NoSlot, UpstreamError, UpstreamPool, _after
+from vllm_proxy.upstream import (
+    HIGH_WATER,
+    ClientRelay,
+    NoSlot,
+    UpstreamError,
+    UpstreamPool,
+    _after,
+)
 
 
 class Upstream:
@@ -137,19 +144,48 @@ async def test_silence_is_a_timeout(upstream: Upstream) -> None:
     pool.close()
 
 
-# -- relay: pieces handed to a sink from the read callback -------------------------------------
+# -- relay: pieces written to a client transport from the read callback ----------------------
+
+
+class Client:
+    """A client's transport as `ClientRelay` uses it: what is written, a buffer size to report,
+    and whether it is closing."""
+
+    def __init__(self, backed_after: int | None = None) -> None:
+        self.pieces: list[bytes] = []
+        self.backed_after = backed_after  # report a full buffer after this many writes
+        self.closing = False
+
+    def write(self, data: bytes) -> None:
+        self.pieces.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (16 * 1024, 64 * 1024)
+
+    def get_write_buffer_size(self) -> int:
+        if self.backed_after is not None and len(self.pieces) >= self.backed_after:
+            return 1024 * 1024
+        return 0
+
+
+def relay_to(client: Client, chunked: bool = False, tail_after: bytes = b"") -> ClientRelay:
+    return ClientRelay(client, chunked, tail_after)  # type: ignore[arg-type]
 
 
 async def no_drain() -> None:
-    raise AssertionError("the sink never asked for a drain")
+    raise AssertionError("the relay never asked for a drain")
 
 
 async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/halves", [], b"", 5)
-    pieces: list[bytes] = []
-    await resp.relay(lambda data: pieces.append(data) is not None, no_drain, 5)
+    client = Client()
+    await resp.relay(relay_to(client), no_drain, 5)
     resp.release()
+    pieces = client.pieces
     # What arrives is handed on at once: the first half of an event goes before the engine
     # has sent the rest; the bytes are the engine's, in order.
     assert pieces[0] == b'data: {"n": 0, ' and len(pieces) >= 4
@@ -160,10 +196,41 @@ async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) ->
     pool.close()
 
 
-async def test_relay_stops_reading_while_the_sink_is_backed_up(upstream: Upstream) -> None:
+async def test_relay_frames_chunks_and_notes_bytes_first_write_and_tail(
+    upstream: Upstream,
+) -> None:
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/stream?n=3", [], b"", 5)
+    client = Client()
+    relay = relay_to(client, chunked=True, tail_after=b"data: ")
+    await resp.relay(relay, no_drain, 5)
+    resp.release()
+    events = [b"data: %d\n\n" % i for i in range(3)]
+    assert client.pieces == [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
+    assert relay.bytes == sum(map(len, events))
+    assert relay.written == sum(map(len, client.pieces))
+    assert relay.first_at is not None
+    assert relay.tail == b"2\n\n", "what follows the last marker"
+    pool.close()
+
+
+def test_relay_tail_follows_the_marker_across_writes_and_is_bounded() -> None:
+    client = Client()
+    relay = relay_to(client, tail_after=b'"usage":')
+    relay.send(b'data: {"use": 1}\n\n')  # not the marker
+    assert relay.tail == b""
+    relay.send(b'data: {"usage":{"prompt_tokens":')
+    relay.send(b'3,"completion_tokens":4}}\n\n')
+    assert relay.tail == b'{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    relay.send(b"x" * ClientRelay.TAIL_MAX)
+    relay.send(b"y" * 100)
+    assert len(relay.tail) < 2 * ClientRelay.TAIL_MAX and not relay.tail.endswith(b"y")
+
+
+async def test_relay_stops_reading_while_the_client_is_backed_up(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/stream?n=4&delay=0.02", [], b"", 5)
-    pieces: list[bytes] = []
+    client = Client(backed_after=1)
     drained = asyncio.Event()
     drains = 0
 
@@ -171,15 +238,16 @@ async def test_relay_stops_reading_while_the_sink_is_backed_up(upstream: Upstrea
         nonlocal drains
         drains += 1
         await drained.wait()
+        client.backed_after = None
 
-    relay = asyncio.ensure_future(resp.relay(lambda d: pieces.append(d) is None, drain, 5))
+    relay = asyncio.ensure_future(resp.relay(relay_to(client), drain, 5))
     await wait_for(upstream.finished.is_set, what="the engine wrote every event")
     await wait_for(lambda: drains == 1, what="a drain asked for")
-    assert pieces == [b"data: 0\n\n"], "nothing read while the sink was backed up"
+    assert client.pieces == [b"data: 0\n\n"], "nothing read while the client was backed up"
     drained.set()
     await asyncio.wait_for(relay, 5)
     resp.release()
-    assert b"".join(pieces) == b"".join(b"data: %d\n\n" % i for i in range(4))
+    assert b"".join(client.pieces) == b"".join(b"data: %d\n\n" % i for i in range(4))
     pool.close()
 
 
@@ -187,28 +255,28 @@ async def test_relay_times_out_on_silence_not_on_length(upstream: Upstream) -> N
     pool = UpstreamPool(limit=8)
     # 8 events 0.1 s apart: the whole stream takes longer than the timeout, no gap does.
     resp = await pool.request(upstream.port, "POST", "/stream?n=8&delay=0.1", [], b"", 5)
-    pieces: list[bytes] = []
-    await resp.relay(lambda d: pieces.append(d) is not None, no_drain, 0.5)
+    client = Client()
+    await resp.relay(relay_to(client), no_drain, 0.5)
     resp.release()
-    assert len(pieces) == 8
+    assert len(client.pieces) == 8
     resp = await pool.request(upstream.port, "POST", "/stream?n=2&delay=5", [], b"", 5)
-    pieces.clear()
+    client = Client()
     with pytest.raises(TimeoutError):
-        await resp.relay(lambda d: pieces.append(d) is not None, no_drain, 0.3)
-    assert pieces == [b"data: 0\n\n"]
+        await resp.relay(relay_to(client), no_drain, 0.3)
+    assert client.pieces == [b"data: 0\n\n"]
     resp.release()
     pool.close()
 
 
-async def test_what_the_sink_raises_ends_the_relay_and_the_request(upstream: Upstream) -> None:
+async def test_a_gone_client_ends_the_relay_and_the_request(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/stream?n=1000&delay=0.02", [], b"", 5)
-
-    def sink(data: bytes) -> bool:
-        raise ConnectionResetError("client gone")
-
-    with pytest.raises(ConnectionResetError, match="client gone"):
-        await resp.relay(sink, no_drain, 5)
+    client = Client()
+    relay = asyncio.ensure_future(resp.relay(relay_to(client), no_drain, 5))
+    await wait_for(lambda: len(client.pieces) >= 2, what="two events relayed")
+    client.closing = True
+    with pytest.raises(ConnectionResetError, match="client closed"):
+        await asyncio.wait_for(relay, 5)
     resp.release()  # not read to its end: the engine connection closes, the engine aborts
     await wait_for(upstream.cancelled.is_set, what="upstream handler cancelled")
     pool.close()

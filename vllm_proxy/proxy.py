@@ -42,7 +42,7 @@ from .intake import read_body, too_large
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
-from .upstream import NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
+from .upstream import ClientRelay, NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +127,10 @@ class _Series:
     completion: Any
 
 
+#: What precedes the token counts in a response (the last such object is the final one).
+USAGE = b'"usage":'
+
+
 class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
@@ -144,11 +148,19 @@ class Tap:
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
-        i = chunk.rfind(b'"usage":')
+        i = chunk.rfind(USAGE)
         if i >= 0:
-            self.usage = chunk[i + 8 :]
-        elif self.usage and len(self.usage) < 8192:
+            self.usage = chunk[i + len(USAGE) :]
+        elif self.usage and len(self.usage) < ClientRelay.TAIL_MAX:
             self.usage += chunk
+
+    def relayed(self, relay: ClientRelay) -> None:
+        """Take what a stream's relay noted (it does `feed`'s work as it writes)."""
+        if relay.first_at is not None and self.first_byte is None:
+            self.first_byte = relay.first_at
+        self.bytes += relay.bytes
+        if relay.tail:
+            self.usage = relay.tail
 
     def tokens(self) -> tuple[int, int] | None:
         """(prompt, completion) tokens from the last usage object seen, if any."""
@@ -164,43 +176,6 @@ class Tap:
 
 _DECODER = json.JSONDecoder()
 TAP = web.RequestKey("tap", Tap)
-
-
-class _ClientSink:
-    """Writes relayed pieces of a stream straight to the client's transport, framed as the
-    response's own writer would (HTTP/1.1 chunks, or raw for an HTTP/1.0 client), and says
-    when the client's socket buffer is past its high-water mark. Only for a prepared response
-    whose writer has no compression and no length (an SSE stream). Called once per event read
-    from the engine, so it does its bookkeeping inline (`Tap.feed`'s included)."""
-
-    __slots__ = ("chunked", "high", "tap", "transport", "writer")
-
-    def __init__(self, transport: asyncio.Transport, writer: Any, tap: Tap) -> None:
-        self.transport = transport
-        self.writer = writer
-        self.chunked = bool(writer.chunked)
-        self.tap = tap
-        # The transport pauses its protocol (aiohttp's writer then waits in drain()) past
-        # this many buffered bytes; the sink asks to stop reading the engine at the same mark.
-        self.high = transport.get_write_buffer_limits()[1]
-
-    def __call__(self, data: bytes) -> bool:
-        transport = self.transport
-        if transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
-        transport.write(frame)
-        self.writer.output_size += len(frame)
-        tap = self.tap
-        if tap.first_byte is None:
-            tap.first_byte = time.monotonic()
-        tap.bytes += len(data)
-        i = data.rfind(b'"usage":')  # as Tap.feed
-        if i >= 0:
-            tap.usage = data[i + 8 :]
-        elif tap.usage and len(tap.usage) < 8192:
-            tap.usage += data
-        return transport.get_write_buffer_size() > self.high
 
 
 def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
@@ -615,10 +590,14 @@ class Proxy:
         if writer is None or request.transport is None:  # the client left meanwhile
             tap.client_gone = True
             return resp
-        sink = _ClientSink(request.transport, writer, tap)
+        # Written to the client's transport directly, framed as the writer would (HTTP/1.1
+        # chunks, or raw for an HTTP/1.0 client): the writer of an SSE answer has no
+        # compression and no length. Its byte count is brought up to date at the end.
+        chunked = bool(getattr(writer, "chunked", False))  # aiohttp's StreamWriter has it
+        relay = ClientRelay(request.transport, chunked, tail_after=USAGE)
         timeout = inst.spec.read_timeout_s
         try:
-            await up.relay(sink, lambda: self._drain(request, writer), timeout)
+            await up.relay(relay, lambda: self._drain(request, writer), timeout)
         except TimeoutError:
             msg = f"model '{inst.name}': no data for {timeout:g}s"
             await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
@@ -630,6 +609,9 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
             tap.client_gone = True
             return resp  # the client left; the unread response closes the engine connection
+        finally:
+            tap.relayed(relay)
+            writer.output_size += relay.written
         await resp.write_eof()
         return resp
 

@@ -4,8 +4,9 @@ Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy do
 general-purpose client on its hottest path. This one writes the request head and body in one
 `write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
 over as they arrive, pausing the socket when the client reads slower than the engine writes.
-A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay`): what
-each read carries goes to the client at once, with no task switch and no timer per event.
+A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay` into a
+`ClientRelay`): what each read carries is written to the client's transport at once, with no
+task switch, no timer and two Python calls per event.
 A response that is not read to its end closes its connection: for vLLM that aborts the request.
 `aiohttp` still serves everything else (health polling, engine metrics).
 """
@@ -43,8 +44,57 @@ class UpstreamError(Exception):
     """The connection to the engine failed, or broke before the response was complete."""
 
 
-#: Takes a piece of the body; True when the consumer is backed up (stop reading for now).
-Sink = Callable[[bytes], bool]
+class ClientRelay:
+    """Where a relayed body goes: a client's transport, written to from the engine socket's
+    read callback, framed as HTTP/1.1 chunks (`chunked`) or raw (an HTTP/1.0 client, a body
+    the client's response frames itself).
+
+    `send` runs once per engine read, so it keeps its own bookkeeping for the caller to read
+    afterwards: the bytes passed on (`bytes`; `written` with the framing), when the first went
+    (`first_at`, `time.monotonic()`), and, with `tail_after`, what followed the last occurrence
+    of that marker (`tail`, bounded by `TAIL_MAX`; across reads while it is open): the
+    proxy's token counts come from a stream's final ``"usage":`` object this way.
+    """
+
+    __slots__ = ("bytes", "chunked", "first_at", "high", "tail", "tail_after", "transport",
+                 "written")  # fmt: skip
+
+    #: `tail` stops growing past this many bytes.
+    TAIL_MAX = 8192
+
+    def __init__(
+        self, transport: asyncio.Transport, chunked: bool, tail_after: bytes = b""
+    ) -> None:
+        self.transport = transport
+        self.chunked = chunked
+        self.tail_after = tail_after
+        # The transport pauses its protocol (a writer then waits in drain()) past this many
+        # buffered bytes; the relay stops reading the engine at the same mark.
+        self.high = transport.get_write_buffer_limits()[1]
+        self.bytes = self.written = 0
+        self.first_at: float | None = None
+        self.tail = b""
+
+    def send(self, data: bytes) -> bool:
+        """Write `data` to the client; True when its socket buffer is past the high-water mark
+        (stop reading the engine until drained). `ConnectionResetError` once the client is
+        gone."""
+        transport = self.transport
+        if transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
+        transport.write(frame)
+        self.written += len(frame)
+        self.bytes += len(data)
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        if self.tail_after:
+            i = data.rfind(self.tail_after)
+            if i >= 0:
+                self.tail = data[i + len(self.tail_after) :]
+            elif self.tail and len(self.tail) < self.TAIL_MAX:
+                self.tail += data
+        return transport.get_write_buffer_size() > self.high
 
 
 class UpstreamResponse:
@@ -52,9 +102,9 @@ class UpstreamResponse:
     (`relay`); `release()` when done."""
 
     __slots__ = (
-        "_backed", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_last",
-        "_loop", "_paused", "_pieces", "_pool", "_sink", "_sink_error", "_slot", "_timer",
-        "_waiter", "got_data", "headers", "keep_alive", "status", "until_close",
+        "_backed", "_buffered", "_chunks", "_clock", "_conn", "_done", "_error", "_head_bytes",
+        "_last", "_loop", "_paused", "_pieces", "_pool", "_relay", "_relay_error", "_slot",
+        "_timer", "_waiter", "headers", "keep_alive", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
@@ -62,7 +112,6 @@ class UpstreamResponse:
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.keep_alive = False
-        self.got_data = False
         #: No Content-Length and not chunked: the body ends when the engine closes.
         self.until_close = False
         self._head_bytes = 0
@@ -73,13 +122,15 @@ class UpstreamResponse:
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
         # While relaying: where body pieces go, whether it asked us to stop reading, what it
-        # raised, and when the engine last sent something (the silence timer's reference).
-        self._sink: Sink | None = None
+        # raised, and when the engine last sent something (the silence timer's reference, read
+        # from the loop's clock).
+        self._relay: ClientRelay | None = None
         self._pieces: list[bytes] = []  # parsed from the current socket read, not yet handed
         self._backed = False
-        self._sink_error: BaseException | None = None
+        self._relay_error: BaseException | None = None
         self._last = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._clock: Callable[[], float] = time.monotonic
         self._timer: asyncio.TimerHandle | None = None
 
     # -- fed by the protocol --------------------------------------------------------------
@@ -88,35 +139,55 @@ class UpstreamResponse:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _flush(self) -> None:
-        """Hand the body that one socket read carried (the parser appended its pieces to
-        `_pieces`) on in one piece: to the sink while relaying, one write to the client per
-        read with as many events as the engine's write put in it; else to the buffer that
-        `read_chunk` takes from, pausing the socket past `HIGH_WATER`."""
+    def _hand_on(self) -> None:
+        """What the parser took from one socket read goes on: relayed, or kept."""
+        if self._relay is not None:
+            self._relayed(self._relay)
+        else:
+            self._keep()
+
+    def _keep(self) -> None:
+        """Not relaying: the body that one socket read carried (the parser appended its pieces
+        to `_pieces`) goes, in one piece, to the buffer that `read_chunk` takes from; the
+        socket pauses past `HIGH_WATER`."""
         pieces = self._pieces
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         pieces.clear()
-        sink = self._sink
-        if sink is None:  # not relaying (or no longer): kept for whoever reads next
-            self._chunks.append(data)
-            self._buffered += len(data)
-            if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
-                self._conn.transport.pause_reading()
-                self._paused = True
-            self._wake()
-            return
-        self._last = self._loop.time()  # type: ignore[union-attr]
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
+            self._conn.transport.pause_reading()
+            self._paused = True
+        self._wake()
+
+    def _relayed(self, relay: ClientRelay) -> None:
+        """Relaying: the body that one socket read carried goes to the client in one write,
+        with as many events as the engine's write put in it. (`_Conn.data_received` does the
+        same written out: it runs once per event of a stream.)"""
+        pieces = self._pieces
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        self._last = self._clock()
         try:
-            backed = sink(data)
-        except Exception as err:  # the consumer's failure, not the engine's
-            self._sink_error = err
-            self._sink = None
-            backed = True
+            backed = relay.send(data)
+        except Exception as err:  # the client's failure, not the engine's
+            self._relay_failed(err)
+            return
         if backed and not self._backed:
-            self._backed = True
-            if self._conn.transport is not None:
-                self._conn.transport.pause_reading()
-            self._wake()
+            self._backed_up()
+
+    def _relay_failed(self, err: BaseException) -> None:
+        self._relay_error = err
+        self._relay = None
+        if not self._backed:
+            self._backed_up()
+
+    def _backed_up(self) -> None:
+        """The client is backed up (or gone): stop reading the engine; `relay` drains."""
+        self._backed = True
+        if self._conn.transport is not None:
+            self._conn.transport.pause_reading()
+        self._wake()
 
     def _finish(self, error: Exception | None = None) -> None:
         if not self._done:
@@ -157,32 +228,36 @@ class UpstreamResponse:
             self._paused = False
         return data
 
-    async def relay(self, sink: Sink, drain: Callable[[], Awaitable[None]], timeout: float) -> None:
-        """Pass the rest of the body to `sink`, piece by piece as the socket delivers it.
+    async def relay(
+        self, target: ClientRelay, drain: Callable[[], Awaitable[None]], timeout: float
+    ) -> None:
+        """Pass the rest of the body to `target`, piece by piece as the socket delivers it.
 
-        `sink` runs inside the connection's read callback (it must not block), once per socket
-        read with the part of the body that read carried (chunk framing removed): an event
-        that arrived split goes on split, events that arrived together go on together, the
-        bytes always the engine's, in order. When it returns True the socket stops being read
-        until `drain()` returns. What `sink` or `drain` raise ends the relay and is raised
-        here; so are `TimeoutError` after `timeout` seconds without a byte from the engine and
-        `UpstreamError` if the engine's response breaks. Returns at the end of the body.
+        `target.send` runs inside the connection's read callback, once per socket read with
+        the part of the body that read carried (chunk framing removed): an event that arrived
+        split goes on split, events that arrived together go on together, the bytes always
+        the engine's, in order. When the client's buffer is past its mark the socket stops
+        being read until `drain()` returns. What `send` or `drain` raise ends the relay and is
+        raised here; so are `TimeoutError` after `timeout` seconds without a byte from the
+        engine and `UpstreamError` if the engine's response breaks. Returns at the end of the
+        body.
         """
         loop = self._loop = asyncio.get_running_loop()
+        self._clock = loop.time
         while self._chunks:  # what arrived before the relay started
             data = self._chunks.popleft()
             self._buffered -= len(data)
-            if sink(data):
+            if target.send(data):
                 await drain()
         if self._paused and self._conn.transport is not None:
             self._paused = False
             self._conn.transport.resume_reading()
         self._last = loop.time()
-        self._sink = sink
+        self._relay = target
         try:
             while True:
-                if self._sink_error is not None:
-                    raise self._sink_error
+                if self._relay_error is not None:
+                    raise self._relay_error
                 if self._backed:
                     await drain()
                     self._backed = False
@@ -196,7 +271,7 @@ class UpstreamResponse:
                     return
                 await self._wait_silence(loop, timeout)
         finally:
-            self._sink = None
+            self._relay = None
 
     async def _wait_silence(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
         """Until woken (the end, an error, a backed-up sink); `TimeoutError` once the engine
@@ -289,22 +364,37 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if self.parser is None or self.resp is None:  # bytes nobody asked for: unusable
+        resp = self.resp
+        if self.parser is None or resp is None:  # bytes nobody asked for: unusable
             self.close()
             return
-        resp = self.resp
-        resp.got_data = True
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, UpstreamError) as err:
             if resp._pieces:
-                resp._flush()
+                resp._hand_on()
             why = self.refused or str(err)  # a callback's own reason, not the parser's wrapper
             resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
             self.close()
             return
-        if resp._pieces:
-            resp._flush()
+        pieces = resp._pieces
+        if not pieces:
+            return
+        relay = resp._relay
+        if relay is None:
+            resp._keep()
+            return
+        # A stream's event: `resp._relayed` written out, one Python call fewer per event.
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        resp._last = resp._clock()
+        try:
+            backed = relay.send(data)
+        except Exception as err:  # the client's failure, not the engine's
+            resp._relay_failed(err)
+            return
+        if backed and not resp._backed:
+            resp._backed_up()
 
     def eof_received(self) -> bool:
         self._lost("engine closed the connection")
