@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import loadgen
 from servers import (
     BENCH_DIR,
+    PYTHON,
     ROOT,
     Procs,
     ProxyHandle,
@@ -62,6 +63,7 @@ from servers import (
     start_nginx_proxy,
     start_proxy,
     versions,
+    wait_port,
 )
 
 KEY = "sk-bench-" + os.urandom(16).hex()
@@ -72,6 +74,7 @@ LABEL = {
     "base": "vllm-proxy (base)",
     "vllm-proxy": "vllm-proxy",
     "nginx": "nginx proxy_pass",
+    "floor": "byte relay on uvloop (floor)",
     "direct": "direct (no proxy)",
 }
 SECTIONS = ("## Stream capacity", "## Large request bodies")
@@ -366,7 +369,7 @@ def goals(res: dict[str, Any]) -> list[str]:
     base = LABEL["base"].removeprefix("vllm-proxy ").removesuffix(" (before)")
     out = []
     if {"vllm-proxy", "nginx"} <= targets:
-        mine, ng, ratio = _paired(res, top, "vllm-proxy", "ttfe_p99_ms")
+        mine, ng, times = _paired(res, top, "vllm-proxy", "ttfe_p99_ms")
         was = (
             f"; {base}: {f(_paired(res, top, 'base', 'ttfe_p99_ms')[0])} ms"
             if "base" in targets
@@ -374,7 +377,7 @@ def goals(res: dict[str, Any]) -> list[str]:
         )
         out.append(
             f"* time to first event p99 at {top:,} streams: {f(mine)} ms vs nginx "
-            f"{f(ng)} ms = **{ratio:.2f}x** (goal ≤ 2x{was}{over})"
+            f"{f(ng)} ms = **{times:.2f}x** (goal ≤ 2x{was}{over})"
         )
         mine, ng, _ = _paired(res, top, "vllm-proxy", "listen_queue_peak")
         was = (
@@ -399,6 +402,12 @@ def goals(res: dict[str, Any]) -> list[str]:
         out.append(
             "* CPU per event, vllm-proxy / nginx: "
             + ", ".join(f"{lvl:,} streams **{ratio('vllm-proxy', lvl)}**" for lvl in levels)
+            + (
+                "; byte relay on uvloop (floor): "
+                + ", ".join(ratio("floor", lvl) for lvl in levels)
+                if "floor" in targets
+                else ""
+            )
             + f" (goal ≤ 1.5x{was}{over})"
         )
     mine_rows = [r for r in res["streams"] if r["target"] == "vllm-proxy"]
@@ -426,6 +435,8 @@ def body_goals(res: dict[str, Any]) -> list[str]:
             order = "first" if r["model_first"] else "last"
             ng = f", nginx {f(r['nginx_added_ms'])}" if "nginx_added_ms" in r else ""
             was = f", {LABEL['base']} {f(r['base_added_ms'])}" if "base_added_ms" in r else ""
+            if "floor_added_ms" in r:
+                was += f", byte relay (floor) {f(r['floor_added_ms'])}"
             parts.append(f"model {order} **{f(r['vllm-proxy_added_ms'])} ms**{ng}{was}")
     return [f"* added at {top:g} MB: " + "; ".join(parts) + " (goal ≤ 5 ms)"]
 
@@ -435,7 +446,7 @@ def bodies_table(res: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     targets = [k for k in LABEL if f"{k}_p50_ms" in rows[0]]
-    targets.sort(key=lambda k: ["direct", "base", "vllm-proxy", "nginx"].index(k))
+    targets.sort(key=lambda k: ["direct", "base", "vllm-proxy", "nginx", "floor"].index(k))
     head = "| body | `model` | " + " | ".join(f"{LABEL[k]} p50 / p90 ms" for k in targets)
     head += " | " + " | ".join(f"**added by {LABEL[k]}** ms" for k in targets if k != "direct")
     out = [head + " |", "|" + "---:|" * 2 + "---:|" * (2 * len(targets) - 1)]
@@ -603,7 +614,7 @@ def start_sse_proxy(
 
 
 def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) -> None:
-    proxy_port, up, ng, base_port, base_up = pick_ports(5)
+    proxy_port, up, ng, base_port, base_up, floor_port = pick_ports(6)
     log(f"temp dir {tmp}; starting vllm-proxy on 127.0.0.1:{proxy_port}")
     proxy = start_sse_proxy(procs, tmp, "vllm-proxy", proxy_port, up, args.rate)
     nginx = start_nginx_proxy(procs, tmp, {"sse": (ng, up, False)})
@@ -620,7 +631,24 @@ def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) 
         "nginx": (ng, target_pids("nginx", nginx.pid)),
         "direct": (up, [upstream_pid] if upstream_pid is not None else []),
     }
-    urls = {
+    urls: dict[str, str] = {}
+    if "floor" in args.targets:
+        floor = procs.start(
+            "floor-relay",
+            [
+                PYTHON,
+                str(BENCH_DIR / "floor_relay.py"),
+                "--port",
+                str(floor_port),
+                "--upstream",
+                str(up),
+            ],
+            tmp / "floor-relay.log",
+        )
+        wait_port(floor_port, 30, floor)
+        every["floor"] = (floor_port, [floor.pid])
+        urls["floor"] = f"http://127.0.0.1:{floor_port}"
+    urls |= {
         "direct": f"http://127.0.0.1:{up}",
         "vllm-proxy": proxy.url,
         "nginx": f"http://127.0.0.1:{ng}",
@@ -675,7 +703,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--targets",
         type=lambda s: [x for x in s.split(",") if x],
         default=["vllm-proxy", "nginx"],
-        help="of vllm-proxy, nginx, direct (default vllm-proxy,nginx)",
+        help="of vllm-proxy, nginx, floor (a byte relay on uvloop: no HTTP; streams only), "
+        "direct (default vllm-proxy,nginx)",
     )
     p.add_argument("--body-mb", type=floats, default=[1, 10], help="large-body sizes (MB)")
     p.add_argument("--body-requests", type=int, default=30, help="requests per size and target")
