@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -222,6 +223,10 @@ def test_relay_tail_follows_the_marker_across_writes_and_is_bounded() -> None:
     relay.send(b'data: {"usage":{"prompt_tokens":')
     relay.send(b'3,"completion_tokens":4}}\n\n')
     assert relay.tail == b'{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    relay = relay_to(client, tail_after=b'"usage":')
+    relay.send(b'data: {"usage":')  # the marker ends this read
+    relay.send(b'{"prompt_tokens":1}}\n\n')
+    assert relay.tail == b'{"prompt_tokens":1}}\n\n'
     relay.send(b"x" * ClientRelay.TAIL_MAX)
     relay.send(b"y" * 100)
     assert len(relay.tail) < 2 * ClientRelay.TAIL_MAX and not relay.tail.endswith(b"y")
@@ -280,6 +285,72 @@ async def test_a_gone_client_ends_the_relay_and_the_request(upstream: Upstream) 
     resp.release()  # not read to its end: the engine connection closes, the engine aborts
     await wait_for(upstream.cancelled.is_set, what="upstream handler cancelled")
     pool.close()
+
+
+async def test_a_connection_paused_by_its_last_read_is_pooled_reading(upstream: Upstream) -> None:
+    """The read that ends a body may also pause the socket (a backed-up client, a buffer past
+    the high-water mark): the connection goes back to the pool reading again, or the next
+    response on it would never be read."""
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/echo", [], b"one", 5)
+    assert await resp.read_all(5) == b"one"
+    conn = resp._conn
+    assert conn.transport is not None
+    conn.transport.pause_reading()
+    resp.release()
+    assert conn.transport.is_reading()
+    resp = await pool.request(upstream.port, "POST", "/echo", [], b"two", 2)
+    assert resp._conn is conn, "the pooled connection was used"
+    assert await resp.read_all(2) == b"two"
+    resp.release()
+    pool.close()
+
+
+async def test_a_stream_whose_last_read_backs_the_client_up_leaves_a_usable_connection() -> None:
+    writers: list[asyncio.StreamWriter] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await answer(reader, writer)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the relay has started: the rest comes in one read
+            writer.write(b"9\r\ndata: 0\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(limit=8)
+    try:
+        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
+        conn = resp._conn
+        client = Client(backed_after=1)  # the event's write leaves the client backed up
+
+        async def drain() -> None:
+            client.backed_after = None
+
+        await resp.relay(relay_to(client), drain, 5)
+        resp.release()
+        assert client.pieces == [b"data: 0\n\n"]
+        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 2)
+        assert resp._conn is conn
+        client = Client()
+        await resp.relay(relay_to(client), no_drain, 2)
+        resp.release()
+        assert client.pieces == [b"data: 0\n\n"]
+    finally:
+        pool.close()
+        server.close()
+        for writer in writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await server.wait_closed()
 
 
 async def test_refused_connection_is_an_upstream_error() -> None:

@@ -135,12 +135,15 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "started", "usage")
+    __slots__ = (
+        "bytes", "client_gone", "first_byte", "instance", "model", "started", "tailing", "usage"
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.first_byte: float | None = None
         self.usage = b""
+        self.tailing = False  # `usage` was seen: what follows is kept
         self.bytes = 0
         self.client_gone = False
         self.model = "-"
@@ -151,7 +154,8 @@ class Tap:
         i = chunk.rfind(USAGE)
         if i >= 0:
             self.usage = chunk[i + len(USAGE) :]
-        elif self.usage and len(self.usage) < ClientRelay.TAIL_MAX:
+            self.tailing = True
+        elif self.tailing and len(self.usage) < ClientRelay.TAIL_MAX:
             self.usage += chunk
 
     def relayed(self, relay: ClientRelay) -> None:
@@ -159,8 +163,8 @@ class Tap:
         if relay.first_at is not None and self.first_byte is None:
             self.first_byte = relay.first_at
         self.bytes += relay.bytes
-        if relay.tail:
-            self.usage = relay.tail
+        if relay.tailing:
+            self.usage, self.tailing = relay.tail, True
 
     def tokens(self) -> tuple[int, int] | None:
         """(prompt, completion) tokens from the last usage object seen, if any."""

@@ -53,11 +53,13 @@ class ClientRelay:
     afterwards: the bytes passed on (`bytes`; `written` with the framing), when the first went
     (`first_at`, `time.monotonic()`), and, with `tail_after`, what followed the last occurrence
     of that marker (`tail`, bounded by `TAIL_MAX`; across reads while it is open): the
-    proxy's token counts come from a stream's final ``"usage":`` object this way.
+    proxy's token counts come from a stream's final ``"usage":`` object this way. A marker
+    cut in two by a read boundary is not seen (engines write each event whole; a split needs
+    a backlog read at an arbitrary point).
     """
 
-    __slots__ = ("bytes", "chunked", "first_at", "high", "tail", "tail_after", "transport",
-                 "written")  # fmt: skip
+    __slots__ = ("bytes", "chunked", "first_at", "high", "tail", "tail_after", "tailing",
+                 "transport", "written")  # fmt: skip
 
     #: `tail` stops growing past this many bytes.
     TAIL_MAX = 8192
@@ -74,6 +76,7 @@ class ClientRelay:
         self.bytes = self.written = 0
         self.first_at: float | None = None
         self.tail = b""
+        self.tailing = False  # the marker was seen: what follows goes on `tail`
 
     def send(self, data: bytes) -> bool:
         """Write `data` to the client; True when its socket buffer is past the high-water mark
@@ -92,7 +95,8 @@ class ClientRelay:
             i = data.rfind(self.tail_after)
             if i >= 0:
                 self.tail = data[i + len(self.tail_after) :]
-            elif self.tail and len(self.tail) < self.TAIL_MAX:
+                self.tailing = True
+            elif self.tailing and len(self.tail) < self.TAIL_MAX:
                 self.tail += data
         return transport.get_write_buffer_size() > self.high
 
@@ -622,6 +626,11 @@ class UpstreamPool:
         if len(idle) >= MAX_IDLE_PER_PORT:
             conn.close()
             return
+        transport = conn.transport
+        if transport is not None and not transport.is_reading():
+            # The read that ended the body also paused the socket (a backed-up or departed
+            # client, a buffer past HIGH_WATER): the next response on it must be read.
+            transport.resume_reading()
         conn.idle_since = time.monotonic()
         idle.append(conn)
 
