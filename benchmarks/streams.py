@@ -467,6 +467,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"the cores (other programs' share of both cores is in the last column)"
     )
     L = [SECTIONS[0], ""]
+    targets = {r["target"] for r in res["streams"]}
+    rounds = len({r.get("round", 0) for r in res["streams"]})
     if res["streams"]:
         L += [
             f"`{meta['command']}` ({meta['started']}, {meta['runtime_s']:.0f} s). Each stream "
@@ -484,7 +486,24 @@ def markdown(res: dict[str, Any]) -> str:
             + (
                 f" {LABEL['base']} is the same benchmark against that revision (run from a "
                 "git worktree, with an upstream process of its own)."
-                if "base" in {r["target"] for r in res["streams"]}
+                if "base" in targets
+                else ""
+            )
+            + (
+                f" The {LABEL['floor']} is `benchmarks/floor_relay.py`: what the engine sends is "
+                "written to the client as read, one write per read, with no HTTP at all. It "
+                "shows what Python and uvloop themselves cost per event; what vllm-proxy spends "
+                "above it is its HTTP work, per event (the engine's chunks parsed, the client's "
+                "framed) and per stream (the connection accepted, the request parsed, checked "
+                "and routed, the engine connection, the end)."
+                if "floor" in targets
+                else ""
+            )
+            + (
+                f" Every level and target ran {rounds} times (the table has every run); the goal "
+                "lines give medians, and each ratio to nginx is the median of the ratios paired "
+                "within a round."
+                if rounds > 1
                 else ""
             ),
             "",
@@ -544,7 +563,13 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         return False
     rows = res["streams"]
     levels = sorted({r["streams"] for r in rows})
-    colors = {"base": "#ff7f0e", "vllm-proxy": "#1f77b4", "nginx": "#2ca02c", "direct": "#777777"}
+    colors = {
+        "base": "#ff7f0e",
+        "vllm-proxy": "#1f77b4",
+        "nginx": "#2ca02c",
+        "floor": "#9467bd",
+        "direct": "#777777",
+    }
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     panels = (
         ("ttfe_p99_ms", "time to first event p99 (ms, log)", True),
@@ -566,7 +591,10 @@ def plot(res: dict[str, Any], path: Path) -> bool:
         if log_scale:
             ax.set_yscale("log")
     axes[0].legend(fontsize=8)
-    fig.suptitle("Stream capacity: N streams x 20 events/s, vllm-proxy vs nginx proxy_pass")
+    fig.suptitle(
+        "Stream capacity: N streams x 20 events/s, vllm-proxy vs nginx proxy_pass"
+        + (" (medians over rounds)" if len({r.get("round", 0) for r in rows}) > 1 else "")
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
