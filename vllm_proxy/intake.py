@@ -41,8 +41,8 @@ Received = tuple[Body, "Scan | None"]
 
 async def read_body(request: web.Request, limit: int, timeout_s: float) -> Received:
     """The body (decoded if it was compressed), and its scan when it was scanned."""
-    if request.content.is_eof():  # the whole body came with the head: no timer needed
-        return await _read(request, limit)
+    if request.content.is_eof():  # the whole body came with the head: no timer, nothing to scan
+        return await request.read(), None  # (aiohttp answers 413 past client_max_size)
     try:
         async with asyncio.timeout(timeout_s):
             return await _read(request, limit)

@@ -1,6 +1,16 @@
-"""Prometheus metrics, on one explicit registry owned by the application (no globals)."""
+"""Prometheus metrics, on one explicit registry owned by the application (no globals).
+
+The series every request updates (requests, durations, time to first byte, tokens) are kept
+as plain numbers per model (`RequestSeries`) and turned into metric families when scraped
+(`_RequestCollector`): a request then costs a few additions, not five prometheus_client
+updates, each taking a lock (about 4.6 us against 0.8 us per request). Everything the proxy
+updates runs on the event loop, as does the scrape, so nothing is shared across threads.
+"""
 
 from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -10,9 +20,90 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 START_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 180, 300, 600)
+
+
+class Buckets:
+    """A histogram's counts (per bucket, not yet cumulative) and sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound (+Inf)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1  # bucket: value <= bound
+        self.sum += value
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out: list[tuple[str, float]] = []
+        total = 0
+        for bound, count in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += count
+            out.append((floatToGoString(bound), total))
+        return out
+
+
+class RequestSeries:
+    """What the request path counts for one model; exported as ``vllm_requests_total``,
+    ``vllm_request_duration_seconds``, ``vllm_proxy_time_to_first_byte_seconds`` and the token
+    counters."""
+
+    __slots__ = ("completion", "duration", "prompt", "statuses", "ttfb")
+
+    def __init__(self) -> None:
+        self.statuses: dict[str, int] = {}
+        self.duration = Buckets(LATENCY_BUCKETS)
+        self.ttfb = Buckets(LATENCY_BUCKETS)
+        self.prompt = 0
+        self.completion = 0
+
+    def count(self, status: str) -> None:
+        self.statuses[status] = self.statuses.get(status, 0) + 1
+
+
+class _RequestCollector:
+    """The `RequestSeries` of every model, as metric families at scrape time."""
+
+    def __init__(self, series: dict[str, RequestSeries]) -> None:
+        self.series = series
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "vllm_requests", "Requests routed to a model", labels=["model_id", "status"]
+        )
+        duration = HistogramMetricFamily(
+            "vllm_request_duration_seconds",
+            "Time from request arrival to the last byte sent",
+            labels=["model_id"],
+        )
+        ttfb = HistogramMetricFamily(
+            "vllm_proxy_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte sent (cold starts included)",
+            labels=["model_id"],
+        )
+        prompt = CounterMetricFamily(
+            "vllm_proxy_prompt_tokens", "Prompt tokens (from responses' usage)", labels=["model_id"]
+        )
+        completion = CounterMetricFamily(
+            "vllm_proxy_completion_tokens",
+            "Completion tokens (from responses' usage; streams: the final usage chunk)",
+            labels=["model_id"],
+        )
+        for model, s in sorted(self.series.items()):
+            for status, n in sorted(s.statuses.items()):
+                requests.add_metric([model, status], n)
+            duration.add_metric([model], s.duration.cumulative(), s.duration.sum)
+            ttfb.add_metric([model], s.ttfb.cumulative(), s.ttfb.sum)
+            prompt.add_metric([model], s.prompt)
+            completion.add_metric([model], s.completion)
+        yield from (requests, duration, ttfb, prompt, completion)
 
 
 class Metrics:
@@ -23,35 +114,9 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter(
-            "vllm_requests_total", "Requests routed to a model", ["model_id", "status"], registry=r
-        )
-        self.duration = Histogram(
-            "vllm_request_duration_seconds",
-            "Time from request arrival to the last byte sent",
-            ["model_id"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.ttfb = Histogram(
-            "vllm_proxy_time_to_first_byte_seconds",
-            "Time from request arrival to the first response byte sent (cold starts included)",
-            ["model_id"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.prompt_tokens = Counter(
-            "vllm_proxy_prompt_tokens",
-            "Prompt tokens (from responses' usage)",
-            ["model_id"],
-            registry=r,
-        )
-        self.completion_tokens = Counter(
-            "vllm_proxy_completion_tokens",
-            "Completion tokens (from responses' usage; streams: the final usage chunk)",
-            ["model_id"],
-            registry=r,
-        )
+        #: Per model: what the request path counts (see the module docstring).
+        self.request_series: dict[str, RequestSeries] = {}
+        r.register(_RequestCollector(self.request_series))
         self.loaded = Gauge(
             "vllm_model_loaded",
             "1 while any instance of the model serves requests",
@@ -157,6 +222,14 @@ class Metrics:
         self.gpu_util = Gauge(
             "vllm_gpu_utilization_percent", "GPU compute utilisation", ["gpu_id"], registry=r
         )
+
+    def series(self, model: str) -> RequestSeries:
+        """The request path's series of `model` (made on first use; kept after its removal,
+        as counters are)."""
+        series = self.request_series.get(model)
+        if series is None:
+            series = self.request_series[model] = RequestSeries()
+        return series
 
     def set_model_state(self, model: str, old: str | None, new: str, loaded: bool) -> None:
         if old is not None:

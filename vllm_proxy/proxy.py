@@ -13,7 +13,6 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlencode
 
@@ -40,7 +39,7 @@ from .errors import (
 from .instance import Instance
 from .intake import read_body, too_large
 from .manager import Manager
-from .metrics import Metrics
+from .metrics import Metrics, RequestSeries
 from .model import Model
 from .upstream import ClientRelay, NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
 
@@ -116,15 +115,6 @@ def error_response(err: ProxyError, request_id: str | None = None) -> web.Respon
 def sse_error(message: str, type_: str, code: str) -> bytes:
     event = json.dumps(error_body(message, type_, code))
     return f"data: {event}\n\ndata: [DONE]\n\n".encode()
-
-
-@dataclass(slots=True)
-class _Series:
-    status: dict[str, Any]
-    duration: Any
-    ttfb: Any
-    prompt: Any
-    completion: Any
 
 
 #: What precedes the token counts in a response (the last such object is the final one).
@@ -234,8 +224,8 @@ class Proxy:
         self.upstream = upstream
         self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
         self.configure(server)
-        #: Labelled metric children per model: label lookups take a lock, so cache them.
-        self._series: dict[str, _Series] = {}
+        #: The metrics' per-model series, looked up once per model.
+        self._series: dict[str, RequestSeries] = {}
         self.created = int(time.time())
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
@@ -421,30 +411,17 @@ class Proxy:
             inst.release()
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
-        series = self._series.get(model) or self._series_for(model)
-        count = series.status.get(status) or series.status.setdefault(
-            status, self.metrics.requests.labels(model, status)
-        )
-        count.inc()
+        series = self._series.get(model)
+        if series is None:
+            series = self._series[model] = self.metrics.series(model)
+        series.count(status)
         series.duration.observe(time.monotonic() - started)
         if tap.first_byte is not None:
             series.ttfb.observe(tap.first_byte - started)
         usage = tap.tokens()
         if usage is not None:
-            series.prompt.inc(usage[0])
-            series.completion.inc(usage[1])
-
-    def _series_for(self, model: str) -> _Series:
-        m = self.metrics
-        series = _Series(
-            status={},
-            duration=m.duration.labels(model),
-            ttfb=m.ttfb.labels(model),
-            prompt=m.prompt_tokens.labels(model),
-            completion=m.completion_tokens.labels(model),
-        )
-        self._series[model] = series
-        return series
+            series.prompt += usage[0]
+            series.completion += usage[1]
 
     async def _relay(
         self,
