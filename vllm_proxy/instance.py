@@ -277,13 +277,15 @@ class Instance:
         """Idle from now: the stop timer (``idle_timeout_s`` of total idleness, asleep or not)
         and, with a sleep policy, the sleep timer (``after_idle_s``)."""
         self._cancel_idle_timer()
+        spec = self.spec
+        policy, scale = spec.sleep, spec.autoscale
+        if spec.idle_timeout_s <= 0 and policy is None and scale is None:
+            return  # nothing to arm (and no asyncio.get_running_loop(): a getpid() call)
         loop = asyncio.get_running_loop()
-        if self.spec.idle_timeout_s > 0:
-            self._idle_timer = loop.call_later(self.spec.idle_timeout_s, self._idle_expired)
-        policy = self.spec.sleep
+        if spec.idle_timeout_s > 0:
+            self._idle_timer = loop.call_later(spec.idle_timeout_s, self._idle_expired)
         if policy is not None and self.state is State.RUNNING:
             self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
-        scale = self.spec.autoscale
         if scale is not None and self.state is State.RUNNING:
             self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
 

@@ -133,7 +133,7 @@ class UpstreamResponse:
         self._backed = False
         self._relay_error: BaseException | None = None
         self._last = 0.0
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop = pool.loop  # the pool's: asyncio.get_running_loop() is a getpid() call
         self._clock: Callable[[], float] = time.monotonic
         self._timer: asyncio.TimerHandle | None = None
 
@@ -202,7 +202,8 @@ class UpstreamResponse:
     # -- read by the proxy ----------------------------------------------------------------
 
     async def _wait(self, timeout: float) -> None:
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None
         self._waiter = fut = loop.create_future()
         handle = loop.call_later(timeout, _expire, fut)
         try:
@@ -246,7 +247,8 @@ class UpstreamResponse:
         engine and `UpstreamError` if the engine's response breaks. Returns at the end of the
         body.
         """
-        loop = self._loop = asyncio.get_running_loop()
+        loop = self._loop
+        assert loop is not None
         self._clock = loop.time
         while self._chunks:  # what arrived before the relay started
             data = self._chunks.popleft()
@@ -479,6 +481,8 @@ class UpstreamPool:
         self.slot_wait_s = slot_wait_s
         self._shares: dict[str, asyncio.Semaphore] = {}
         self.share_size = limit
+        #: The loop its connections live on (taken at the first request).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def set_shares(self, names: Iterable[str]) -> None:
         """One share per model: ``limit // len(names)`` connections each (at least one).
@@ -523,6 +527,8 @@ class UpstreamPool:
         connection that breaks after the request went out is an error, never a resend (the
         engine may have started the generation).
         """
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
         head = _head(method, path, port, headers, len(body))
         if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
             parts: tuple[bytes | bytearray, ...] = (head, *body.parts)
