@@ -419,9 +419,9 @@ class Proxy:
         if tap.first_byte is not None:
             series.ttfb.observe(tap.first_byte - started)
         usage = tap.tokens()
-        if usage is not None:
-            series.prompt += usage[0]
-            series.completion += usage[1]
+        if usage is not None:  # (an engine's negative count would make a counter go down)
+            series.prompt += max(0, usage[0])
+            series.completion += max(0, usage[1])
 
     async def _relay(
         self,
