@@ -353,6 +353,44 @@ async def test_a_stream_whose_last_read_backs_the_client_up_leaves_a_usable_conn
         await server.wait_closed()
 
 
+async def test_bad_framing_mid_stream_relays_what_came_before_it_then_fails() -> None:
+    """The events parsed from a read before its broken chunk reach the client first; then the
+    relay ends with the engine's error and the connection is not reused."""
+    writers: list[asyncio.StreamWriter] = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writers.append(writer)
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
+            await writer.drain()
+            await asyncio.sleep(0.1)  # the relay has started
+            writer.write(b"9\r\ndata: 0\n\n\r\nZZ\r\nnot a chunk\r\n")
+            await writer.drain()
+            await reader.read()  # until the proxy closes
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    pool = UpstreamPool(limit=8)
+    try:
+        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
+        client = Client()
+        with pytest.raises(UpstreamError, match="bad HTTP response"):
+            await resp.relay(relay_to(client), no_drain, 5)
+        resp.release()
+        assert client.pieces == [b"data: 0\n\n"]
+        assert not pool._idle.get(port), "a connection with a broken response is not reused"
+    finally:
+        pool.close()
+        server.close()
+        for writer in writers:
+            writer.close()
+            with contextlib.suppress(ConnectionError):
+                await writer.wait_closed()
+        await server.wait_closed()
+
+
 async def test_refused_connection_is_an_upstream_error() -> None:
     pool = UpstreamPool(limit=8)
     with pytest.raises(UpstreamError, match="cannot connect"):

@@ -143,13 +143,6 @@ class UpstreamResponse:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _hand_on(self) -> None:
-        """What the parser took from one socket read goes on: relayed, or kept."""
-        if self._relay is not None:
-            self._relayed(self._relay)
-        else:
-            self._keep()
-
     def _keep(self) -> None:
         """Not relaying: the body that one socket read carried (the parser appended its pieces
         to `_pieces`) goes, in one piece, to the buffer that `read_chunk` takes from; the
@@ -163,22 +156,6 @@ class UpstreamResponse:
             self._conn.transport.pause_reading()
             self._paused = True
         self._wake()
-
-    def _relayed(self, relay: ClientRelay) -> None:
-        """Relaying: the body that one socket read carried goes to the client in one write,
-        with as many events as the engine's write put in it. (`_Conn.data_received` does the
-        same written out: it runs once per event of a stream.)"""
-        pieces = self._pieces
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        self._last = self._clock()
-        try:
-            backed = relay.send(data)
-        except Exception as err:  # the client's failure, not the engine's
-            self._relay_failed(err)
-            return
-        if backed and not self._backed:
-            self._backed_up()
 
     def _relay_failed(self, err: BaseException) -> None:
         self._relay_error = err
@@ -374,33 +351,32 @@ class _Conn(asyncio.Protocol):
         if self.parser is None or resp is None:  # bytes nobody asked for: unusable
             self.close()
             return
+        refused: Exception | None = None
         try:
             self.parser.feed_data(data)
         except (httptools.HttpParserError, UpstreamError) as err:
-            if resp._pieces:
-                resp._hand_on()
-            why = self.refused or str(err)  # a callback's own reason, not the parser's wrapper
+            refused = err  # what was parsed before the error still goes on first
+        pieces = resp._pieces
+        if pieces:
+            relay = resp._relay
+            if relay is None:
+                resp._keep()
+            else:
+                # A stream's event (this runs once per event: written out here, it is one
+                # Python call fewer): what the read carried goes to the client in one write,
+                # with as many events as the engine's write put in it.
+                body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                resp._last = resp._clock()
+                try:
+                    if relay.send(body) and not resp._backed:
+                        resp._backed_up()
+                except Exception as err:  # the client's failure, not the engine's
+                    resp._relay_failed(err)
+        if refused is not None:
+            why = self.refused or str(refused)  # a callback's own reason, not the wrapper
             resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
             self.close()
-            return
-        pieces = resp._pieces
-        if not pieces:
-            return
-        relay = resp._relay
-        if relay is None:
-            resp._keep()
-            return
-        # A stream's event: `resp._relayed` written out, one Python call fewer per event.
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
-        resp._last = resp._clock()
-        try:
-            backed = relay.send(data)
-        except Exception as err:  # the client's failure, not the engine's
-            resp._relay_failed(err)
-            return
-        if backed and not resp._backed:
-            resp._backed_up()
 
     def eof_received(self) -> bool:
         self._lost("engine closed the connection")
