@@ -39,9 +39,9 @@ from .errors import (
 from .instance import Instance
 from .intake import read_body, too_large
 from .manager import Manager
-from .metrics import Metrics, RequestSeries
+from .metrics import Metrics
 from .model import Model
-from .upstream import ClientRelay, NoSlot, UpstreamError, UpstreamPool, UpstreamResponse
+from .upstream import ClientRelay, NoSlot, Tail, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -125,15 +125,12 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = (
-        "bytes", "client_gone", "first_byte", "instance", "model", "started", "tailing", "usage"
-    )  # fmt: skip
+    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "started", "usage")
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.first_byte: float | None = None
-        self.usage = b""
-        self.tailing = False  # `usage` was seen: what follows is kept
+        self.usage = Tail(USAGE)
         self.bytes = 0
         self.client_gone = False
         self.model = "-"
@@ -141,27 +138,22 @@ class Tap:
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
-        i = chunk.rfind(USAGE)
-        if i >= 0:
-            self.usage = chunk[i + len(USAGE) :]
-            self.tailing = True
-        elif self.tailing and len(self.usage) < ClientRelay.TAIL_MAX:
-            self.usage += chunk
+        self.usage.feed(chunk)
 
     def relayed(self, relay: ClientRelay) -> None:
-        """Take what a stream's relay noted (it does `feed`'s work as it writes)."""
+        """Take what a stream's relay noted (it follows ``"usage":`` as it writes)."""
         if relay.first_at is not None and self.first_byte is None:
             self.first_byte = relay.first_at
         self.bytes += relay.bytes
-        if relay.tailing:
-            self.usage, self.tailing = relay.tail, True
+        if relay.after is not None and relay.after.seen:
+            self.usage = relay.after
 
     def tokens(self) -> tuple[int, int] | None:
         """(prompt, completion) tokens from the last usage object seen, if any."""
-        if not self.usage:
+        if not self.usage.text:
             return None
         try:
-            text = self.usage.decode("utf-8", "replace").lstrip()
+            text = self.usage.text.decode("utf-8", "replace").lstrip()
             usage, _ = _DECODER.raw_decode(text)
             return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
         except (ValueError, AttributeError, TypeError):
@@ -224,8 +216,6 @@ class Proxy:
         self.upstream = upstream
         self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
         self.configure(server)
-        #: The metrics' per-model series, looked up once per model.
-        self._series: dict[str, RequestSeries] = {}
         self.created = int(time.time())
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
@@ -411,9 +401,7 @@ class Proxy:
             inst.release()
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
-        series = self._series.get(model)
-        if series is None:
-            series = self._series[model] = self.metrics.series(model)
+        series = self.metrics.series(model)
         series.count(status)
         series.duration.observe(time.monotonic() - started)
         if tap.first_byte is not None:

@@ -44,6 +44,32 @@ class UpstreamError(Exception):
     """The connection to the engine failed, or broke before the response was complete."""
 
 
+class Tail:
+    """What follows the last occurrence of `marker` in bytes that come in pieces: from the piece
+    holding it on, growing with the pieces after it up to `MAX` bytes. The proxy's token counts
+    come from a response's final ``"usage":`` object this way. A marker cut in two by a piece
+    boundary is not seen (engines write each event whole; a split needs a backlog read at an
+    arbitrary point)."""
+
+    __slots__ = ("marker", "seen", "text")
+
+    #: `text` stops growing past this many bytes.
+    MAX = 8192
+
+    def __init__(self, marker: bytes) -> None:
+        self.marker = marker
+        self.text = b""
+        self.seen = False
+
+    def feed(self, data: bytes) -> None:
+        i = data.rfind(self.marker)
+        if i >= 0:
+            self.text = data[i + len(self.marker) :]
+            self.seen = True
+        elif self.seen and len(self.text) < self.MAX:
+            self.text += data
+
+
 class ClientRelay:
     """Where a relayed body goes: a client's transport, written to from the engine socket's
     read callback, framed as HTTP/1.1 chunks (`chunked`) or raw (an HTTP/1.0 client, a body
@@ -52,31 +78,29 @@ class ClientRelay:
     `send` runs once per engine read, so it keeps its own bookkeeping for the caller to read
     afterwards: the bytes passed on (`bytes`; `written` with the framing), when the first went
     (`first_at`, `time.monotonic()`), and, with `tail_after`, what followed the last occurrence
-    of that marker (`tail`, bounded by `TAIL_MAX`; across reads while it is open): the
-    proxy's token counts come from a stream's final ``"usage":`` object this way. A marker
-    cut in two by a read boundary is not seen (engines write each event whole; a split needs
-    a backlog read at an arbitrary point).
+    of that marker (`after`, a `Tail`).
     """
 
-    __slots__ = ("bytes", "chunked", "first_at", "high", "tail", "tail_after", "tailing",
-                 "transport", "written")  # fmt: skip
+    __slots__ = ("after", "bytes", "chunked", "first_at", "high", "transport", "written")
 
-    #: `tail` stops growing past this many bytes.
-    TAIL_MAX = 8192
+    TAIL_MAX = Tail.MAX
 
     def __init__(
         self, transport: asyncio.Transport, chunked: bool, tail_after: bytes = b""
     ) -> None:
         self.transport = transport
         self.chunked = chunked
-        self.tail_after = tail_after
+        self.after = Tail(tail_after) if tail_after else None
         # The transport pauses its protocol (a writer then waits in drain()) past this many
         # buffered bytes; the relay stops reading the engine at the same mark.
         self.high = transport.get_write_buffer_limits()[1]
         self.bytes = self.written = 0
         self.first_at: float | None = None
-        self.tail = b""
-        self.tailing = False  # the marker was seen: what follows goes on `tail`
+
+    @property
+    def tail(self) -> bytes:
+        """What followed the last `tail_after` so far (b"" before it, or without one)."""
+        return self.after.text if self.after is not None else b""
 
     def send(self, data: bytes) -> bool:
         """Write `data` to the client; True when its socket buffer is past the high-water mark
@@ -91,13 +115,8 @@ class ClientRelay:
         self.bytes += len(data)
         if self.first_at is None:
             self.first_at = time.monotonic()
-        if self.tail_after:
-            i = data.rfind(self.tail_after)
-            if i >= 0:
-                self.tail = data[i + len(self.tail_after) :]
-                self.tailing = True
-            elif self.tailing and len(self.tail) < self.TAIL_MAX:
-                self.tail += data
+        if self.after is not None:
+            self.after.feed(data)
         return transport.get_write_buffer_size() > self.high
 
 
@@ -557,7 +576,8 @@ class UpstreamPool:
         not after the loop iterations that making a transport takes (two, each as long as
         the loop's work for every other stream: a new stream waited tens of ms for them
         with 2,000 streams open)."""
-        loop = asyncio.get_running_loop()
+        loop = self.loop
+        assert loop is not None
         port = conn.port
         try:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
