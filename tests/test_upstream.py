@@ -4,19 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
 from conftest import free_port, wait_for
 
 from vllm_proxy.body import Pieces
+from vllm_proxy.proxy import Tap
 from vllm_proxy.upstream import (
     HIGH_WATER,
     ClientRelay,
     NoSlot,
+    Tail,
     UpstreamError,
     UpstreamPool,
+    UpstreamResponse,
     _after,
 )
 
@@ -156,9 +160,11 @@ class Client:
         self.pieces: list[bytes] = []
         self.backed_after = backed_after  # report a full buffer after this many writes
         self.closing = False
+        self.last_write = 0.0
 
     def write(self, data: bytes) -> None:
         self.pieces.append(data)
+        self.last_write = time.monotonic()
 
     def is_closing(self) -> bool:
         return self.closing
@@ -172,8 +178,14 @@ class Client:
         return 0
 
 
-def relay_to(client: Client, chunked: bool = False, tail_after: bytes = b"") -> ClientRelay:
-    return ClientRelay(client, chunked, tail_after)  # type: ignore[arg-type]
+async def relay(
+    resp: UpstreamResponse,
+    client: Client,
+    drain: Callable[[], Awaitable[None]],
+    timeout: float,
+    chunked: bool = False,
+) -> ClientRelay:
+    return await resp.relay(client, chunked, drain, timeout)  # type: ignore[arg-type]
 
 
 async def no_drain() -> None:
@@ -184,7 +196,7 @@ async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) ->
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/halves", [], b"", 5)
     client = Client()
-    await resp.relay(relay_to(client), no_drain, 5)
+    await relay(resp, client, no_drain, 5)
     resp.release()
     pieces = client.pieces
     # What arrives is handed on at once: the first half of an event goes before the engine
@@ -203,33 +215,46 @@ async def test_relay_frames_chunks_and_notes_bytes_first_write_and_tail(
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/stream?n=3", [], b"", 5)
     client = Client()
-    relay = relay_to(client, chunked=True, tail_after=b"data: ")
-    await resp.relay(relay, no_drain, 5)
+    sink = await relay(resp, client, no_drain, 5, chunked=True)
     resp.release()
     events = [b"data: %d\n\n" % i for i in range(3)]
     assert client.pieces == [b"%x\r\n%b\r\n" % (len(e), e) for e in events]
-    assert relay.bytes == sum(map(len, events))
-    assert relay.written == sum(map(len, client.pieces))
-    assert relay.first_at is not None
-    assert relay.tail == b"2\n\n", "what follows the last marker"
+    assert sink is resp.sink and sink.bytes == sum(map(len, events))
+    assert sink.first_at is not None
+    assert list(sink.recent) == events
     pool.close()
 
 
-def test_relay_tail_follows_the_marker_across_writes_and_is_bounded() -> None:
-    client = Client()
-    relay = relay_to(client, tail_after=b'"usage":')
-    relay.send(b'data: {"use": 1}\n\n')  # not the marker
-    assert relay.tail == b""
-    relay.send(b'data: {"usage":{"prompt_tokens":')
-    relay.send(b'3,"completion_tokens":4}}\n\n')
-    assert relay.tail == b'{"prompt_tokens":3,"completion_tokens":4}}\n\n'
-    relay = relay_to(client, tail_after=b'"usage":')
-    relay.send(b'data: {"usage":')  # the marker ends this read
-    relay.send(b'{"prompt_tokens":1}}\n\n')
-    assert relay.tail == b'{"prompt_tokens":1}}\n\n'
-    relay.send(b"x" * ClientRelay.TAIL_MAX)
-    relay.send(b"y" * 100)
-    assert len(relay.tail) < 2 * ClientRelay.TAIL_MAX and not relay.tail.endswith(b"y")
+def usage_of(*writes: bytes) -> tuple[int, int] | None:
+    """The token counts a request's log and metrics take from a stream relayed as `writes`."""
+    sink = ClientRelay(Client(), chunked=False)  # type: ignore[arg-type]
+    for data in writes:
+        sink.send(data)
+    tap = Tap()
+    tap.relayed(sink)
+    return tap.tokens()
+
+
+def test_the_usage_of_a_relayed_stream_comes_from_its_last_writes() -> None:
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n'
+    done = b"data: [DONE]\n\n"
+    events = [b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'] * 50
+    assert usage_of(*events, usage, done) == (3, 4)
+    assert usage_of(*events, usage[:20], usage[20:], done) == (3, 4), "marker cut in two"
+    assert usage_of(*events, usage[:29], usage[29:], done) == (3, 4), "marker ends a write"
+    continuous = [b'data: {"usage":{"prompt_tokens":3,"completion_tokens":%d}}\n\n' % i
+                  for i in range(1, 9)]  # fmt: skip
+    assert usage_of(*continuous, done) == (3, 8), "the last usage counts"
+    assert usage_of(*events, done) is None
+    # Only the last writes are kept, and what follows the marker is bounded.
+    sink = ClientRelay(Client(), chunked=False)  # type: ignore[arg-type]
+    for i in range(100):
+        sink.send(b"%d" % i)
+    assert list(sink.recent) == [b"%d" % i for i in range(100 - ClientRelay.RECENT, 100)]
+    assert usage_of(b'"usage":' + b"x" * 3 * Tail.MAX) is None
+    tap = Tap()
+    tap.feed(b'"usage":' + b"x" * 3 * Tail.MAX)
+    assert len(tap.usage.text) == Tail.MAX
 
 
 async def test_relay_stops_reading_while_the_client_is_backed_up(upstream: Upstream) -> None:
@@ -245,12 +270,12 @@ async def test_relay_stops_reading_while_the_client_is_backed_up(upstream: Upstr
         await drained.wait()
         client.backed_after = None
 
-    relay = asyncio.ensure_future(resp.relay(relay_to(client), drain, 5))
+    relaying = asyncio.ensure_future(relay(resp, client, drain, 5))
     await wait_for(upstream.finished.is_set, what="the engine wrote every event")
     await wait_for(lambda: drains == 1, what="a drain asked for")
     assert client.pieces == [b"data: 0\n\n"], "nothing read while the client was backed up"
     drained.set()
-    await asyncio.wait_for(relay, 5)
+    await asyncio.wait_for(relaying, 5)
     resp.release()
     assert b"".join(client.pieces) == b"".join(b"data: %d\n\n" % i for i in range(4))
     pool.close()
@@ -261,14 +286,16 @@ async def test_relay_times_out_on_silence_not_on_length(upstream: Upstream) -> N
     # 8 events 0.1 s apart: the whole stream takes longer than the timeout, no gap does.
     resp = await pool.request(upstream.port, "POST", "/stream?n=8&delay=0.1", [], b"", 5)
     client = Client()
-    await resp.relay(relay_to(client), no_drain, 0.5)
+    await relay(resp, client, no_drain, 0.5)
     resp.release()
     assert len(client.pieces) == 8
     resp = await pool.request(upstream.port, "POST", "/stream?n=2&delay=5", [], b"", 5)
     client = Client()
     with pytest.raises(TimeoutError):
-        await resp.relay(relay_to(client), no_drain, 0.3)
+        await relay(resp, client, no_drain, 0.3)
+    silent = time.monotonic() - client.last_write
     assert client.pieces == [b"data: 0\n\n"]
+    assert silent >= 0.3 - 0.01, "silence is noticed after the timeout, not before"
     resp.release()
     pool.close()
 
@@ -277,11 +304,11 @@ async def test_a_gone_client_ends_the_relay_and_the_request(upstream: Upstream) 
     pool = UpstreamPool(limit=8)
     resp = await pool.request(upstream.port, "POST", "/stream?n=1000&delay=0.02", [], b"", 5)
     client = Client()
-    relay = asyncio.ensure_future(resp.relay(relay_to(client), no_drain, 5))
+    relaying = asyncio.ensure_future(relay(resp, client, no_drain, 5))
     await wait_for(lambda: len(client.pieces) >= 2, what="two events relayed")
     client.closing = True
     with pytest.raises(ConnectionResetError, match="client closed"):
-        await asyncio.wait_for(relay, 5)
+        await asyncio.wait_for(relaying, 5)
     resp.release()  # not read to its end: the engine connection closes, the engine aborts
     await wait_for(upstream.cancelled.is_set, what="upstream handler cancelled")
     pool.close()
@@ -334,13 +361,13 @@ async def test_a_stream_whose_last_read_backs_the_client_up_leaves_a_usable_conn
         async def drain() -> None:
             client.backed_after = None
 
-        await resp.relay(relay_to(client), drain, 5)
+        await relay(resp, client, drain, 5)
         resp.release()
         assert client.pieces == [b"data: 0\n\n"]
         resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 2)
         assert resp._conn is conn
         client = Client()
-        await resp.relay(relay_to(client), no_drain, 2)
+        await relay(resp, client, no_drain, 2)
         resp.release()
         assert client.pieces == [b"data: 0\n\n"]
     finally:
@@ -377,7 +404,7 @@ async def test_bad_framing_mid_stream_relays_what_came_before_it_then_fails() ->
         resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
         client = Client()
         with pytest.raises(UpstreamError, match="bad HTTP response"):
-            await resp.relay(relay_to(client), no_drain, 5)
+            await relay(resp, client, no_drain, 5)
         resp.release()
         assert client.pieces == [b"data: 0\n\n"]
         assert not pool._idle.get(port), "a connection with a broken response is not reused"

@@ -130,16 +130,18 @@ class Listener(asyncio.AbstractServer):
         self._pending: dict[asyncio.Future[Any], Coroutine[Any, Any, Any]] = {}
         self._serving = True
         for sock in sockets:
-            loop.add_reader(sock.fileno(), self._accept, sock)
+            loop.add_reader(sock.fileno(), self._accept, sock, int(sock.family))
 
     @property
     def sockets(self) -> tuple[socket.socket, ...]:
         return tuple(self._sockets)
 
-    def _accept(self, sock: socket.socket) -> None:
+    def _accept(self, sock: socket.socket, family: int) -> None:
         for _ in range(ACCEPT_BATCH):
             try:
-                conn, _addr = sock.accept()
+                # `socket.accept()` without its wrapper: the family is known here, and the
+                # wrapper's look-ups convert family and type to enums for every connection.
+                fd, _addr = sock._accept()  # type: ignore[attr-defined]
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as err:
@@ -147,9 +149,10 @@ class Listener(asyncio.AbstractServer):
                     log.error("cannot accept connections: %s; retrying in %gs",
                               err.strerror, ACCEPT_RETRY_S)  # fmt: skip
                     self._loop.remove_reader(sock.fileno())
-                    self._loop.call_later(ACCEPT_RETRY_S, self._resume, sock)
+                    self._loop.call_later(ACCEPT_RETRY_S, self._resume, sock, family)
                     return
                 continue  # ECONNABORTED and the like: that client is gone, the next may not be
+            conn = socket.socket(family, socket.SOCK_STREAM, 0, fd)
             conn.setblocking(False)
             self._connect(conn)
 
@@ -181,9 +184,9 @@ class Listener(asyncio.AbstractServer):
         except (Exception, asyncio.CancelledError) as err:
             log.warning("an accepted connection could not be set up: %r", err)
 
-    def _resume(self, sock: socket.socket) -> None:
+    def _resume(self, sock: socket.socket, family: int) -> None:
         if self._serving and sock.fileno() >= 0:
-            self._loop.add_reader(sock.fileno(), self._accept, sock)
+            self._loop.add_reader(sock.fileno(), self._accept, sock, family)
 
     def close(self) -> None:
         """Stop accepting and close the listening sockets (open connections stay)."""

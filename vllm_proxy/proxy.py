@@ -7,6 +7,7 @@ the client used an alias): see `body`. Streams are passed through chunk by chunk
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -141,12 +142,13 @@ class Tap:
         self.usage.feed(chunk)
 
     def relayed(self, relay: ClientRelay) -> None:
-        """Take what a stream's relay noted (it follows ``"usage":`` as it writes)."""
+        """Take what a stream's relay noted: its bytes, its first write, and its last writes,
+        where the closing ``"usage":`` object is."""
         if relay.first_at is not None and self.first_byte is None:
             self.first_byte = relay.first_at
         self.bytes += relay.bytes
-        if relay.after is not None and relay.after.seen:
-            self.usage = relay.after
+        if relay.recent:
+            self.feed(b"".join(relay.recent))
 
     def tokens(self) -> tuple[int, int] | None:
         """(prompt, completion) tokens from the last usage object seen, if any."""
@@ -563,10 +565,10 @@ class Proxy:
         # chunks, or raw for an HTTP/1.0 client): the writer of an SSE answer has no
         # compression and no length. Its byte count is brought up to date at the end.
         chunked = bool(getattr(writer, "chunked", False))  # aiohttp's StreamWriter has it
-        relay = ClientRelay(request.transport, chunked, tail_after=USAGE)
         timeout = inst.spec.read_timeout_s
+        drain = functools.partial(self._drain, request, writer)
         try:
-            await up.relay(relay, lambda: self._drain(request, writer), timeout)
+            await up.relay(request.transport, chunked, drain, timeout)
         except TimeoutError:
             msg = f"model '{inst.name}': no data for {timeout:g}s"
             await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
@@ -579,8 +581,9 @@ class Proxy:
             tap.client_gone = True
             return resp  # the client left; the unread response closes the engine connection
         finally:
-            tap.relayed(relay)
-            writer.output_size += relay.written
+            if up.sink is not None:
+                tap.relayed(up.sink)
+                writer.output_size += up.sink.bytes  # (the body: chunk framing not counted)
         await resp.write_eof()
         return resp
 

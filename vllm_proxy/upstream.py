@@ -36,6 +36,8 @@ HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
 #: At most this many buffers go in the first send on a new connection (the system's limit
 #: on one call is 1024); the transport sends the rest.
 EARLY_PARTS = 256
+#: A relay's silence timer looks this many times per read timeout (see `_wait_silence`).
+SILENCE_LOOKS = 4
 #: Bounds on an engine's response head (its count of fields, and bytes in all of them).
 MAX_HEADERS, MAX_HEADER_BYTES = 128, 64 * 1024
 
@@ -46,10 +48,9 @@ class UpstreamError(Exception):
 
 class Tail:
     """What follows the last occurrence of `marker` in bytes that come in pieces: from the piece
-    holding it on, growing with the pieces after it up to `MAX` bytes. The proxy's token counts
+    holding it on, growing with the pieces after it, up to `MAX` bytes. The proxy's token counts
     come from a response's final ``"usage":`` object this way. A marker cut in two by a piece
-    boundary is not seen (engines write each event whole; a split needs a backlog read at an
-    arbitrary point)."""
+    boundary is not seen (a relayed stream's last writes are fed joined, see `ClientRelay`)."""
 
     __slots__ = ("marker", "seen", "text")
 
@@ -64,60 +65,57 @@ class Tail:
     def feed(self, data: bytes) -> None:
         i = data.rfind(self.marker)
         if i >= 0:
-            self.text = data[i + len(self.marker) :]
+            self.text = data[i + len(self.marker) : i + len(self.marker) + self.MAX]
             self.seen = True
         elif self.seen and len(self.text) < self.MAX:
             self.text += data
 
 
 class ClientRelay:
-    """Where a relayed body goes: a client's transport, written to from the engine socket's
-    read callback, framed as HTTP/1.1 chunks (`chunked`) or raw (an HTTP/1.0 client, a body
-    the client's response frames itself).
+    """Writes a relayed body to a client's transport: `send` runs inside the engine socket's
+    read callback, once per read, with the body that read carried (one Python call per stream
+    event besides the read callback), framed as an HTTP/1.1 chunk (`chunked`) or raw (an
+    HTTP/1.0 client, a body the client's response frames itself).
 
-    `send` runs once per engine read, so it keeps its own bookkeeping for the caller to read
-    afterwards: the bytes passed on (`bytes`; `written` with the framing), when the first went
-    (`first_at`, `time.monotonic()`), and, with `tail_after`, what followed the last occurrence
-    of that marker (`after`, a `Tail`).
+    It tells its response (`UpstreamResponse.relay`) when the client is backed up or gone (the
+    response stops reading the engine), and keeps its own bookkeeping for the caller to read
+    afterwards: the bytes passed on (`bytes`), when the first went (`first_at`,
+    `time.monotonic()`) and the last `RECENT` writes (`recent`): a stream's closing
+    ``"usage":`` object is found there once, at the end, not searched for in every event.
     """
 
-    __slots__ = ("after", "bytes", "chunked", "first_at", "high", "transport", "written")
+    __slots__ = ("bytes", "chunked", "first_at", "high", "recent", "resp", "transport")
 
-    TAIL_MAX = Tail.MAX
+    #: Writes kept at the end of a relayed body: a closing event, even cut in two, and the
+    #: ``data: [DONE]`` after it.
+    RECENT = 4
 
     def __init__(
-        self, transport: asyncio.Transport, chunked: bool, tail_after: bytes = b""
+        self, transport: asyncio.Transport, chunked: bool, resp: UpstreamResponse | None = None
     ) -> None:
         self.transport = transport
         self.chunked = chunked
-        self.after = Tail(tail_after) if tail_after else None
+        self.resp = resp
         # The transport pauses its protocol (a writer then waits in drain()) past this many
         # buffered bytes; the relay stops reading the engine at the same mark.
         self.high = transport.get_write_buffer_limits()[1]
-        self.bytes = self.written = 0
+        self.bytes = 0
         self.first_at: float | None = None
+        self.recent: collections.deque[bytes] = collections.deque(maxlen=self.RECENT)
 
-    @property
-    def tail(self) -> bytes:
-        """What followed the last `tail_after` so far (b"" before it, or without one)."""
-        return self.after.text if self.after is not None else b""
-
-    def send(self, data: bytes) -> bool:
-        """Write `data` to the client; True when its socket buffer is past the high-water mark
-        (stop reading the engine until drained). `ConnectionResetError` once the client is
-        gone."""
+    def send(self, data: bytes) -> None:
         transport = self.transport
         if transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        frame = b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data
-        transport.write(frame)
-        self.written += len(frame)
+            if self.resp is not None:
+                self.resp._relay_failed(ConnectionResetError("the client closed the connection"))
+            return
+        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
         self.bytes += len(data)
+        self.recent.append(data)
         if self.first_at is None:
             self.first_at = time.monotonic()
-        if self.after is not None:
-            self.after.feed(data)
-        return transport.get_write_buffer_size() > self.high
+        if transport.get_write_buffer_size() > self.high and self.resp is not None:
+            self.resp._backed_up()
 
 
 class UpstreamResponse:
@@ -125,9 +123,9 @@ class UpstreamResponse:
     (`relay`); `release()` when done."""
 
     __slots__ = (
-        "_backed", "_buffered", "_chunks", "_clock", "_conn", "_done", "_error", "_head_bytes",
-        "_last", "_loop", "_paused", "_pieces", "_pool", "_relay", "_relay_error", "_slot",
-        "_timer", "_waiter", "headers", "keep_alive", "status", "until_close",
+        "_backed", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_loop",
+        "_paused", "_pieces", "_pool", "_relay_error", "_slot", "_timer", "_waiter", "headers",
+        "keep_alive", "sink", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
@@ -144,16 +142,13 @@ class UpstreamResponse:
         self._done = False
         self._error: Exception | None = None
         self._waiter: asyncio.Future[None] | None = None
-        # While relaying: where body pieces go, whether it asked us to stop reading, what it
-        # raised, and when the engine last sent something (the silence timer's reference, read
-        # from the loop's clock).
-        self._relay: ClientRelay | None = None
         self._pieces: list[bytes] = []  # parsed from the current socket read, not yet handed
+        #: Where a stream's body went (`relay`), for its bookkeeping.
+        self.sink: ClientRelay | None = None
+        # While relaying: whether the client is backed up, and what its side raised.
         self._backed = False
         self._relay_error: BaseException | None = None
-        self._last = 0.0
         self._loop = pool.loop  # the pool's: asyncio.get_running_loop() is a getpid() call
-        self._clock: Callable[[], float] = time.monotonic
         self._timer: asyncio.TimerHandle | None = None
 
     # -- fed by the protocol --------------------------------------------------------------
@@ -162,13 +157,9 @@ class UpstreamResponse:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
-    def _keep(self) -> None:
-        """Not relaying: the body that one socket read carried (the parser appended its pieces
-        to `_pieces`) goes, in one piece, to the buffer that `read_chunk` takes from; the
-        socket pauses past `HIGH_WATER`."""
-        pieces = self._pieces
-        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        pieces.clear()
+    def _keep(self, data: bytes) -> None:
+        """Not relaying: the body that one socket read carried goes to the buffer that
+        `read_chunk` takes from; the socket pauses past `HIGH_WATER`."""
         self._chunks.append(data)
         self._buffered += len(data)
         if self._buffered > HIGH_WATER and not self._paused and self._conn.transport:
@@ -178,12 +169,13 @@ class UpstreamResponse:
 
     def _relay_failed(self, err: BaseException) -> None:
         self._relay_error = err
-        self._relay = None
-        if not self._backed:
-            self._backed_up()
+        self._conn.deliver = self._keep  # the rest is kept, not written
+        self._backed_up()
 
     def _backed_up(self) -> None:
         """The client is backed up (or gone): stop reading the engine; `relay` drains."""
+        if self._backed:
+            return
         self._backed = True
         if self._conn.transport is not None:
             self._conn.transport.pause_reading()
@@ -230,32 +222,37 @@ class UpstreamResponse:
         return data
 
     async def relay(
-        self, target: ClientRelay, drain: Callable[[], Awaitable[None]], timeout: float
-    ) -> None:
-        """Pass the rest of the body to `target`, piece by piece as the socket delivers it.
+        self,
+        transport: asyncio.Transport,
+        chunked: bool,
+        drain: Callable[[], Awaitable[None]],
+        timeout: float,
+    ) -> ClientRelay:
+        """Pass the rest of the body to a client's `transport`, piece by piece as the socket
+        delivers it, through a `ClientRelay` (`sink`, also returned; its bookkeeping stays
+        readable when this raises).
 
-        `target.send` runs inside the connection's read callback, once per socket read with
-        the part of the body that read carried (chunk framing removed): an event that arrived
+        Its `send` runs inside the connection's read callback, once per socket read with the
+        part of the body that read carried (chunk framing removed): an event that arrived
         split goes on split, events that arrived together go on together, the bytes always
         the engine's, in order. When the client's buffer is past its mark the socket stops
-        being read until `drain()` returns. What `send` or `drain` raise ends the relay and is
-        raised here; so are `TimeoutError` after `timeout` seconds without a byte from the
-        engine and `UpstreamError` if the engine's response breaks. Returns at the end of the
-        body.
+        being read until `drain()` returns. What the client's side or `drain` raise ends the
+        relay and is raised here; so are `TimeoutError` once the engine has sent nothing for
+        `timeout` seconds (at most 1.25 `timeout`, see `_wait_silence`) and `UpstreamError`
+        if the engine's response breaks. Returns at the end of the body.
         """
         loop = self._loop
         assert loop is not None
-        self._clock = loop.time
-        while self._chunks:  # what arrived before the relay started
-            data = self._chunks.popleft()
-            self._buffered -= len(data)
-            if target.send(data):
-                await drain()
+        self.sink = sink = ClientRelay(transport, chunked, self)
+        if self._chunks:  # what arrived before the relay started goes first, in one write
+            sink.send(b"".join(self._chunks))
+            self._chunks.clear()
+            self._buffered = 0
         if self._paused and self._conn.transport is not None:
             self._paused = False
             self._conn.transport.resume_reading()
-        self._last = loop.time()
-        self._relay = target
+        if self._relay_error is None:
+            self._conn.deliver = sink.send
         try:
             while True:
                 if self._relay_error is not None:
@@ -263,24 +260,29 @@ class UpstreamResponse:
                 if self._backed:
                     await drain()
                     self._backed = False
-                    transport = self._conn.transport
-                    if transport is not None and not self._conn.closed and not self._done:
-                        transport.resume_reading()
+                    conn = self._conn
+                    if conn.transport is not None and not conn.closed and not self._done:
+                        conn.transport.resume_reading()
                     continue
                 if self._done:
                     if self._error is not None:
                         raise self._error
-                    return
-                await self._wait_silence(loop, timeout)
+                    return sink
+                await self._wait_silence(loop, timeout, sink)
         finally:
-            self._relay = None
+            self._conn.deliver = self._keep  # anything after an early end is kept, not written
 
-    async def _wait_silence(self, loop: asyncio.AbstractEventLoop, timeout: float) -> None:
+    async def _wait_silence(
+        self, loop: asyncio.AbstractEventLoop, timeout: float, sink: ClientRelay
+    ) -> None:
         """Until woken (the end, an error, a backed-up sink); `TimeoutError` once the engine
-        has been silent for `timeout`. One timer per wait, re-armed from the time of the last
-        piece rather than per piece."""
+        has sent nothing for `timeout`. Nothing is timed per piece: a timer looks at the
+        sink's byte count every quarter of `timeout`, and four looks in a row that find it
+        unchanged are the silence."""
         self._waiter = fut = loop.create_future()
-        self._timer = loop.call_at(self._last + timeout, self._silence, fut, timeout)
+        self._timer = loop.call_later(
+            timeout / SILENCE_LOOKS, self._silence, fut, timeout, sink, sink.bytes, 0
+        )
         try:
             await fut
         finally:
@@ -289,16 +291,21 @@ class UpstreamResponse:
                 self._timer = None
             self._waiter = None
 
-    def _silence(self, fut: asyncio.Future[None], timeout: float) -> None:
+    def _silence(
+        self, fut: asyncio.Future[None], timeout: float, sink: ClientRelay, seen: int, quiet: int
+    ) -> None:
         if fut.done():
             return
         assert self._loop is not None
-        deadline = self._last + timeout
-        if self._loop.time() >= deadline - 0.001:  # the loop's clock ticks in milliseconds
+        now = sink.bytes
+        quiet = quiet + 1 if now == seen else 0
+        if quiet >= SILENCE_LOOKS:
             self._timer = None
             fut.set_exception(TimeoutError())
         else:
-            self._timer = self._loop.call_at(deadline, self._silence, fut, timeout)
+            self._timer = self._loop.call_later(
+                timeout / SILENCE_LOOKS, self._silence, fut, timeout, sink, now, quiet
+            )
 
     def complete(self) -> bool:
         """The whole body has arrived (and is buffered here), without error."""
@@ -329,8 +336,14 @@ class UpstreamResponse:
 
     def release(self) -> None:
         """Return the connection for reuse if the response was read to its end, else close it."""
+        if self.sink is not None:
+            self.sink.resp = None  # (a reference cycle otherwise)
         self._pool._release(self._conn, slot=self._slot, reusable=self._done and self._error is None
                             and not self._chunks and self.keep_alive)  # fmt: skip
+
+
+def _unasked(data: bytes) -> None:
+    raise AssertionError("a body piece with no response")
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
@@ -348,16 +361,20 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.resp: UpstreamResponse | None = None
         self.parser: httptools.HttpResponseParser | None = None
-        #: httptools' body callback, set per response (`start`).
+        #: httptools' body callback, the list it appends to, and where what one read carried
+        #: goes (the response's buffer, or a `ClientRelay`); set per response (`start`).
         self.on_body: Callable[[bytes], None] | None = None
+        self.pieces: list[bytes] = []
+        self.deliver: Callable[[bytes], None] = _unasked
         #: Why a parser callback refused the response.
         self.refused: str | None = None
 
     def start(self, resp: UpstreamResponse) -> None:
         self.resp = resp
-        # Body pieces go straight onto the response's list (no Python call per piece), and
-        # `data_received` hands what one read brought on once the read is parsed. httptools
-        # takes its callbacks from the protocol when the parser is made.
+        self.pieces = resp._pieces
+        self.deliver = resp._keep
+        # httptools takes its callbacks from the protocol when the parser is made: body
+        # pieces go straight onto the list (no Python call per piece).
         self.on_body = resp._pieces.append
         self.parser = httptools.HttpResponseParser(self)
 
@@ -366,36 +383,34 @@ class _Conn(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        resp = self.resp
-        if self.parser is None or resp is None:  # bytes nobody asked for: unusable
+        parser = self.parser
+        if parser is None:  # bytes nobody asked for: unusable
             self.close()
             return
-        refused: Exception | None = None
         try:
-            self.parser.feed_data(data)
+            parser.feed_data(data)
         except (httptools.HttpParserError, UpstreamError) as err:
-            refused = err  # what was parsed before the error still goes on first
-        pieces = resp._pieces
+            self._refuse(err)
+            return
+        # What this read carried goes on in one piece: kept by the response, or (relaying a
+        # stream, once per event) written to the client with as many events as the engine's
+        # write put in it. Written out here rather than in a method: it is the hot path.
+        pieces = self.pieces
         if pieces:
-            relay = resp._relay
-            if relay is None:
-                resp._keep()
-            else:
-                # A stream's event (this runs once per event: written out here, it is one
-                # Python call fewer): what the read carried goes to the client in one write,
-                # with as many events as the engine's write put in it.
-                body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-                pieces.clear()
-                resp._last = resp._clock()
-                try:
-                    if relay.send(body) and not resp._backed:
-                        resp._backed_up()
-                except Exception as err:  # the client's failure, not the engine's
-                    resp._relay_failed(err)
-        if refused is not None:
-            why = self.refused or str(refused)  # a callback's own reason, not the wrapper
-            resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
-            self.close()
+            body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            pieces.clear()
+            self.deliver(body)
+
+    def _refuse(self, err: Exception) -> None:
+        """The response broke: what was parsed before the error still goes on, then the
+        response ends with the error and the connection closes."""
+        if self.pieces:
+            self.deliver(b"".join(self.pieces))
+            self.pieces.clear()
+        why = self.refused or str(err)  # a callback's own reason, not the wrapper
+        assert self.resp is not None
+        self.resp._finish(UpstreamError(f"bad HTTP response from the engine: {why}"))
+        self.close()
 
     def eof_received(self) -> bool:
         self._lost("engine closed the connection")
@@ -621,6 +636,7 @@ class UpstreamPool:
     def _release(self, conn: _Conn, reusable: bool, slot: asyncio.Semaphore) -> None:
         slot.release()
         conn.resp = conn.parser = None
+        conn.deliver = _unasked
         if not reusable or conn.closed:
             conn.close()
             return
