@@ -12,7 +12,8 @@ level N (100, 1000, 2000) and each target, `sse_client.js` opens N streams evenl
 on its own connection, each receiving 400 events (20 s); it checks every event arrived, in
 order, once, and stamps them. Meanwhile this script samples the target's listening socket's
 accept queue (sock_diag, every 10 ms) and its RSS, and reads its CPU time from /proc before and
-after. The targets take turns, the order rotating from level to level.
+after. The targets take turns, the order rotating from level to level, and each starts once
+the machine is quiet again (`settle`).
 
 **Large bodies.** A chat request with one base64 image (the shape a video-analysis client sends
 frames in), 1 and 10 MB, ``model`` after ``messages`` as the OpenAI SDK orders the keys, and
@@ -210,6 +211,24 @@ def run_streams(
     return r
 
 
+def settle(quiet: float = 10.0, longest: float = 20.0) -> float:
+    """Wait (at least 1 s, at most `longest`) until the machine's CPU is below `quiet` percent
+    for half a second: a target that fell behind (an old revision at 2,000 streams) still
+    closes connections and drains its listen queue after its client has gone, and the next
+    target must not be measured on top of that. Returns the seconds waited."""
+    t0 = time.monotonic()
+    time.sleep(0.5)
+    calm = 0
+    while time.monotonic() - t0 < longest:
+        calm = calm + 1 if psutil.cpu_percent(interval=0.25) < quiet else 0
+        if calm >= 2 and time.monotonic() - t0 >= 1.0:
+            break
+    waited = time.monotonic() - t0
+    if waited >= longest:
+        log(f"the machine did not quiet down within {longest:g} s; going on")
+    return waited
+
+
 def phase_streams(
     targets: dict[str, tuple[int, list[int]]], args: argparse.Namespace, res: dict[str, Any]
 ) -> None:
@@ -229,7 +248,7 @@ def phase_streams(
                     f"({r['kernel_share']:.0%} kernel), listen queue peak "
                     f"{r['listen_queue_peak']}, other programs {r['foreign_cpu']:.0%} CPU"
                 )
-                time.sleep(1)  # let closed connections settle before the next target
+                settle()  # the next target starts on a quiet machine
 
 
 # --------------------------------------------------------------------------- large bodies
@@ -478,7 +497,9 @@ def markdown(res: dict[str, Any]) -> str:
             f"opens the N streams evenly over {a['ramp']:g} s, one connection each, and checks "
             "every event (in order, none lost or twice, then `[DONE]`). vllm-proxy and nginx "
             "`proxy_pass` (one worker, `proxy_buffering off`) forward to the same Node process and "
-            "take turns. *Delivered* counts events while every stream should be open; CPU is the "
+            "take turns, each starting once the machine is quiet again (below 10 % CPU for "
+            "half a second: a target that fell behind still drains after its client has gone). "
+            "*Delivered* counts events while every stream should be open; CPU is the "
             "proxy's user + system time from /proc over the whole run, per 1000 events delivered "
             "(kernel = its system share); the listen queue is the accept queue of the proxy's "
             "listening socket, sampled every 10 ms. The machine is shared and small: a repeat run "
