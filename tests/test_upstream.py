@@ -314,6 +314,32 @@ async def test_a_gone_client_ends_the_relay_and_the_request(upstream: Upstream) 
     pool.close()
 
 
+class Failing(Client):
+    """A client transport whose writes fail after the first two."""
+
+    def write(self, data: bytes) -> None:
+        if len(self.pieces) >= 2:
+            raise RuntimeError("the transport is broken")
+        super().write(data)
+
+
+async def test_a_failing_client_write_ends_the_relay_not_the_engine_connection_reader(
+    upstream: Upstream,
+) -> None:
+    """A write to the client that raises is the client's failure: it ends the relay with that
+    error (the engine connection's read callback does not raise), and the unfinished engine
+    request is aborted."""
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/stream?n=1000&delay=0.02", [], b"", 5)
+    client = Failing()
+    with pytest.raises(RuntimeError, match="broken"):
+        await asyncio.wait_for(relay(resp, client, no_drain, 5), 5)
+    assert len(client.pieces) == 2
+    resp.release()
+    await wait_for(upstream.cancelled.is_set, what="upstream handler cancelled")
+    pool.close()
+
+
 async def test_a_connection_paused_by_its_last_read_is_pooled_reading(upstream: Upstream) -> None:
     """The read that ends a body may also pause the socket (a backed-up client, a buffer past
     the high-water mark): the connection goes back to the pool reading again, or the next

@@ -109,7 +109,12 @@ class ClientRelay:
             if self.resp is not None:
                 self.resp._relay_failed(ConnectionResetError("the client closed the connection"))
             return
-        transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        try:
+            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        except Exception as err:  # the client's failure, not the engine's
+            if self.resp is not None:
+                self.resp._relay_failed(err)
+            return
         self.bytes += len(data)
         self.recent.append(data)
         if self.first_at is None:
