@@ -11,9 +11,10 @@ event per tick, 20 per second. vllm-proxy starts it as the engine of model ``sse
 level N (100, 1000, 2000) and each target, `sse_client.js` opens N streams evenly over 2 s, each
 on its own connection, each receiving 400 events (20 s); it checks every event arrived, in
 order, once, and stamps them. Meanwhile this script samples the target's listening socket's
-accept queue (sock_diag, every 10 ms) and its RSS, and reads its CPU time from /proc before and
-after. The targets take turns, the order rotating from level to level, and each starts once
-the machine is quiet again (`settle`).
+accept queue (sock_diag, every 10 ms) and its RSS, and reads its CPU time before and after (in
+ns, from each thread's /proc schedstat: the tick counts in /proc/<pid>/stat are 10 ms apart,
+up to 4 % of a 100-stream run). The targets take turns, the order rotating from level to
+level, and each starts once the machine is quiet again (`settle`).
 
 **Large bodies.** A chat request with one base64 image (the shape a video-analysis client sends
 frames in), 1 and 10 MB, ``model`` after ``messages`` as the OpenAI SDK orders the keys, and
@@ -123,6 +124,22 @@ def cpu_times(pids: list[int]) -> tuple[float, float]:
     return user, system
 
 
+def cpu_ns(pids: list[int]) -> int:
+    """CPU nanoseconds of `pids`, every thread's, from /proc/<pid>/task/<tid>/schedstat.
+
+    /proc/<pid>/stat counts in clock ticks (10 ms): a 100-stream run costs a proxy 0.4-0.7 s,
+    so a tick at each end moved a target's figure by up to 4 %, as much as the margin being
+    measured. schedstat counts the time each thread ran in ns; a thread that exits during a
+    run takes its time with it, which `run_streams` checks against the tick count."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError):
+                    total += int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+    return total
+
+
 def rss(pids: list[int]) -> int:
     total = 0
     for pid in pids:
@@ -180,6 +197,7 @@ def run_streams(
     sampler = Sampler(port, pids)
     loadgen.METER.start()
     u0, s0 = cpu_times(pids)
+    n0 = cpu_ns(pids)
     sampler.start()
     t0 = time.monotonic()
     out = subprocess.run(
@@ -188,20 +206,26 @@ def run_streams(
     wall = time.monotonic() - t0
     sampler.stop.set()
     sampler.join()
+    n1 = cpu_ns(pids)
     u1, s1 = cpu_times(pids)
     foreign = loadgen.METER.foreign()
     line = next((x for x in out.stdout.splitlines() if x.startswith("SSEJSON ")), None)
     if line is None:
         raise RuntimeError(f"sse_client printed no summary (rc {out.returncode}): {out.stderr}")
     r: dict[str, Any] = json.loads(line[8:])
-    cpu = (u1 - u0) + (s1 - s0)
+    ticks = (u1 - u0) + (s1 - s0)  # whole ticks: only for the kernel share and a check
+    cpu = (n1 - n0) / 1e9
+    tick = 1 / os.sysconf("SC_CLK_TCK")
+    if abs(cpu - ticks) > 2 * tick * len(pids) + 0.02 * ticks:
+        log(f"{key}: CPU {cpu:.3f} s by schedstat but {ticks:.2f} s by ticks (a thread exited?)")
     r.update(
         target=key,
         cpu_s=cpu,
+        cpu_tick_s=ticks,
         cpu_user_s=u1 - u0,
         cpu_sys_s=s1 - s0,
         cpu_ms_per_1000=cpu * 1e3 / (r["events"] / 1000) if r["events"] else float("nan"),
-        kernel_share=(s1 - s0) / cpu if cpu else float("nan"),
+        kernel_share=(s1 - s0) / ticks if ticks else float("nan"),
         rss_peak=sampler.rss_peak,
         listen_queue_peak=sampler.queue_peak,
         queue_samples=sampler.samples,
@@ -500,8 +524,9 @@ def markdown(res: dict[str, Any]) -> str:
             "take turns, each starting once the machine is quiet again (below 10 % CPU for "
             "half a second: a target that fell behind still drains after its client has gone). "
             "*Delivered* counts events while every stream should be open; CPU is the "
-            "proxy's user + system time from /proc over the whole run, per 1000 events delivered "
-            "(kernel = its system share); the listen queue is the accept queue of the proxy's "
+            "proxy's time on the CPU over the whole run, every thread's, in ns from "
+            "/proc/<pid>/task/*/schedstat, per 1000 events delivered (kernel = the system share "
+            "of its /proc/<pid>/stat ticks); the listen queue is the accept queue of the proxy's "
             "listening socket, sampled every 10 ms. The machine is shared and small: a repeat run "
             "moves the ratios by up to a third (compare targets within one run, not across runs)."
             + (
@@ -756,7 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "direct (default vllm-proxy,nginx)",
     )
     p.add_argument("--body-mb", type=floats, default=[1, 10], help="large-body sizes (MB)")
-    p.add_argument("--body-requests", type=int, default=30, help="requests per size and target")
+    p.add_argument("--body-requests", type=int, default=100, help="requests per size and target")
     p.add_argument("--docs", action="store_true", help="update docs/benchmarks.md and its plot")
     p.add_argument("--keep-tmp", action="store_true")
     p.add_argument(
