@@ -154,7 +154,7 @@ async def test_silence_is_a_timeout(upstream: Upstream) -> None:
 
 class Client:
     """A client's transport as `ClientRelay` uses it: what is written, a buffer size to report,
-    and whether it is closing."""
+    and whether it is closing (then, as uvloop's closed transport does, it refuses writes)."""
 
     def __init__(self, backed_after: int | None = None) -> None:
         self.pieces: list[bytes] = []
@@ -163,6 +163,8 @@ class Client:
         self.last_write = 0.0
 
     def write(self, data: bytes) -> None:
+        if self.closing:
+            raise RuntimeError("unable to perform operation; the handler is closed")
         self.pieces.append(data)
         self.last_write = time.monotonic()
 
@@ -223,6 +225,44 @@ async def test_relay_frames_chunks_and_notes_bytes_first_write_and_tail(
     assert sink.first_at is not None
     assert list(sink.recent) == events
     pool.close()
+
+
+async def test_the_relay_reads_the_engine_socket_while_it_runs_then_hands_it_back(
+    upstream: Upstream,
+) -> None:
+    """While relaying, the relay is the engine transport's protocol (one read callback per
+    event); at the end the connection reads for itself again, and serves the next request."""
+    pool = UpstreamPool(limit=8)
+    resp = await pool.request(upstream.port, "POST", "/stream?n=4&delay=0.05", [], b"", 5)
+    conn = resp._conn
+    assert conn.transport is not None and conn.transport.get_protocol() is conn
+    client = Client()
+    relaying = asyncio.ensure_future(relay(resp, client, no_drain, 5))
+    await wait_for(lambda: len(client.pieces) >= 1, what="an event relayed")
+    assert conn.transport.get_protocol() is resp.sink
+    await asyncio.wait_for(relaying, 5)
+    assert conn.transport.get_protocol() is conn
+    resp.release()
+    assert b"".join(client.pieces) == b"".join(b"data: %d\n\n" % i for i in range(4))
+    again = await pool.request(upstream.port, "POST", "/stream?n=2", [], b"", 5)
+    assert again._conn is conn, "the pooled connection is reused"
+    assert await again.read_all(5) == b"data: 0\n\ndata: 1\n\n"
+    again.release()
+    pool.close()
+
+
+async def test_a_close_delimited_body_is_relayed_to_the_engine_close() -> None:
+    """The engine's close reaches the connection through the relay: the body ends there."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n\r\n" + b"x" * 300_000
+    async with RawEngine(answer) as engine:
+        pool = UpstreamPool(limit=4)
+        resp = await pool.request(engine.port, "POST", "/x", [], b"{}", 5)
+        client = Client()
+        sink = await relay(resp, client, no_drain, 5)
+        resp.release()
+        assert b"".join(client.pieces) == b"x" * 300_000 and sink.bytes == 300_000
+        assert not pool._idle.get(engine.port), "a close-delimited connection is not reused"
+        pool.close()
 
 
 def usage_of(*writes: bytes) -> tuple[int, int] | None:

@@ -4,9 +4,9 @@ Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy do
 general-purpose client on its hottest path. This one writes the request head and body in one
 `write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
 over as they arrive, pausing the socket when the client reads slower than the engine writes.
-A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay` into a
-`ClientRelay`): what each read carries is written to the client's transport at once, with no
-task switch, no timer and two Python calls per event.
+A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay` makes a
+`ClientRelay` the engine transport's protocol): what each read carries is written to the
+client's transport at once, with no task switch, no timer and one Python call per event.
 A response that is not read to its end closes its connection: for vLLM that aborts the request.
 `aiohttp` still serves everything else (health polling, engine metrics).
 """
@@ -71,20 +71,29 @@ class Tail:
             self.text += data
 
 
-class ClientRelay:
-    """Writes a relayed body to a client's transport: `send` runs inside the engine socket's
-    read callback, once per read, with the body that read carried (one Python call per stream
-    event besides the read callback), framed as an HTTP/1.1 chunk (`chunked`) or raw (an
-    HTTP/1.0 client, a body the client's response frames itself).
+class ClientRelay(asyncio.Protocol):
+    """Writes a relayed body to a client's transport, framed as an HTTP/1.1 chunk (`chunked`)
+    or raw (an HTTP/1.0 client, a body the client's response frames itself).
 
-    It tells its response (`UpstreamResponse.relay`) when the client is backed up or gone (the
-    response stops reading the engine), and keeps its own bookkeeping for the caller to read
-    afterwards: the bytes passed on (`bytes`), when the first went (`first_at`,
-    `time.monotonic()`) and the last `RECENT` writes (`recent`): a stream's closing
-    ``"usage":`` object is found there once, at the end, not searched for in every event.
+    While a response is relayed (`UpstreamResponse.relay`), the relay is the engine
+    transport's protocol: its `data_received` feeds the response's parser and writes what the
+    read carried of the body to the client at once, one Python call per read (the parser
+    appends body pieces to a list itself). `send` writes one piece the same way (what arrived
+    before the relay started; a standalone relay).
+
+    It tells its response when the client is backed up or gone (the response stops reading
+    the engine), and keeps its own bookkeeping for the caller to read afterwards: the bytes
+    passed on (`bytes`), when the first went (`first_at`, `time.monotonic()`) and the last
+    `RECENT` writes (`recent`): a stream's closing ``"usage":`` object is found there once, at
+    the end, not searched for in every event.
+
+    A client that has gone is noticed by the write that fails: the event loop's transport
+    raises once it is closed (uvloop drops the writes between the close and then). Nothing
+    else is asked of the client's transport per event but its buffer size.
     """
 
-    __slots__ = ("bytes", "chunked", "first_at", "high", "recent", "resp", "transport")
+    __slots__ = ("buffered", "bytes", "chunked", "conn", "feed", "first_at", "high", "last",
+                 "pieces", "prev", "prev2", "prev3", "resp", "transport", "write")  # fmt: skip
 
     #: Writes kept at the end of a relayed body: a closing event, even cut in two, and the
     #: ``data: [DONE]`` after it.
@@ -94,33 +103,89 @@ class ClientRelay:
         self, transport: asyncio.Transport, chunked: bool, resp: UpstreamResponse | None = None
     ) -> None:
         self.transport = transport
+        # The transport's own methods, bound once: the hot path calls them per event.
+        self.write = transport.write
+        self.buffered = transport.get_write_buffer_size
         self.chunked = chunked
         self.resp = resp
+        # The engine side: the connection, its parser's feed and the list it appends to.
+        self.conn: _Conn | None = None
+        self.feed: Callable[[bytes], None] | None = None
+        self.pieces: list[bytes] = []
+        if resp is not None:
+            self.conn = conn = resp._conn
+            self.pieces = conn.pieces
+            if conn.parser is not None:
+                self.feed = conn.parser.feed_data
         # The transport pauses its protocol (a writer then waits in drain()) past this many
         # buffered bytes; the relay stops reading the engine at the same mark.
         self.high = transport.get_write_buffer_limits()[1]
         self.bytes = 0
         self.first_at: float | None = None
-        self.recent: collections.deque[bytes] = collections.deque(maxlen=self.RECENT)
+        # The last writes, newest first: slots of this object, which the hot path touches
+        # anyway, rather than a deque of its own.
+        self.last = self.prev = self.prev2 = self.prev3 = b""
 
-    def send(self, data: bytes) -> None:
-        transport = self.transport
-        if transport.is_closing():
-            if self.resp is not None:
-                self.resp._relay_failed(ConnectionResetError("the client closed the connection"))
-            return
+    @property
+    def recent(self) -> list[bytes]:
+        """The last `RECENT` writes, oldest first."""
+        return [w for w in (self.prev3, self.prev2, self.prev, self.last) if w]
+
+    # -- the engine transport's protocol while relaying -----------------------------------
+
+    def data_received(self, data: bytes) -> None:
         try:
-            transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
-        except Exception as err:  # the client's failure, not the engine's
-            if self.resp is not None:
-                self.resp._relay_failed(err)
+            self.feed(data)  # type: ignore[misc]
+        except (httptools.HttpParserError, UpstreamError) as err:
+            assert self.conn is not None
+            self.conn._refuse(err)
             return
-        self.bytes += len(data)
-        self.recent.append(data)
+        pieces = self.pieces
+        if not pieces:
+            return
+        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        pieces.clear()
+        # `send`, written out: this is the hot path, once per event.
+        try:
+            self.write(b"%x\r\n%b\r\n" % (len(body), body) if self.chunked else body)
+        except Exception as err:  # the client's failure, not the engine's
+            self._failed(err)
+            return
+        self.bytes += len(body)
+        self.prev3, self.prev2, self.prev, self.last = self.prev2, self.prev, self.last, body
         if self.first_at is None:
             self.first_at = time.monotonic()
-        if transport.get_write_buffer_size() > self.high and self.resp is not None:
+        if self.buffered() > self.high:
+            self.resp._backed_up()  # type: ignore[union-attr]
+
+    def eof_received(self) -> bool:
+        assert self.conn is not None
+        return self.conn.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        assert self.conn is not None
+        self.conn.connection_lost(exc)
+
+    # -- one piece ------------------------------------------------------------------------
+
+    def send(self, data: bytes) -> None:
+        try:
+            self.write(b"%x\r\n%b\r\n" % (len(data), data) if self.chunked else data)
+        except Exception as err:  # the client's failure, not the engine's
+            self._failed(err)
+            return
+        self.bytes += len(data)
+        self.prev3, self.prev2, self.prev, self.last = self.prev2, self.prev, self.last, data
+        if self.first_at is None:
+            self.first_at = time.monotonic()
+        if self.buffered() > self.high and self.resp is not None:
             self.resp._backed_up()
+
+    def _failed(self, err: Exception) -> None:
+        if self.transport.is_closing():  # a closed transport refuses writes: the client left
+            err = ConnectionResetError("the client closed the connection")
+        if self.resp is not None:
+            self.resp._relay_failed(err)
 
 
 class UpstreamResponse:
@@ -174,7 +239,7 @@ class UpstreamResponse:
 
     def _relay_failed(self, err: BaseException) -> None:
         self._relay_error = err
-        self._conn.deliver = self._keep  # the rest is kept, not written
+        self._unrelay()  # the rest is kept, not written
         self._backed_up()
 
     def _backed_up(self) -> None:
@@ -237,8 +302,9 @@ class UpstreamResponse:
         delivers it, through a `ClientRelay` (`sink`, also returned; its bookkeeping stays
         readable when this raises).
 
-        Its `send` runs inside the connection's read callback, once per socket read with the
-        part of the body that read carried (chunk framing removed): an event that arrived
+        The relay is the engine transport's protocol meanwhile: its read callback writes
+        what each socket read carried of the body (chunk framing removed) to the client at
+        once, in the same callback (see `ClientRelay`): an event that arrived
         split goes on split, events that arrived together go on together, the bytes always
         the engine's, in order. When the client's buffer is past its mark the socket stops
         being read until `drain()` returns. What the client's side or `drain` raise ends the
@@ -248,17 +314,21 @@ class UpstreamResponse:
         """
         loop = self._loop
         assert loop is not None
+        conn = self._conn
         self.sink = sink = ClientRelay(transport, chunked, self)
+        conn.deliver = sink.send  # (what a broken response parsed before its error)
         if self._chunks:  # what arrived before the relay started goes first, in one write
             sink.send(b"".join(self._chunks))
             self._chunks.clear()
             self._buffered = 0
-        if self._paused and self._conn.transport is not None:
-            self._paused = False
-            self._conn.transport.resume_reading()
-        if self._relay_error is None:
-            self._conn.deliver = sink.send
         try:
+            engine = conn.transport
+            if engine is not None:
+                if self._relay_error is None and not self._done and not conn.closed:
+                    engine.set_protocol(sink)  # its reads go to the relay until the end
+                if self._paused:
+                    self._paused = False
+                    engine.resume_reading()
             while True:
                 if self._relay_error is not None:
                     raise self._relay_error
@@ -275,7 +345,15 @@ class UpstreamResponse:
                     return sink
                 await self._wait_silence(loop, timeout, sink)
         finally:
-            self._conn.deliver = self._keep  # anything after an early end is kept, not written
+            self._unrelay()
+
+    def _unrelay(self) -> None:
+        """The connection reads for itself again, and keeps what it reads (anything after an
+        early end of the relay is kept, not written)."""
+        conn = self._conn
+        conn.deliver = self._keep
+        if conn.transport is not None and conn.transport.get_protocol() is not conn:
+            conn.transport.set_protocol(conn)
 
     async def _wait_silence(
         self, loop: asyncio.AbstractEventLoop, timeout: float, sink: ClientRelay
@@ -359,6 +437,9 @@ def _expire(fut: asyncio.Future[None]) -> None:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; parser callbacks feed the current response."""
 
+    __slots__ = ("closed", "deliver", "idle_since", "on_body", "parser", "pieces", "port",
+                 "refused", "resp", "transport")  # fmt: skip
+
     def __init__(self, port: int) -> None:
         self.port = port
         self.transport: asyncio.Transport | None = None
@@ -397,9 +478,9 @@ class _Conn(asyncio.Protocol):
         except (httptools.HttpParserError, UpstreamError) as err:
             self._refuse(err)
             return
-        # What this read carried goes on in one piece: kept by the response, or (relaying a
-        # stream, once per event) written to the client with as many events as the engine's
-        # write put in it. Written out here rather than in a method: it is the hot path.
+        # What this read carried goes on in one piece, to the response's buffer (a relayed
+        # stream is read by the `ClientRelay`, the transport's protocol meanwhile; `deliver`
+        # points at its `send` only for what a broken response parsed before its error).
         pieces = self.pieces
         if pieces:
             body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
