@@ -87,9 +87,10 @@ class ClientRelay(asyncio.Protocol):
     `RECENT` writes (`recent`): a stream's closing ``"usage":`` object is found there once, at
     the end, not searched for in every event.
 
-    A client that has gone is noticed by the write that fails: the event loop's transport
-    raises once it is closed (uvloop drops the writes between the close and then). Nothing
-    else is asked of the client's transport per event but its buffer size.
+    A client that has gone is noticed by aiohttp, which cancels the handler (and with it the
+    relay) when the client's connection is lost, or before that by the write that fails:
+    uvloop's transport raises once it is closed (and drops the writes between the close and
+    then). Nothing else is asked of the client's transport per event but its buffer size.
     """
 
     __slots__ = ("buffered", "bytes", "chunked", "conn", "feed", "first_at", "high", "last",
