@@ -797,6 +797,8 @@ def write_out(res: dict[str, Any], docs: bool, failed: bool) -> None:
         png = ROOT / "docs" / "benchmarks" / "stream-capacity.png"
         if plot(res, png):
             res["plot"] = "benchmarks/stream-capacity.png"
+        else:
+            log(f"matplotlib is not installed: {png} is not redrawn (see benchmarks/README.md)")
     text = markdown(res)
     (RESULTS / "streams.json").write_text(json.dumps(res, indent=1, default=str))
     (RESULTS / "streams.md").write_text(text + "\n")
