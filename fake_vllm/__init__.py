@@ -10,8 +10,11 @@ Understood flags: ``--model`` (default ``fake-model``), ``--served-model-name A 
 accepted), ``--max-num-seqs`` (default 256; more concurrent requests queue as "waiting"),
 ``--tensor-parallel-size``/``-tp`` (entries in ``/collective_rpc`` results),
 ``--enable-sleep-mode`` (see sleep mode below) and ``--api-key`` (also ``VLLM_API_KEY``; guards
-``/v1*`` with 401 ``{"error":"Unauthorized"}``). Flags may be spelled with ``_`` or ``-``;
-every other flag is accepted and ignored.
+``/v1*`` with 401 ``{"error":"Unauthorized"}``). Simulated-GPU mode also reads
+``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-size``,
+``--gpu-memory-utilization`` (default 0.9), ``--kv-cache-memory-bytes`` and
+``--sleep-mode-offload-cudagraph``. Flags may be spelled with ``_`` or ``-``; every other flag
+is accepted and ignored.
 
 It mimics the newest vLLM server: the port is bound only when the "engine" is ready (connections
 are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI error bodies,
@@ -21,9 +24,11 @@ with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting in-fligh
 tokens are counted as words. ``/v1/embeddings`` returns deterministic unit vectors of dimension 8.
 Nothing is logged per request.
 
-Sleep mode, as in vLLM: ``VLLM_SERVER_DEV_MODE=1`` registers ``/collective_rpc`` and
-``/reset_prefix_cache``; ``/sleep``, ``/wake_up`` and ``/is_sleeping`` also need the
-``--enable-sleep-mode`` flag. Missing routes answer 404 ``{"detail":"Not Found"}``.
+Sleep mode, as in vLLM 0.33: ``VLLM_SERVER_DEV_MODE=1`` registers ``/collective_rpc``,
+``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and ``/is_sleeping``. Without the
+``--enable-sleep-mode`` flag a sleep only pauses: it reports sleeping but frees nothing and loses
+no weights (vLLM then has no CuMem pool to release). Missing routes answer 404
+``{"detail":"Not Found"}``.
 
 - ``POST /sleep?level=N`` (0-2, default 1; 400 otherwise) answers
   ``{"status":"sleeping","level":N}`` after ``FAKE_ENGINE_SLEEP_DELAY``. ``mode`` decides what
@@ -107,10 +112,36 @@ Knobs (environment variables):
 ``FAKE_ENGINE_WAKE_LIES``
     ``1``: ``/wake_up`` answers 200 ``awake`` but the engine stays asleep (``/is_sleeping``
     true, requests 503).
+Simulated-GPU mode (``FAKE_ENGINE_SIM_GPU=<ledger path>``, exclusive with GPU mode) holds memory
+in a ``fake_vllm.simgpu.Ledger`` shared with other processes, following vLLM 0.33's rules (listed
+in ``simgpu``'s docstring): the engine takes the first world-size devices of
+``CUDA_VISIBLE_DEVICES`` (ledger indices; world size = ``-tp`` x ``-pp`` x
+``--prefill-context-parallel-size``), creates a context outside the budget, checks that free
+memory holds ``ceil(--gpu-memory-utilization x total)``, profiles weights, activations and CUDA
+graphs over a window measured device-wide, and fills the rest of the budget with KV cache (or
+``--kv-cache-memory-bytes``). Failures print vLLM's own error line to stderr and exit 1. Sleep
+and wake move memory by CuMem tag (``--sleep-mode-offload-cudagraph`` pools the graphs),
+``reload_weights`` needs a transient allocation and time, requests park while asleep, the
+memory is released at exit, and ``GET /sim/calls`` lists the sleep, wake and collective_rpc
+calls in arrival order with their status. ``fake_vllm/simgpu_nvml/pynvml.py`` lets another
+process read the same ledger through NVML calls.
+
 ``FAKE_ENGINE_GPU_MB``
     MiB of real GPU memory to hold (default 0: none); see GPU mode above.
 ``FAKE_ENGINE_GPU_DEVICE``
     The torch device for it (default ``cuda:0``, numbered within ``CUDA_VISIBLE_DEVICES``).
+``FAKE_ENGINE_SIM_GPU``
+    Path of a simulated-GPU ledger: turns on simulated-GPU mode (see above). Its sizes, in MiB
+    per device: ``FAKE_ENGINE_SIM_CONTEXT_MB`` (512, CUDA context, outside the budget),
+    ``FAKE_ENGINE_SIM_WEIGHTS_MB`` (1024), ``FAKE_ENGINE_SIM_ACTIVATION_MB`` (256, tag
+    ``runtime``), ``FAKE_ENGINE_SIM_GRAPHS_MB`` (256, tag ``cudagraph``),
+    ``FAKE_ENGINE_SIM_MIN_KV_MB`` (64, less KV fails the start), ``FAKE_ENGINE_SIM_RELOAD_TEMP_MB``
+    (128, taken by ``reload_weights``); times: ``FAKE_ENGINE_SIM_PROFILE_S`` (0.3, the profiling
+    window), ``FAKE_ENGINE_SIM_SLEEP_S`` (0.2, between the two free-memory readings of a sleep),
+    ``FAKE_ENGINE_SIM_RELOAD_MB_S`` (4096, reload speed); ``FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED``
+    (``1``: the reload temporary stays allocated until the next sleep, as torch caches it;
+    ``0``: it is freed when the reload ends). ``FAKE_ENGINE_ASLEEP`` defaults to ``park`` in this
+    mode. With ``FAKE_ENGINE_SPAWN_CHILD=1`` the memory is charged to the EngineCore child.
 ``VLLM_SERVER_DEV_MODE``
     ``1``: register the dev-mode routes (see sleep mode above).
 """

@@ -5,7 +5,7 @@ torch is imported only here, and only when ``FAKE_ENGINE_GPU_MB`` is set; every 
 """
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 MIB = 1024 * 1024
 WEIGHTS_SHARE = 0.7
@@ -14,6 +14,24 @@ WEIGHT_BYTE = 0x5A
 
 class GpuError(Exception):
     """torch or CUDA is missing, the device is wrong, or memory cannot be had."""
+
+
+class DeviceMemory(Protocol):
+    """Memory an engine holds and sleep/wake/reload move: torch (`GpuMemory`) or simulated.
+
+    Every method may block; the engine calls them from a worker thread. Failures raise
+    `GpuError` with a message fit for the 500 answer.
+    """
+
+    def held_bytes(self) -> int: ...
+
+    def asleep_tags(self) -> set[str]: ...
+
+    def sleep(self, level: int, offload: bool = True) -> None: ...
+
+    def wake(self, tags: Iterable[str]) -> None: ...
+
+    def reload(self) -> None: ...
 
 
 class GpuMemory:
@@ -69,9 +87,12 @@ class GpuMemory:
     def asleep_tags(self) -> set[str]:
         return set(self.sizes) - set(tuple(self.tensors))
 
-    def sleep(self, level: int) -> None:
-        """Free the device memory (level 1 keeps a pinned host copy of the weights)."""
-        if level == 0:
+    def sleep(self, level: int, offload: bool = True) -> None:
+        """Free the device memory (level 1 keeps a pinned host copy of the weights).
+
+        Without ``offload`` (no ``--enable-sleep-mode``: vLLM has no CuMem pool) nothing moves.
+        """
+        if level == 0 or not offload:
             return
         torch = self.torch
         weights = self.tensors.get("weights")

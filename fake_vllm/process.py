@@ -12,10 +12,11 @@ from typing import Any, NoReturn
 
 from aiohttp import web
 
-from .gpu import MIB, GpuError, GpuMemory
+from .gpu import MIB, DeviceMemory, GpuError, GpuMemory
 from .log import log
 from .server import FakeServer
 from .settings import KEEPALIVE_TIMEOUT, SHUTDOWN_GRACE, VERSION, Settings, load_settings
+from .simengine import SimGpu, SimStartError
 
 
 def _uvicorn(message: str) -> None:
@@ -51,13 +52,14 @@ def _engine_core_main() -> NoReturn:
         os._exit(0)
 
 
-def _spawn_engine_core() -> None:
+def _spawn_engine_core() -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:
         _engine_core_main()
     log(f"EngineCore pid={pid}")
+    return pid
 
 
 def _bind(settings: Settings) -> socket.socket:
@@ -124,7 +126,20 @@ def _load_gpu(settings: Settings) -> GpuMemory | None:
     return gpu
 
 
-async def serve(settings: Settings, sock: socket.socket, gpu: GpuMemory | None = None) -> int:
+def _report_start_failure(exc: SimStartError) -> None:
+    """vLLM's root cause, then the line its API server prints when the engine core died."""
+    log("EngineCore failed to start.", "ERROR", sys.stderr)
+    print(str(exc), file=sys.stderr)
+    message = "RuntimeError: Engine core initialization failed. See root cause above."
+    print(f"{message} Failed core proc(s): {{}}", file=sys.stderr, flush=True)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM before serving: unwind (so simulated memory is given back) like Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+async def serve(settings: Settings, sock: socket.socket, gpu: DeviceMemory | None = None) -> int:
     """Serve on the bound socket until SIGTERM/SIGINT, then abort requests and return 0."""
     server = FakeServer(settings, gpu)
     runner = web.AppRunner(
@@ -180,9 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if settings.ignore_sigterm:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    elif settings.sim is not None:
+        signal.signal(signal.SIGTERM, _interrupt)
     _log_banner(settings)
-    if settings.spawn_child:
-        _spawn_engine_core()
+    core = _spawn_engine_core() if settings.spawn_child else None
+    sim = None
     try:
         if settings.startup_delay > 0:
             time.sleep(settings.startup_delay)
@@ -193,8 +210,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(f"{message} Failed core proc(s): {{}}", file=sys.stderr, flush=True)
             return settings.exit_code
-        gpu = None
-        if settings.gpu_mb:
+        gpu: DeviceMemory | None = None
+        if settings.sim is not None:
+            try:
+                gpu = sim = SimGpu(settings, core or os.getpid())
+                sim.start()
+            except SimStartError as exc:
+                _report_start_failure(exc)
+                return 1
+        elif settings.gpu_mb:
             gpu = _load_gpu(settings)
             if gpu is None:
                 return 1
@@ -204,3 +228,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(serve(settings, sock, gpu))
     except KeyboardInterrupt:
         return 130
+    finally:
+        if sim is not None:
+            sim.release()

@@ -3,14 +3,17 @@
 import os
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, NoReturn
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from .gpu import GpuMemory
+from .gpu import DeviceMemory
 from .log import log
 from .protocol import (
+    ApiError,
     Reply,
     SseFormat,
     auth_middleware,
@@ -48,9 +51,10 @@ GARBAGE_WORD = "<garbage> "
 class FakeServer:
     """The HTTP surface of the fake engine."""
 
-    def __init__(self, settings: Settings, gpu: GpuMemory | None = None) -> None:
+    def __init__(self, settings: Settings, gpu: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.engine = Engine(settings, gpu)
+        self.calls: list[dict[str, Any]] = []
         self.model = settings.served_names[0]
         self.names = frozenset(settings.served_names)
         words = [f"tok{i} " for i in range(settings.tokens)]
@@ -80,11 +84,30 @@ class FakeServer:
         if self.settings.dev_mode:
             add("POST", "/collective_rpc", self.collective_rpc)
             add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
-            if self.settings.enable_sleep_mode:
-                add("POST", "/sleep", self.sleep)
-                add("POST", "/wake_up", self.wake_up)
-                add("GET", "/is_sleeping", self.is_sleeping)
+            add("POST", "/sleep", self.sleep)
+            add("POST", "/wake_up", self.wake_up)
+            add("GET", "/is_sleeping", self.is_sleeping)
+        if self.settings.sim is not None:
+            add("GET", "/sim/calls", self.sim_calls)
         return app
+
+    @contextmanager
+    def _recorded(self, call: dict[str, Any]) -> Iterator[None]:
+        """In sim mode, log a dev-route call in arrival order with the status it got."""
+        if self.settings.sim is None:
+            yield
+            return
+        call["status"] = None
+        self.calls.append(call)
+        try:
+            yield
+            call["status"] = 200
+        except (ApiError, web.HTTPException) as exc:
+            call["status"] = exc.status
+            raise
+
+    async def sim_calls(self, request: web.Request) -> web.Response:
+        return json_response(self.calls)
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response()
@@ -394,12 +417,14 @@ class FakeServer:
         if mode not in SLEEP_MODES:
             msg = "Input should be 'abort', 'wait' or 'keep'"
             raise validation("literal_error", ("query", "mode"), msg, mode)
-        await self.engine.sleep(level, mode)
+        with self._recorded({"call": "sleep", "level": level}):
+            await self.engine.sleep(level, mode)
         return json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
         tags = request.query.getall("tags", []) or None
-        awake = await self.engine.wake_up(tags)
+        with self._recorded({"call": "wake_up", "tags": tags}):
+            awake = await self.engine.wake_up(tags)
         return json_response({"status": "awake" if awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -409,8 +434,9 @@ class FakeServer:
         body = await read_json(request, check_type=False)
         if not isinstance(body.get("method"), str):
             raise error(400, "Missing 'method' in request body", "BadRequestError", "method")
-        if body["method"] == "reload_weights":
-            await self.engine.reload_weights()
+        with self._recorded({"call": "collective_rpc", "method": body["method"]}):
+            if body["method"] == "reload_weights":
+                await self.engine.reload_weights()
         return json_response({"results": [None] * self.settings.tensor_parallel_size})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:

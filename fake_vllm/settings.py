@@ -28,6 +28,26 @@ DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
+class SimKnobs:
+    """Simulated-GPU mode (``FAKE_ENGINE_SIM_*``): the ledger and the sizes vLLM would measure.
+
+    MiB per device unless named ``_s`` (seconds) or ``_mb_s`` (MiB per second).
+    """
+
+    ledger: str
+    context_mb: int = 512
+    weights_mb: int = 1024
+    activation_mb: int = 256
+    graphs_mb: int = 256
+    profile_s: float = 0.3
+    min_kv_mb: int = 64
+    sleep_s: float = 0.2
+    reload_temp_mb: int = 128
+    reload_mb_s: float = 4096.0
+    reload_temp_cached: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class Settings:
     """Command line and environment of one fake engine."""
 
@@ -38,6 +58,12 @@ class Settings:
     max_model_len: int = 2048
     max_num_seqs: int = 256
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    prefill_context_parallel_size: int = 1
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    sleep_mode_offload_cudagraph: bool = False
+    cuda_visible_devices: str | None = None
     api_keys: tuple[str, ...] = ()
     dev_mode: bool = False
     enable_sleep_mode: bool = False
@@ -59,6 +85,16 @@ class Settings:
     wake_lies: bool = False
     gpu_mb: int = 0
     gpu_device: str = "cuda:0"
+    sim: SimKnobs | None = None
+
+    @property
+    def world_size(self) -> int:
+        """GPUs one engine needs: tp x pp x pcp, as vLLM's ``ParallelConfig.world_size``."""
+        return (
+            self.tensor_parallel_size
+            * self.pipeline_parallel_size
+            * self.prefill_context_parallel_size
+        )
 
 
 def _model_len(text: str) -> int:
@@ -66,6 +102,16 @@ def _model_len(text: str) -> int:
     if value.lower() in ("auto", "-1"):
         return 2048
     units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    if value[-1:] in units:
+        return int(float(value[:-1]) * units[value[-1]])
+    return int(value)
+
+
+def _human_int(text: str) -> int:
+    """vLLM's human-readable sizes: ``k``/``m``/``g`` are powers of 1000, ``K``/``M``/``G``
+    of 1024."""
+    value = text.strip()
+    units = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
     if value[-1:] in units:
         return int(float(value[:-1]) * units[value[-1]])
     return int(value)
@@ -80,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-model-len", type=_model_len, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("-pp", "--pipeline-parallel-size", type=int, default=1)
+    parser.add_argument("--prefill-context-parallel-size", type=int, default=1)
+    parser.add_argument(
+        "--gpu-memory-utilization", "--device-memory-utilization", type=float, default=0.9
+    )
+    parser.add_argument("--kv-cache-memory-bytes", type=_human_int, default=None)
+    parser.add_argument("--sleep-mode-offload-cudagraph", action=argparse.BooleanOptionalAction)
     parser.add_argument("--api-key", nargs="+", default=None)
     parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     return parser
@@ -121,6 +174,49 @@ def _env_choice(environ: Mapping[str, str], name: str, choices: tuple[str, ...])
     return raw
 
 
+def _env_mb(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = _env_int(environ, name)
+    if value is None:
+        return default
+    if value < 0:
+        raise ValueError(f"{name}={value} is negative")
+    return value
+
+
+def _sim_knobs(environ: Mapping[str, str]) -> SimKnobs | None:
+    """The simulated-GPU knobs, or None when ``FAKE_ENGINE_SIM_GPU`` is unset."""
+    ledger = environ.get("FAKE_ENGINE_SIM_GPU", "").strip()
+    if not ledger:
+        return None
+    if environ.get("FAKE_ENGINE_GPU_MB", "").strip():
+        raise ValueError("FAKE_ENGINE_SIM_GPU and FAKE_ENGINE_GPU_MB are mutually exclusive")
+    defaults = SimKnobs(ledger)
+    rate = _env_number(environ, "FAKE_ENGINE_SIM_RELOAD_MB_S", defaults.reload_mb_s)
+    if rate <= 0:
+        raise ValueError(f"FAKE_ENGINE_SIM_RELOAD_MB_S={rate} must be positive")
+    return SimKnobs(
+        ledger=ledger,
+        context_mb=_env_mb(environ, "FAKE_ENGINE_SIM_CONTEXT_MB", defaults.context_mb),
+        weights_mb=_env_mb(environ, "FAKE_ENGINE_SIM_WEIGHTS_MB", defaults.weights_mb),
+        activation_mb=_env_mb(environ, "FAKE_ENGINE_SIM_ACTIVATION_MB", defaults.activation_mb),
+        graphs_mb=_env_mb(environ, "FAKE_ENGINE_SIM_GRAPHS_MB", defaults.graphs_mb),
+        profile_s=_env_number(environ, "FAKE_ENGINE_SIM_PROFILE_S", defaults.profile_s),
+        min_kv_mb=_env_mb(environ, "FAKE_ENGINE_SIM_MIN_KV_MB", defaults.min_kv_mb),
+        sleep_s=_env_number(environ, "FAKE_ENGINE_SIM_SLEEP_S", defaults.sleep_s),
+        reload_temp_mb=_env_mb(environ, "FAKE_ENGINE_SIM_RELOAD_TEMP_MB", defaults.reload_temp_mb),
+        reload_mb_s=rate,
+        reload_temp_cached=environ.get("FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED", "1").strip() != "0",
+    )
+
+
+def _asleep_policy(environ: Mapping[str, str], simulated: bool) -> str:
+    """Requests to a sleeping engine: ``FAKE_ENGINE_ASLEEP``; unset, they park in sim mode
+    (vLLM 0.33 queues them) and are refused otherwise."""
+    if simulated and not environ.get("FAKE_ENGINE_ASLEEP", "").strip():
+        return "park"
+    return _env_choice(environ, "FAKE_ENGINE_ASLEEP", ASLEEP_POLICIES)
+
+
 def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     """Parse a vLLM-style command line (unknown flags ignored) and the FAKE_ENGINE_* knobs."""
     args, _unknown = _parser().parse_known_args([_normalize_flag(a) for a in argv])
@@ -129,6 +225,10 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
     gpu_mb = _env_int(environ, "FAKE_ENGINE_GPU_MB") or 0
     if gpu_mb < 0:
         raise ValueError(f"FAKE_ENGINE_GPU_MB={gpu_mb} is negative")
+    sim = _sim_knobs(environ)
+    utilization = args.gpu_memory_utilization
+    if sim is not None and not 0 < utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization={utilization} is not in (0, 1]")
     return Settings(
         model=args.model,
         served_names=tuple(args.served_model_name or [args.model]),
@@ -137,6 +237,12 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         max_model_len=args.max_model_len,
         max_num_seqs=max(1, args.max_num_seqs),
         tensor_parallel_size=max(1, args.tensor_parallel_size),
+        pipeline_parallel_size=max(1, args.pipeline_parallel_size),
+        prefill_context_parallel_size=max(1, args.prefill_context_parallel_size),
+        gpu_memory_utilization=utilization,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        sleep_mode_offload_cudagraph=bool(args.sleep_mode_offload_cudagraph),
+        cuda_visible_devices=environ.get("CUDA_VISIBLE_DEVICES"),
         api_keys=tuple(keys),
         dev_mode=environ.get("VLLM_SERVER_DEV_MODE") == "1",
         enable_sleep_mode=bool(args.enable_sleep_mode),
@@ -151,11 +257,12 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         port_in_use_once=environ.get("FAKE_ENGINE_PORT_IN_USE_ONCE") or None,
         sleep_delay=_env_number(environ, "FAKE_ENGINE_SLEEP_DELAY", 0.0),
         wake_delay=_env_number(environ, "FAKE_ENGINE_WAKE_DELAY", 0.0),
-        asleep=_env_choice(environ, "FAKE_ENGINE_ASLEEP", ASLEEP_POLICIES),
+        asleep=_asleep_policy(environ, sim is not None),
         sleep_fail=environ.get("FAKE_ENGINE_SLEEP_FAIL") == "1",
         wake_fail=environ.get("FAKE_ENGINE_WAKE_FAIL") == "1",
         wake_hang=environ.get("FAKE_ENGINE_WAKE_HANG") == "1",
         wake_lies=environ.get("FAKE_ENGINE_WAKE_LIES") == "1",
         gpu_mb=gpu_mb,
         gpu_device=environ.get("FAKE_ENGINE_GPU_DEVICE", "").strip() or "cuda:0",
+        sim=sim,
     )

@@ -5,7 +5,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from .gpu import GpuError, GpuMemory
+from .gpu import DeviceMemory, GpuError
 from .metrics import Metrics
 from .protocol import ApiError, error
 from .settings import MEMORY_TAGS, Settings
@@ -29,10 +29,11 @@ class Engine:
 
     The engine is asleep (``paused``) from the start of ``sleep()`` until a ``wake_up()`` has
     woken every memory tag; a level-2 sleep loses the weights (``weights_lost``) until
-    ``reload_weights()``. Sleep, wake and reload run one at a time.
+    ``reload_weights()``. Without ``--enable-sleep-mode`` a sleep only pauses (vLLM has no CuMem
+    pool to release). Sleep, wake and reload run one at a time.
     """
 
-    def __init__(self, settings: Settings, gpu: GpuMemory | None = None) -> None:
+    def __init__(self, settings: Settings, gpu: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.gpu = gpu
         self.metrics = Metrics(settings.served_names[0])
@@ -169,18 +170,29 @@ class Engine:
                     await self._idle.wait()
                 else:
                     self.frozen = True
+                offload = self.settings.enable_sleep_mode
                 if self.gpu is not None:
                     try:
-                        await asyncio.to_thread(self.gpu.sleep, level)
+                        await asyncio.to_thread(self.gpu.sleep, level, offload)
                     except GpuError as exc:
-                        self._resume()
+                        self._fail_sleep(level)
                         raise _failure(f"Sleep failed: {exc}") from None
-                if level >= 1:
+                if level >= 1 and offload:
                     self.asleep_memory = set(MEMORY_TAGS)
-                if level == 2:
-                    self.weights_lost = True
+                    self.weights_lost = self.weights_lost or level == 2
                 await self._delay(self.settings.sleep_delay)
                 self.metrics.sleeps[level] += 1
+
+    def _fail_sleep(self, level: int) -> None:
+        """After a failed sleep: awake again if the memory is still there, else asleep without
+        it (vLLM asserts on its accounting only after the allocator released the memory)."""
+        assert self.gpu is not None
+        gone = self.gpu.asleep_tags()
+        if not gone:
+            self._resume()
+            return
+        self.asleep_memory = gone
+        self.weights_lost = self.weights_lost or (level == 2 and "weights" in gone)
 
     async def wake_up(self, tags: list[str] | None) -> bool:
         """Wake the given memory tags (all when None); True once fully awake."""

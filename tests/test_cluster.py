@@ -28,7 +28,7 @@ import yaml
 from conftest import FAKE_ENGINE, free_port, wait_for
 from multidict import CIMultiDict
 
-from vllm_proxy.config import EngineConfig
+from vllm_proxy.config import EngineConfig, auto_timeouts
 
 pytestmark = pytest.mark.cluster
 
@@ -443,8 +443,9 @@ def test_recipe_is_valid_and_routes_as_documented() -> None:
     assert "option http-no-delay" in defaults
     timeouts = {x.split()[1]: x.split()[2] for x in defaults if x.startswith("timeout ")}
     engine = EngineConfig()
+    startup = auto_timeouts(16)["startup_timeout_s"]  # the default for a 16 GiB checkpoint
     assert timeouts["server"].endswith("m")
-    assert int(timeouts["server"][:-1]) * 60 > engine.startup_timeout_s + engine.read_timeout_s
+    assert int(timeouts["server"][:-1]) * 60 > startup + engine.read_timeout_s
 
 
 def test_systemd_template_unit_verifies(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ def test_args_map_to_vllm_flags() -> None:
         "--model", "Qwen/Qwen3-0.6B", "--served-model-name", "q",
         "--host", "127.0.0.1", "--port", "8123",
         "--max-model-len", "8192", "--gpu-memory-utilization", "0.3", "--enforce-eager",
-        "--middleware", "a", "b", "--hf-overrides", '{"x":1}',
+        "--no-trust-remote-code", "--middleware", "a", "b", "--hf-overrides", '{"x":1}',
         "--some-new-flag", "v",
     ]  # fmt: skip
 
@@ -164,3 +165,70 @@ def test_check_exits_2_naming_a_model_that_cannot_fit(tmp_path: Path) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "every model fits" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("model", "engine", "message"),
+    [
+        pytest.param(
+            {"memory_mb": 9000, "args": {"gpu_memory_utilization": 0.3}}, {},
+            "models.m.memory_mb: conflicts with args.gpu_memory_utilization", id="two-sizes",
+        ),
+        pytest.param(
+            {"sleep": {"level": 1}, "args": {"enable_sleep_mode": False}}, {},
+            "models.m.args.enable_sleep_mode: false with a sleep policy", id="sleep-off",
+        ),
+        pytest.param(
+            {"args": {"load_format": "dummy"}}, {"sleep": {"level": 2}},
+            "models.m.sleep.level: 2 cannot work with load_format 'dummy'", id="no-reload",
+        ),
+    ],
+)  # fmt: skip
+def test_conflicting_keys_are_refused_at_load(
+    model: dict[str, object], engine: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_config({"engine": engine, "models": {"m": {"model": "x", **model}}})
+
+
+def test_false_turns_a_flag_off_and_store_true_flags_are_left_out() -> None:
+    args = {"enable_prefix_caching": False, "disable_log_stats": False, "enforce_eager": True}
+    spec = parse_config({"models": {"m": {"model": "x", "args": args}}}).specs()["m"]
+    argv = spec.engine_argv(9000)
+    assert "--no-enable-prefix-caching" in argv and "--enforce-eager" in argv
+    assert not any("log-stats" in a for a in argv)  # a store_true flag: false is its default
+
+
+def test_level_2_with_a_drafter_keeps_the_drafters_weights() -> None:
+    models = {"m": {"model": "x", "sleep": {"level": 2},
+                    "args": {"speculative_config": {"method": "eagle"}}}}  # fmt: skip
+    argv = parse_config({"models": models}).specs()["m"].engine_argv(9000)
+    assert argv[argv.index("--sleep-preserve-parameter-names") + 1] == "draft.*"
+
+
+def test_pooling_models_are_recognised(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
+    models = {
+        "runner": {"model": "x", "args": {"runner": "pooling"}},
+        "convert": {"model": "x", "args": {"convert": "embed"}},
+        "arch": {"model": str(tmp_path)},
+        "gen": {"model": "x"},
+        "forced": {"model": str(tmp_path), "args": {"runner": "generate"}},
+    }
+    specs = parse_config({"models": models}).specs()
+    assert {n for n, s in specs.items() if s.pooling} == {"runner", "convert", "arch"}
+
+
+def test_unset_timeouts_grow_with_the_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 1024)
+    models = {
+        "params": {"model": "org/name", "params_b": 70},  # 130 GiB of 16-bit weights
+        "local": {"model": str(tmp_path)},
+        "given": {"model": "x", "startup_timeout_s": 30, "wake_timeout_s": 40},
+    }
+    specs = parse_config({"models": models}).specs()
+    assert specs["params"].startup_timeout_s == pytest.approx(180 + 2 * 70e9 * 2 / 2**30, abs=0.1)
+    assert specs["params"].wake_timeout_s == pytest.approx(60 + 2 * 70e9 * 2 / 2**30, abs=0.1)
+    assert specs["local"].startup_timeout_s == 180.0  # 1 KiB: the fixed part
+    assert (specs["given"].startup_timeout_s, specs["given"].wake_timeout_s) == (30, 40)
+    assert specs["given"].sleep_timeout_s == 60.0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import pytest
 from conftest import wait_for
 
 from vllm_proxy.config import parse_config
+from vllm_proxy.errors import ConfigError
 from vllm_proxy.footprint import (
     Footprint,
     estimate_footprint_mb,
@@ -46,6 +48,8 @@ class FakeNvml:
         self.util: dict[int, int | None] = {}
         self.procs: dict[int, list[tuple[int, int | None]] | None] = {}
         self.memory_error: Exception | None = None
+        self.uuids: list[str] = [f"GPU-{i:08x}" for i in range(len(devices))]
+        self.mig: set[int] = set()
 
     def nvmlInit(self) -> None:
         self.init_calls += 1
@@ -72,6 +76,14 @@ class FakeNvml:
         if gpu is None:
             raise NVMLError_NotSupported("Not Supported")
         return SimpleNamespace(gpu=gpu, memory=0)
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self.uuids[handle]
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
+        if not self.mig:
+            raise NVMLError_NotSupported("Not Supported")  # a GPU without MIG
+        return [1, 1] if handle in self.mig else [0, 0]
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
         procs = self.procs.get(handle, [])
@@ -235,14 +247,17 @@ def test_tensor_sizes_reads_header_only(model_dir: Path) -> None:
 
 def test_memory_mb_wins() -> None:
     fp = estimate_footprint_mb(memory_mb=9_000, gpu_memory_utilization=0.5, device_total_mb=80)
-    assert fp == Footprint(9_000, "config", {"memory_mb": 9_000}, 1)
+    assert fp == Footprint(9_000, "config", {"memory_mb": 9_000, "overhead_mb": 768}, 1, 768)
+    assert fp.budget_mb == 9_000 - 768  # memory_mb is all the engine holds, context included
 
 
 def test_utilization_times_total_per_device() -> None:
     fp = estimate_footprint_mb(
         gpu_memory_utilization=0.25, device_total_mb=81_559, tensor_parallel_size=2
     )
-    assert (fp.per_device_mb, fp.source, fp.tp) == (20_390, "utilization", 2)
+    # The budget, plus the context and NCCL outside it on each device (two GPUs).
+    assert (fp.budget_mb, fp.source, fp.gpus) == (20_390, "utilization", 2)
+    assert fp.per_device_mb == 20_390 + 768 + 512
 
 
 def test_utilization_needs_total() -> None:
@@ -260,7 +275,7 @@ def test_estimate_from_local_dir(model_dir: Path) -> None:
     assert fp.detail["kv_cache_mb"] == 1
     # 512 MiB + 512 tokens x 64 hidden x 2 bytes
     assert fp.detail["activations_mb"] == 513
-    assert fp == Footprint(1 + 1 + 513 + 512, "estimate", fp.detail, 1)
+    assert fp == Footprint(1 + 1 + 513 + 768, "estimate", fp.detail, 1, 768)
 
 
 def test_estimate_from_params_b_with_explicit_dtype() -> None:
@@ -280,7 +295,7 @@ def test_estimate_from_params_b_with_explicit_dtype() -> None:
     # 512 MiB + 8192 tokens (the cap) x 4096 x 2 bytes
     assert fp.detail["activation_tokens"] == 8_192
     assert fp.detail["activations_mb"] == 576
-    assert fp.per_device_mb == 15_259 + 8_192 + 576 + 512
+    assert fp.per_device_mb == 15_259 + 8_192 + 576 + 768
 
 
 def llama_8b(tp: int) -> Footprint:
@@ -301,7 +316,7 @@ def test_tensor_parallel_divides_weights_and_kv() -> None:
     assert (one.detail["weights_mb"], four.detail["weights_mb"]) == (15_259, 3_815)
     assert (one.detail["kv_cache_mb"], four.detail["kv_cache_mb"]) == (16_384, 4_096)
     assert four.detail["activations_mb"] == one.detail["activations_mb"]
-    assert four.tp == 4 and four.per_device_mb == 3_815 + 4_096 + 576 + 512
+    assert four.gpus == 4 and four.per_device_mb == 3_815 + 4_096 + 576 + 768 + 512
     # 8 kv heads on 16 devices: each device still holds one head
     assert sixteen.detail["kv_cache_mb"] == 2_048
 
@@ -328,25 +343,28 @@ def test_footprint_for_spec_reads_args(model_dir: Path) -> None:
     }
     specs = parse_config({"models": models}).specs()
     util = footprint_for_spec(specs["util"], 80_000)
-    assert (util.per_device_mb, util.tp) == (40_000, 2)
+    assert (util.budget_mb, util.gpus) == (40_000, 2)
     local = footprint_for_spec(specs["local"], None)
     assert (local.detail["max_model_len"], local.detail["max_num_seqs"]) == (1_000, 2)
     assert footprint_for_spec(specs["fixed"], None).per_device_mb == 1_234
+    assert footprint_for_spec(specs["fixed"], None).budget_mb == 1_234 - 768
 
 
 @pytest.mark.parametrize(
     ("footprint", "total", "expected"),
     [
-        (40_000, 80_000, 0.5),
-        (40_001, 80_000, 0.501),
-        (20_390, 81_559, 0.251),
+        (40_079, 80_000, 0.5),  # rounded down: vLLM's ceil(util x total) stays inside the budget
+        (40_080, 80_000, 0.501),
+        (20_390, 81_559, 0.25),
         (1, 80_000, 0.001),
         (0, 80_000, 0.001),
         (80_000, 80_000, 0.99),
         (99_000, 80_000, 0.99),
     ],
 )
-def test_utilization_for_rounds_up_and_clamps(footprint: int, total: int, expected: float) -> None:
+def test_utilization_for_rounds_down_and_clamps(
+    footprint: int, total: int, expected: float
+) -> None:
     assert utilization_for(footprint, total) == expected
 
 
@@ -367,18 +385,21 @@ def test_memory_on_nvml_places_engines_inside_their_share(tmp_path: Path) -> Non
     models = {
         "planned": {"model": "x", "memory_mb": 20_000},
         "fraction": {"model": "y", "args": {"gpu_memory_utilization": 0.25}},
-        "own-gpu": {"model": "z", "memory_mb": 1_000, "env": {"CUDA_VISIBLE_DEVICES": "3"}},
+        "own-gpu": {"model": "z", "memory_mb": 1_000, "env": {"CUDA_VISIBLE_DEVICES": "1"}},
     }
     memory = _nvml_memory(tmp_path, fake, models)
     specs = {n: s for n, s in memory_specs(tmp_path, models).items()}
     p = memory.placement(specs["planned"], (1,))
     assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
-    assert p.overrides == {"gpu_memory_utilization": 0.25}  # 20000 / 80000
+    # The budget is memory_mb less the context outside it: (20000 - 768) / 80000, rounded down.
+    assert p.overrides == {"gpu_memory_utilization": 0.24}
     argv = specs["planned"].engine_argv(8001, p.overrides)
-    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.25"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.24"
     q = memory.placement(specs["fraction"], (0,))
-    assert q.footprint_mb == 20_000 and q.overrides == {}  # the user's own fraction stays
-    assert memory.placement(specs["own-gpu"], (0,)).env == {}
+    assert q.footprint_mb == 20_000 + 768 and q.overrides == {}  # the user's own fraction stays
+    # A model whose env pins a GPU keeps it, in PCI bus order, and is planned there only.
+    assert memory.placement(specs["own-gpu"], (1,)).env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+    assert memory.demand(specs["own-gpu"], "own-gpu#1").allowed_devices == (1,)
 
 
 def memory_specs(tmp_path: Path, models: dict[str, Any]) -> dict[str, Any]:
@@ -397,7 +418,10 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
     memory.snapshots = memory.source.read()
     memory.measure({"m#1": os.getpgid(0)})
     assert memory.measured == {"m#1": 25_000}
-    assert memory.footprint("m") == 25_000  # the larger of estimate and measurement
+    # The measurement is accounting: what it holds beyond its budget is overhead outside it.
+    assert memory.budget("m") == 20_000 - 768
+    assert memory.overhead("m") == 25_000 - (20_000 - 768)
+    assert memory.footprint("m") == 25_000
     labels = {"model_id": "m", "instance": "m#1"}
     sample = memory.metrics.registry.get_sample_value
     assert sample("vllm_proxy_instance_memory_measured_mb", labels) == 25_000
@@ -405,6 +429,10 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
     assert memory.measured == {}
     assert sample("vllm_proxy_instance_memory_measured_mb", labels) is None
     assert memory.footprint("m") == 25_000  # the next instance of the same engine plans with it
+    # ... and is started with the same budget: a measurement never grows the budget.
+    assert memory.placement(memory._specs["m"], (0,)).overrides == {
+        "gpu_memory_utilization": utilization_for(20_000 - 768, 80_000)
+    }
 
 
 async def test_wait_free_polls_until_the_memory_is_back(
@@ -441,7 +469,7 @@ async def test_device_delta_measures_an_engine_without_per_process_readings(
     async with memory.starting_on((0,), "m#1"):
         fake.devices = [(80_000, 22_000), (80_000, 0)]  # the engine allocated 12 GB meanwhile
     assert memory.measured == {"m#1": 12_000}
-    assert memory.footprint("m") == 12_000
+    assert memory.footprint("m") == 12_000  # budget 8000 - 768, overhead 12000 - 7232
     # A failed start records nothing.
     memory.measured.clear()
     with pytest.raises(RuntimeError):
@@ -455,3 +483,150 @@ async def test_device_delta_measures_an_engine_without_per_process_readings(
     async with memory.starting_on((0,), "m#3"):
         fake.devices = [(80_000, 60_000), (80_000, 0)]
     assert memory.measured == {"m#3": 9_000}
+
+
+def test_budgets_stay_constant_across_restarts_whatever_is_measured(tmp_path: Path) -> None:
+    """Regression: a measurement fed back into the budget grew --gpu-memory-utilization at every
+    restart (vLLM's KV cache fills any budget, and its context sits outside it): 0.492, 0.514,
+    0.536 ... over seven starts of one model on a 24000 MiB device."""
+    import os
+
+    fake = FakeNvml([(24_000, 0)])
+    memory = _nvml_memory(tmp_path, fake, {"a": {"model": "x", "memory_mb": 11_800}})
+    spec = memory._specs["a"]
+    utils = []
+    for n in range(1, 21):
+        placement = memory.placement(spec, (0,))
+        memory.occupy(f"a#{n}", placement)
+        util = placement.overrides["gpu_memory_utilization"]
+        utils.append(util)
+        # What vLLM really holds: its whole budget (KV fills it) plus a context outside it.
+        held = math.ceil(float(str(util)) * 24_000) + 900
+        fake.procs = {0: [(os.getpid(), held * MIB)]}
+        memory.snapshots = memory.source.read()
+        memory.measure({f"a#{n}": os.getpgid(0)})
+        memory.vacate(f"a#{n}")
+    assert len(set(utils)) == 1, utils
+    # Accounting follows the measurement: the planner now expects what the engine really holds.
+    assert memory.footprint("a") == math.ceil(utils[0] * 24_000) + 900
+
+
+def test_visible_devices_map_cuda_names_to_nvml_indices() -> None:
+    fake = FakeNvml([(80_000, 0), (80_000, 0), (80_000, 0)])
+    fake.uuids = ["GPU-aaaa-0", "GPU-bbbb-1", "GPU-cccc-2"]
+    monitor = NvmlMonitor(nvml=fake)
+    assert monitor.visible("2,0", "PCI_BUS_ID") == (2, 0)
+    assert monitor.visible("GPU-cccc,GPU-aaaa-0", "FASTEST_FIRST") == (2, 0)  # UUIDs: any order
+    for value, order, message in [
+        ("1", "FASTEST_FIRST", "CUDA_DEVICE_ORDER=PCI_BUS_ID"),
+        ("5", "PCI_BUS_ID", "does not exist"),
+        ("MIG-1234", "PCI_BUS_ID", "MIG"),
+        ("GPU-zz", "PCI_BUS_ID", "matches 0 GPUs"),
+        ("0,0", "PCI_BUS_ID", "twice"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            monitor.visible(value, order)
+
+
+def test_the_proxys_own_cuda_visible_devices_limits_planning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Regression: an inherited CUDA_VISIBLE_DEVICES was overwritten with NVML indices and the
+    planner used every GPU the driver sees."""
+    from vllm_proxy import memory as memory_module
+
+    fake = FakeNvml([(80_000, 0), (80_000, 0), (80_000, 0)])
+    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    assert memory_module._nvml_source(None).devices == (2, 1)
+    with pytest.raises(ConfigError, match="not all among"):
+        memory_module._nvml_source([0])
+    monkeypatch.delenv("CUDA_DEVICE_ORDER")
+    with pytest.raises(ConfigError, match="CUDA_DEVICE_ORDER=PCI_BUS_ID"):
+        memory_module._nvml_source(None)
+
+
+def test_mig_gpus_are_refused_with_a_clear_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm_proxy import memory as memory_module
+
+    fake = FakeNvml([(80_000, 0), (80_000, 0)])
+    fake.mig = {1}
+    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: fake)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(ConfigError, match=r"GPU\(s\) \[1\] are in MIG mode"):
+        memory_module._nvml_source(None)
+    assert memory_module._nvml_source([0]).devices == (0,)  # left out: fine
+
+
+def test_a_model_env_pinning_gpus_is_planned_on_them(tmp_path: Path) -> None:
+    """Regression: the planner charged a GPU of its own choosing while the engine obeyed the
+    model's CUDA_VISIBLE_DEVICES."""
+    fake = FakeNvml([(80_000, 0), (80_000, 0), (80_000, 0)])
+    models = {
+        "pinned": {"model": "x", "memory_mb": 9_000, "env": {"CUDA_VISIBLE_DEVICES": "2"}},
+        "tp2": {
+            "model": "x", "memory_mb": 9_000, "args": {"tensor_parallel_size": 2},
+            "env": {"CUDA_VISIBLE_DEVICES": "2,0,1"},
+        },
+    }  # fmt: skip
+    memory = _nvml_memory(tmp_path, fake, models)
+    assert memory.demand(memory._specs["pinned"], "pinned#1").allowed_devices == (2,)
+    assert memory.demand(memory._specs["tp2"], "tp2#1").allowed_devices == (2, 0)
+    bad = {"m": {"model": "x", "memory_mb": 9_000, "devices": [0],
+                 "env": {"CUDA_VISIBLE_DEVICES": "1"}}}  # fmt: skip
+    with pytest.raises(ConfigError, match="contradicts its env"):
+        _nvml_memory(tmp_path, fake, bad)
+
+
+def test_world_size_counts_every_parallel_dimension() -> None:
+    from vllm_proxy.footprint import parallel_sizes
+
+    specs = parse_config(
+        {
+            "models": {
+                "pp": {"model": "x", "memory_mb": 9_000,
+                       "args": {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}},
+                "dp": {"model": "x", "memory_mb": 9_000,
+                       "args": {"data_parallel_size": 2, "prefill_context_parallel_size": 2}},
+                "dpl": {"model": "x", "memory_mb": 9_000,
+                        "args": {"data_parallel_size": 4, "data_parallel_size_local": 1}},
+            }
+        }
+    ).specs()  # fmt: skip
+    assert parallel_sizes(specs["pp"]) == (2, 2, 1, 1)
+    assert footprint_for_spec(specs["pp"], None).gpus == 4
+    assert footprint_for_spec(specs["dp"], None).gpus == 4
+    assert footprint_for_spec(specs["dpl"], None).gpus == 1  # the other ranks run elsewhere
+    # Pipeline stages split the layers: weights and KV per device shrink with pp too.
+    config = {**CONFIG, "num_hidden_layers": 32, "num_key_value_heads": 8, "hidden_size": 4096}
+    config["num_attention_heads"] = 32
+    one = estimate_footprint_mb(
+        model_config=config, params_b=8, max_model_len=8192, max_num_seqs=16
+    )
+    two = estimate_footprint_mb(
+        model_config=config, params_b=8, max_model_len=8192, max_num_seqs=16,
+        pipeline_parallel_size=2,
+    )  # fmt: skip
+    assert two.detail["weights_mb"] * 2 >= one.detail["weights_mb"] > two.detail["weights_mb"]
+    assert two.gpus == 2 and two.overhead_mb == 768 + 512
+
+
+def test_no_room_for_the_kv_cache_grows_an_estimated_budget_only(tmp_path: Path) -> None:
+    fake = FakeNvml([(80_000, 0)])
+    models = {
+        "est": {"model": "x", "params_b": 8, "args": {"max_model_len": 4096}},
+        "fixed": {"model": "x", "memory_mb": 20_000},
+    }
+    cfg_dir = tmp_path / "m"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(json.dumps(CONFIG))
+    models["est"]["model"] = str(cfg_dir)
+    memory = _nvml_memory(tmp_path, fake, models)
+    before = memory.budget("est")
+    assert memory.grow_budget(memory._specs["est"]) is None
+    assert memory.budget("est") == before + max(before // 4, 512)
+    why = memory.grow_budget(memory._specs["fixed"])
+    assert why is not None and "memory_mb" in why and memory.budget("fixed") == 20_000 - 768

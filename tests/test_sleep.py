@@ -93,7 +93,8 @@ def test_a_sleep_policy_starts_the_engine_in_sleep_mode(tmp_path: Path) -> None:
     assert a.engine_env()["VLLM_SERVER_DEV_MODE"] == "1"
     # `sleep: null` on a model turns the engine-wide policy off: today's behaviour.
     assert b.sleep is None and "--enable-sleep-mode" not in b.engine_argv(9000)
-    assert a.sleep_memory_mb == 1024 and a.preload is False and a.warmup is False
+    # No sleep memory given: the planner guesses (context + 512 MiB) until a sleep is measured.
+    assert a.sleep_memory_mb is None and a.preload is False and a.warmup is False
     # Turning sleep mode on or off changes the engine: a reload restarts it.
     assert a.engine_key() != b.engine_key()
 
@@ -210,7 +211,8 @@ async def test_level_2_wake_reloads_weights_before_serving(
     status, text = await chat(proxy, "m")
     assert status == 200 and "<garbage>" not in text and text.startswith("tok0")
     assert await engine_metric(proxy, inst, "fake_engine:reload_weights_total") == 1
-    assert await engine_metric(proxy, inst, "fake_engine:reset_prefix_cache_total") == 1
+    # vLLM's own order (weights, reload, KV cache); a level-1+ sleep already cleared the caches.
+    assert await engine_metric(proxy, inst, "fake_engine:reset_prefix_cache_total") == 0
     assert await engine_metric(proxy, inst, "fake_engine:garbage_completions_total") == 0
     assert (
         await proxy_metric(
@@ -485,10 +487,51 @@ def test_level_1_falls_back_to_level_2_without_host_ram_for_the_weights(
     inst = Instance(cfg.specs()["m"], "m#1", ctx, lambda _i, _o: None)
     with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
         assert inst._choose_level(1) == 2
-    assert "using level 2" in caplog.text and f"{weights['mb']} MiB" in caplog.text
+    # The weights and the runtime pool are pinned.
+    assert "using level 2" in caplog.text and f"{weights['mb'] + 512} MiB" in caplog.text
     weights["mb"] = 1
     assert inst._choose_level(1) == 1, "weights that fit in host RAM keep level 1"
     assert inst._choose_level(2) == 2
+
+
+def test_level_1_sleeps_in_flight_share_one_host_ram_figure(tmp_path: Path) -> None:
+    """Two victims put to sleep together must not both count the same free host RAM."""
+    from unittest.mock import MagicMock
+
+    from vllm_proxy.hostmem import HostRam
+    from vllm_proxy.instance import EngineContext
+    from vllm_proxy.metrics import Metrics
+
+    cfg = parse_config(
+        {"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x", "sleep": {}}}}
+    )
+    host = HostRam(lambda: 10_000)  # MiB available to the proxy's engines
+    ctx = EngineContext(
+        session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics(),
+        weights_mb=lambda _spec: 4_000, host=host,
+    )  # fmt: skip
+    first = Instance(cfg.specs()["m"], "m#1", ctx, lambda _i, _o: None)
+    second = Instance(cfg.specs()["m"], "m#2", ctx, lambda _i, _o: None)
+    assert first._choose_level(1) == 1  # 4000 + 512 runtime pool + 1024 margin fit in 10000
+    assert host.promised == {"m#1": 4_512}
+    assert second._choose_level(1) == 2, "the first sleep's 4512 MiB are promised"
+    host.settle("m#1")  # its /sleep returned: the pinned memory now shows as used
+    assert second._choose_level(1) == 1
+
+
+def test_host_ram_room_comes_from_the_cgroup_limit(tmp_path: Path) -> None:
+    from vllm_proxy.hostmem import cgroup_room_mb
+
+    (tmp_path / "memory.max").write_text(f"{8 * 2**30}\n")
+    (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert cgroup_room_mb(tmp_path) == 5 * 1024
+    (tmp_path / "memory.max").write_text("max\n")
+    assert cgroup_room_mb(tmp_path) is None  # unlimited: the host's figure applies
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * 2**30}\n")
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    assert cgroup_room_mb(v1) == 1024
 
 
 def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> None:
@@ -503,8 +546,8 @@ def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> No
     specs = cfg.specs()
     weights = Manager._weights_mb(MagicMockManager(), specs["p"])  # type: ignore[arg-type]
     assert weights is not None and 13_000 < weights < 14_000, "7e9 x 2 bytes"
-    # Only memory_mb known: the whole footprint stands in for the weights (an upper bound).
-    assert Manager._weights_mb(MagicMockManager(), specs["m"]) == 900  # type: ignore[arg-type]
+    # Only memory_mb known: its budget (less the context) stands in for the weights.
+    assert Manager._weights_mb(MagicMockManager(), specs["m"]) == 900 - 768  # type: ignore[arg-type]
 
 
 class MagicMockManager:

@@ -120,10 +120,13 @@ class _EngineKeys(_Strict):
     log_backups: int | None = Field(None, ge=0)
     #: Sleep mode (None: off, the engine is only ever stopped).
     sleep: SleepPolicy | None = None
-    #: GPU memory a sleeping engine still holds on each device (CUDA context, graphs).
+    #: GPU memory a sleeping engine still holds on each device (CUDA context, cuBLAS, NCCL,
+    #: CUDA graphs): the planning guess until the engine's first sleep is measured. Unset:
+    #: the context overhead plus 512 MiB.
     sleep_memory_mb: int | None = Field(None, ge=0)
     #: Bounds on a /sleep call and on a whole wake (wake_up, reloads, warm-up); past them the
-    #: engine is stopped (and cold-started when it is needed again).
+    #: engine is stopped (and cold-started when it is needed again). Unset: they grow with the
+    #: checkpoint's size on disk (see `auto_timeouts`).
     sleep_timeout_s: float | None = Field(None, gt=0)
     wake_timeout_s: float | None = Field(None, gt=0)
     #: Start the model when the proxy starts (and put it to sleep once up, with a sleep policy).
@@ -171,7 +174,6 @@ class _EngineKeys(_Strict):
 
 
 class EngineConfig(_EngineKeys):
-    startup_timeout_s: float = Field(120, gt=0)
     stop_timeout_s: float = Field(30, ge=0)
     idle_timeout_s: float = Field(600, ge=0)
     port_range: tuple[int, int] = (8001, 8999)
@@ -182,9 +184,6 @@ class EngineConfig(_EngineKeys):
     backoff_max_s: float = Field(60, ge=0)
     log_max_mb: float = Field(20, gt=0)
     log_backups: int = Field(2, ge=0)
-    sleep_memory_mb: int = Field(1024, ge=0)
-    sleep_timeout_s: float = Field(60, gt=0)
-    wake_timeout_s: float = Field(120, gt=0)
     preload: bool = False
     warmup: bool = False
     keepalive_s: float = Field(10, gt=0)
@@ -229,8 +228,16 @@ class GpuConfig(_Strict):
     monitor: Literal["auto", "nvml", "static", "none"] = "auto"
     #: "all", a list of GPU ids the proxy may use, or (static) ids with their sizes.
     devices: Literal["all"] | list[int] | list[GpuDevice] = "all"
-    #: Headroom left free on every device.
-    reserve_mb: int = Field(0, ge=0)
+    #: Headroom left free on every device (the driver's own reservations, NVML's and CUDA's
+    #: totals differing, other programs' small allocations). Unset: 256 MiB on NVML, 0 on a
+    #: static budget (its sizes are what the operator hands out).
+    reserve_mb: int | None = Field(None, ge=0)
+    #: GPU memory an engine holds on each device outside its --gpu-memory-utilization budget
+    #: (CUDA context, cuBLAS handles): the planning guess until the model's first start is
+    #: measured ...
+    context_mb: int = Field(768, ge=0)
+    #: ... plus NCCL's buffers on each device of an engine that spans several GPUs.
+    nccl_mb: int = Field(512, ge=0)
     #: How often the NVML monitor refreshes its snapshot (off the request path).
     poll_interval_s: float = Field(1.0, gt=0)
     #: After an engine stops: how long to wait for its memory to show up as free again.
@@ -263,6 +270,18 @@ class Config(_Strict):
                         f"models.{name}: name or alias {n!r} already used by {seen[n]}"
                     )
                 seen[n] = name
+        return self
+
+    @model_validator(mode="after")
+    def _coherent(self) -> Config:
+        """Keys that contradict each other once the engine defaults are merged in."""
+        problems = []
+        for name, m in self.models.items():
+            args = {_arg_name(k): v for k, v in {**self.engine.args, **m.args}.items()}
+            sleep = m.sleep if "sleep" in m.model_fields_set else self.engine.sleep
+            problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, sleep)]
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     def specs(self) -> dict[str, ModelSpec]:
@@ -301,7 +320,8 @@ class ModelSpec:
     devices: tuple[int, ...] | None = None
     params_b: float | None = None
     sleep: SleepPolicy | None = None
-    sleep_memory_mb: int = 1024
+    #: None: the planner's guess (context overhead + 512 MiB) until a sleep is measured.
+    sleep_memory_mb: int | None = None
     sleep_timeout_s: float = 60.0
     wake_timeout_s: float = 120.0
     preload: bool = False
@@ -337,6 +357,19 @@ class ModelSpec:
         return dict(self.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
 
     @property
+    def pooling(self) -> bool:
+        """A pooling (embedding, classification, reward) engine, which serves no completions:
+        ``runner: pooling``, a pooling ``convert``/``task``, or (runner auto) a local
+        checkpoint whose architecture vLLM runs as a pooling model."""
+        args = {_arg_name(k): v for k, v in self.args}
+        runner = str(args.get("runner") or "auto")
+        if runner != "auto":
+            return runner == "pooling"
+        if str(args.get("convert") or "auto") in POOLING_TASKS:
+            return True
+        return any(a.endswith(POOLING_ARCHITECTURES) for a in _architectures(self.model))
+
+    @property
     def sleep_mode(self) -> bool:
         """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
         return self.sleep is not None
@@ -351,6 +384,10 @@ class ModelSpec:
         args = {**dict(self.args), **(overrides or {})}
         if self.sleep_mode:
             args.setdefault("enable_sleep_mode", True)
+            if self.sleep is not None and self.sleep.level == 2 and "speculative_config" in args:
+                # reload_weights brings back the target model only: keep the drafter's weights
+                # through the sleep (vLLM 0.33 gpu_worker.py:264-298; "draft.*" may match none).
+                args.setdefault("sleep_preserve_parameter_names", ["draft.*"])
         for key, value in args.items():
             argv += _flag(key, value)
         return argv + list(self.extra_args)
@@ -364,16 +401,53 @@ class ModelSpec:
         return {**os.environ, **dev, **dict(self.env), **(extra or {})}
 
 
+#: Load formats whose loader cannot read the checkpoint again (no ``get_all_weights``), so a
+#: level-2 wake's ``reload_weights`` raises NotImplementedError (vLLM 0.33
+#: ``model_executor/model_loader/reload/inplace.py:74-79``).
+NO_RELOAD_FORMATS = frozenset(
+    {"dummy", "sharded_state", "runai_streamer_sharded", "tensorizer", "modelexpress", "ipc_cache"}
+)
+
+
+def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | None) -> list[str]:
+    """Why a model's merged settings cannot work together (empty when they can)."""
+    out = []
+    util = next((k for k in ("gpu_memory_utilization", "device_memory_utilization") if k in args),
+                None)  # fmt: skip
+    if m.memory_mb is not None and util is not None:
+        out.append(
+            f"memory_mb: conflicts with args.{util} (both size the engine's memory); keep one"
+        )
+    if sleep is not None and args.get("enable_sleep_mode") is False:
+        out.append(
+            "args.enable_sleep_mode: false with a sleep policy gives sleeps that free nothing"
+            " (vLLM frees memory on /sleep only with --enable-sleep-mode); remove it or set"
+            " sleep: null"
+        )
+    if sleep is not None and sleep.level == 2:
+        fmt = str(args.get("load_format") or "auto")
+        if fmt in NO_RELOAD_FORMATS:
+            out.append(
+                f"sleep.level: 2 cannot work with load_format {fmt!r}: a level-2 wake reloads"
+                " the weights from the checkpoint, which that loader cannot do; use level 1"
+            )
+    return out
+
+
 def _arg_name(key: str) -> str:
     return key.replace("-", "_")
 
 
 def _flag(key: str, value: ArgValue) -> list[str]:
-    """`max_model_len: 8192` -> ``--max-model-len 8192``; True -> bare flag; False/None -> none."""
+    """`max_model_len: 8192` -> ``--max-model-len 8192``; True -> bare flag; False ->
+    ``--no-<flag>`` (vLLM's boolean flags are argparse's BooleanOptionalAction, and several
+    default to on, such as ``--enable-prefix-caching``); None -> none."""
     flag = "--" + key.replace("_", "-")
     if value is True:
         return [flag]
-    if value is False or value is None:
+    if value is False:
+        return [] if _arg_name(key) in STORE_TRUE_FLAGS else ["--no-" + key.replace("_", "-")]
+    if value is None:
         return []
     if isinstance(value, list):
         return [flag, *(_scalar(v) for v in value)] if value else []
@@ -402,6 +476,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         return own if own is not None else getattr(e, key)
 
     log_dir = pick("log_dir") or str(Path(state_dir(server)) / "logs")
+    auto = auto_timeouts(checkpoint_gib(m.model, m.params_b))
     return ModelSpec(
         name=name,
         model=m.model,
@@ -410,7 +485,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         args=tuple({**e.args, **m.args}.items()),
         extra_args=(*e.extra_args, *m.extra_args),
         env=tuple({**e.env, **m.env}.items()),
-        startup_timeout_s=pick("startup_timeout_s"),
+        startup_timeout_s=pick("startup_timeout_s") or auto["startup_timeout_s"],
         stop_timeout_s=pick("stop_timeout_s"),
         idle_timeout_s=pick("idle_timeout_s"),
         read_timeout_s=pick("read_timeout_s"),
@@ -429,8 +504,8 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         # `sleep: null` on a model turns off a sleep policy set under `engine`.
         sleep=m.sleep if "sleep" in m.model_fields_set else e.sleep,
         sleep_memory_mb=pick("sleep_memory_mb"),
-        sleep_timeout_s=pick("sleep_timeout_s"),
-        wake_timeout_s=pick("wake_timeout_s"),
+        sleep_timeout_s=pick("sleep_timeout_s") or auto["sleep_timeout_s"],
+        wake_timeout_s=pick("wake_timeout_s") or auto["wake_timeout_s"],
         preload=pick("preload"),
         warmup=pick("warmup"),
         keepalive_s=pick("keepalive_s"),
@@ -441,14 +516,74 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
     )
 
 
+#: ``convert`` values that make vLLM run a model as a pooling model.
+POOLING_TASKS = frozenset({"embed", "classify"})
+#: vLLM's boolean flags that are plain ``store_true`` (no ``--no-`` form): false omits them.
+STORE_TRUE_FLAGS = frozenset(
+    {"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
+     "aggregate_engine_logging"}
+)  # fmt: skip
+#: Architecture name endings vLLM runs as pooling models when the runner is left to "auto".
+POOLING_ARCHITECTURES = (
+    "ForSequenceClassification", "ForTokenClassification", "ForRewardModeling", "RewardModel",
+    "EmbeddingModel", "BertModel", "RobertaModel", "XLMRobertaModel", "BertSpladeSparseEmbedding",
+)  # fmt: skip
+
+
+def _architectures(model: str) -> list[str]:
+    """``architectures`` from a local checkpoint's config.json (empty when not readable)."""
+    try:
+        data = json.loads((Path(model).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return []
+    names = data.get("architectures") if isinstance(data, dict) else None
+    return [str(n) for n in names] if isinstance(names, list) else []
+
+
+#: Timeouts left unset: a fixed part plus seconds per GiB of checkpoint on disk. These are
+#: allowances, not measurements: a start reads the checkpoint (0.5 GiB/s leaves 2 s per GiB),
+#: compiles and captures CUDA graphs; a level-2 wake reads it again; a level-1 sleep copies the
+#: weights into newly pinned host memory. A 140 GB checkpoint gets 440 s to start.
+AUTO_TIMEOUTS = {
+    "startup_timeout_s": (180.0, 2.0),
+    "sleep_timeout_s": (60.0, 1.0),
+    "wake_timeout_s": (60.0, 2.0),
+}
+#: Files that hold a checkpoint's weights.
+CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def checkpoint_gib(model: str, params_b: float | None) -> float:
+    """The checkpoint's size in GiB: its weight files when `model` is a local path, else 16-bit
+    weights of ``params_b`` billion parameters, else 0 (unknown)."""
+    path = Path(model).expanduser()
+    try:
+        if path.is_file():
+            return path.stat().st_size / 2**30
+        if path.is_dir():
+            files = [f for f in path.iterdir() if f.suffix in CHECKPOINT_SUFFIXES]
+            return sum(f.stat().st_size for f in files if f.is_file()) / 2**30
+    except OSError:
+        pass
+    return params_b * 2e9 / 2**30 if params_b else 0.0
+
+
+def auto_timeouts(gib: float) -> dict[str, float]:
+    """The default startup, sleep and wake timeouts for a checkpoint of `gib` GiB."""
+    return {key: round(base + per_gib * gib, 1) for key, (base, per_gib) in AUTO_TIMEOUTS.items()}
+
+
 def _format_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         path = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
-        if msg.startswith("@"):  # a validator naming the key inside the field
-            key, msg = msg[1:].split(": ", 1)
-            path = f"{path}.{key}"
+        if msg.startswith("@"):  # validators naming the key inside the field, one per line
+            for line in msg.split("\n"):
+                key, problem = line[1:].split(": ", 1)
+                where = key if path == "(top level)" else f"{path}.{key}"
+                lines.append(f"{where}: {problem}")
+            continue
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
         elif e["type"] == "missing":

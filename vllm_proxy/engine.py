@@ -339,20 +339,33 @@ class EngineProcess:
             raise CallFailed("/sleep answered 200 but /is_sleeping says awake")
 
     async def wake(self, session: aiohttp.ClientSession, level: int) -> None:
-        """``POST /wake_up``; after level 2 also reload the weights and reset the prefix cache
-        (the memory was discarded); then check ``/is_sleeping`` says awake."""
-        await self._call(session, "POST", "/wake_up")
+        """``POST /wake_up``, then check ``/is_sleeping`` says awake.
+
+        After level 2 the weights were discarded: vLLM's order is ``wake_up?tags=weights``,
+        ``collective_rpc reload_weights``, then ``wake_up?tags=kv_cache``, so that the reload's
+        per-layer buffers never sit on top of a mapped KV cache (and the scheduler resumes only
+        once the weights are valid)."""
         if level >= 2:
+            await self._call(session, "POST", "/wake_up?tags=weights")
             await self._call(session, "POST", "/collective_rpc", {"method": "reload_weights"})
-            await self._call(session, "POST", "/reset_prefix_cache")
+            await self._call(session, "POST", "/wake_up?tags=kv_cache")
+        else:
+            await self._call(session, "POST", "/wake_up")
         if await self.is_sleeping(session):
             raise CallFailed("/wake_up answered 200 but /is_sleeping still says asleep")
 
     async def warmup(self, session: aiohttp.ClientSession) -> None:
-        """One 1-token completion; it must come back with a choice."""
-        body = {"model": self.spec.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
+        """One 1-token completion (one embedding for a pooling model, which has no completion
+        route); it must come back with a choice (an embedding)."""
         key = self.spec.engine_api_key()
         headers = {"Authorization": f"Bearer {key}"} if key else None
+        if self.spec.pooling:
+            body: dict[str, object] = {"model": self.spec.name, "input": "Hello"}
+            answer = await self._call(session, "POST", "/v1/embeddings", body, headers)
+            if not isinstance(answer, dict) or not answer.get("data"):
+                raise CallFailed("the warm-up embedding came back without data")
+            return
+        body = {"model": self.spec.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
         answer = await self._call(session, "POST", "/v1/completions", body, headers)
         if not isinstance(answer, dict) or not answer.get("choices"):
             raise CallFailed("the warm-up completion came back without a choice")

@@ -2,8 +2,20 @@
 
 `footprint_for_spec()` applies the rules in order (``memory_mb``, ``gpu_memory_utilization`` x
 device total, else `estimate_footprint_mb()` from the model's config.json and safetensors
-headers, or ``params_b``); `utilization_for()` turns a footprint into vLLM's
+headers, or ``params_b``); `utilization_for()` turns a budget into vLLM's
 ``--gpu-memory-utilization``. Pure arithmetic and file reads: no GPU access.
+
+A footprint has two parts, as vLLM uses memory (vLLM 0.33 ``v1/worker/gpu_worker.py:495-547``,
+``v1/worker/utils.py:716-770``, ``gpu_worker.py:753``):
+
+* the **budget**, ``gpu_memory_utilization x device total``: weights, activations, CUDA graphs
+  and a KV cache that grows to fill whatever is left of it. vLLM refuses to start unless that
+  much is free *after* its own CUDA context exists;
+* the **overhead** outside the budget: the CUDA context, cuBLAS handles and (on more than one
+  GPU) NCCL buffers, created before vLLM takes its free-memory snapshot.
+
+An engine therefore holds ``budget + overhead`` on each device, and the planner must find that
+much free before it starts one.
 """
 
 from __future__ import annotations
@@ -20,8 +32,11 @@ from .config import ModelSpec
 
 MIB = 1024 * 1024
 
-#: Memory the CUDA context and its libraries take on every device, whatever the model.
-CUDA_CONTEXT_MB = 512
+#: Memory outside vLLM's budget on every device (CUDA context, cuBLAS): a planning guess that the
+#: first measured start of the model replaces (`gpu.context_mb` in the config).
+CUDA_CONTEXT_MB = 768
+#: ... and on each device of an engine on more than one GPU, NCCL's buffers (`gpu.nccl_mb`).
+NCCL_MB = 512
 #: Fixed part of the activation estimate (workspace, sampler, CUDA graphs).
 ACTIVATION_BASE_MB = 512
 #: vLLM's default number of sequences in one batch.
@@ -48,16 +63,25 @@ _MAX_HEADER_BYTES = 100 * MIB
 
 @dataclass(frozen=True)
 class Footprint:
-    """What one engine takes on each of its `tp` devices, and how that number was found.
+    """What one engine takes on each of its `gpus` devices, and how that number was found.
 
+    ``per_device_mb`` is everything the engine holds on a device: its budget (what
+    ``--gpu-memory-utilization`` gives it) plus ``overhead_mb`` outside the budget.
     ``source`` is "config" (memory_mb), "utilization" (gpu_memory_utilization x device total)
-    or "estimate" (the formula; ``detail`` holds its terms in MiB).
+    or "estimate" (the formula; ``detail`` holds its terms in MiB). ``gpus`` is vLLM's world
+    size on this node: pipeline x tensor x prefill-context parallel x local data parallel.
     """
 
     per_device_mb: int
     source: str
     detail: dict[str, Any]
-    tp: int = 1
+    gpus: int = 1
+    overhead_mb: int = 0
+
+    @property
+    def budget_mb(self) -> int:
+        """The part inside vLLM's ``--gpu-memory-utilization`` budget."""
+        return self.per_device_mb - self.overhead_mb
 
 
 def estimate_footprint_mb(
@@ -66,6 +90,9 @@ def estimate_footprint_mb(
     gpu_memory_utilization: float | None = None,
     device_total_mb: int | None = None,
     tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    data_parallel_local: int = 1,
     model_path: str | Path | None = None,
     model_config: Mapping[str, Any] | None = None,
     params_b: float | None = None,
@@ -74,14 +101,21 @@ def estimate_footprint_mb(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    context_mb: int = CUDA_CONTEXT_MB,
+    nccl_mb: int = NCCL_MB,
 ) -> Footprint:
     """The memory one engine takes on each of its devices; the first rule that applies wins.
 
-    1. ``memory_mb`` (per device) is taken as given.
-    2. ``gpu_memory_utilization`` x ``device_total_mb``, rounded up: vLLM sizes itself to that
-       fraction of the device's total memory on each of its ``tensor_parallel_size`` devices.
-    3. The estimate, per device: ``weights / tp + kv_cache / tp + activations + 512 MiB`` of
-       CUDA context, where
+    The overhead outside vLLM's budget is ``context_mb``, plus ``nccl_mb`` when the engine
+    spans more than one GPU. Then:
+
+    1. ``memory_mb`` (per device) is everything the engine takes there, overhead included: its
+       budget is ``memory_mb - overhead``.
+    2. ``gpu_memory_utilization`` x ``device_total_mb``, rounded up, is the budget: vLLM sizes
+       itself to that fraction of the device's total memory on each of its devices, and holds
+       the overhead on top.
+    3. The estimate of the budget, per device: ``weights / (tp x pp) + kv_cache / (tp x pp x
+       pcp) + activations``, where
 
        * weights = parameters x bytes per parameter. With ``params_b`` (billions) they are
          ``params_b x dtype``; otherwise, for a local model directory, the safetensors headers
@@ -102,15 +136,22 @@ def estimate_footprint_mb(
        The architecture comes from ``model_config`` or ``config.json`` in ``model_path``
        (``text_config`` of multimodal models is used when present).
 
-    Raises ValueError when no rule applies, naming what is missing.
+    Data parallel ranks on this node each hold a whole copy: they multiply the GPU count, not
+    the memory per device. Raises ValueError when no rule applies, naming what is missing.
     """
-    tp = tensor_parallel_size
-    if tp < 1:
-        raise ValueError(f"tensor_parallel_size must be at least 1, got {tp}")
+    tp, pp, pcp = tensor_parallel_size, pipeline_parallel_size, context_parallel_size
+    for flag, value in (("tensor", tp), ("pipeline", pp), ("context", pcp)):
+        if value < 1:
+            raise ValueError(f"{flag}_parallel_size must be at least 1, got {value}")
+    if data_parallel_local < 1:
+        raise ValueError(f"data_parallel_size_local must be at least 1, got {data_parallel_local}")
+    gpus = tp * pp * pcp * data_parallel_local
+    overhead = context_mb + (nccl_mb if gpus > 1 else 0)
     if memory_mb is not None:
-        return Footprint(int(memory_mb), "config", {"memory_mb": memory_mb}, tp)
+        given = {"memory_mb": memory_mb, "overhead_mb": overhead}
+        return Footprint(int(memory_mb), "config", given, gpus, overhead)
     if gpu_memory_utilization is not None:
-        return _from_utilization(gpu_memory_utilization, device_total_mb, tp)
+        return _from_utilization(gpu_memory_utilization, device_total_mb, gpus, overhead)
     model_dir = _local_dir(model_path)
     arch = _architecture(model_config, model_dir)
     serve_bytes = _serving_dtype_bytes(dtype, arch)
@@ -119,48 +160,59 @@ def estimate_footprint_mb(
     seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
     kv_seqs = max_num_seqs or DEFAULT_KV_SEQUENCES
     kv_bytes = _kv_dtype_bytes(kv_cache_dtype, serve_bytes)
-    kv = _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes)
+    kv = _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
     tokens = min(seqs * max_len, max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS)
     act = ACTIVATION_BASE_MB * MIB + tokens * _arch_int(arch, "hidden_size") * 2
     parts = {
-        "weights_mb": _ceil_mb(weights / tp),
+        "weights_mb": _ceil_mb(weights / (tp * pp)),
         "kv_cache_mb": _ceil_mb(kv),
         "activations_mb": _ceil_mb(act),
-        "cuda_context_mb": CUDA_CONTEXT_MB,
     }
-    detail = {**parts, "params": params, "weights_from": how, "max_model_len": max_len}
-    detail |= {"max_num_seqs": seqs, "kv_sequences": kv_seqs, "activation_tokens": tokens, "tp": tp}
-    return Footprint(sum(parts.values()), "estimate", detail, tp)
+    detail: dict[str, Any] = {**parts, "overhead_mb": overhead, "params": params}
+    detail["weights_from"] = how
+    detail |= {"max_model_len": max_len, "max_num_seqs": seqs, "kv_sequences": kv_seqs}
+    detail |= {"activation_tokens": tokens, "tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
+    return Footprint(sum(parts.values()) + overhead, "estimate", detail, gpus, overhead)
 
 
-def utilization_for(footprint_mb: int, total_mb: int) -> float:
-    """The ``--gpu-memory-utilization`` that gives vLLM `footprint_mb` of a `total_mb` device.
+def utilization_for(budget_mb: int, total_mb: int) -> float:
+    """The ``--gpu-memory-utilization`` that gives vLLM at most `budget_mb` of a `total_mb`
+    device.
 
-    Rounded up to 3 decimals (vLLM then takes at most total/1000 MiB more than planned) and
-    clamped to (0, 0.99]: 0.001 at least, 0.99 at most.
+    Rounded down to 3 decimals, so that vLLM's own ``ceil(util x total)`` (its startup check
+    and its KV sizing) never asks for more than the planner set aside; clamped to
+    [0.001, 0.99].
     """
     if total_mb <= 0:
         raise ValueError(f"device total must be positive, got {total_mb} MiB")
-    thousandths = -(-max(footprint_mb, 0) * 1000 // total_mb)
+    thousandths = max(budget_mb, 0) * 1000 // total_mb
     return min(max(thousandths, 1), 990) / 1000
 
 
 def footprint_for_spec(
-    spec: ModelSpec, device_total_mb: int | None, params_b: float | None = None
+    spec: ModelSpec,
+    device_total_mb: int | None,
+    params_b: float | None = None,
+    context_mb: int = CUDA_CONTEXT_MB,
+    nccl_mb: int = NCCL_MB,
 ) -> Footprint:
     """`estimate_footprint_mb` fed from a model's config: ``memory_mb`` and its vLLM ``args``.
 
-    Reads ``gpu_memory_utilization`` (or ``device_memory_utilization``),
-    ``tensor_parallel_size``, ``dtype``, ``kv_cache_dtype``, ``max_model_len``,
-    ``max_num_seqs`` and ``max_num_batched_tokens``; the model path is ``spec.model``.
+    Reads ``gpu_memory_utilization`` (or ``device_memory_utilization``), the parallel sizes
+    (`parallel_sizes`), ``dtype``, ``kv_cache_dtype``, ``max_model_len``, ``max_num_seqs`` and
+    ``max_num_batched_tokens``; the model path is ``spec.model``.
     """
     args = {k.replace("-", "_"): v for k, v in spec.args}
     util = args.get("gpu_memory_utilization", args.get("device_memory_utilization"))
+    tp, pp, pcp, dp = parallel_sizes(spec)
     return estimate_footprint_mb(
         memory_mb=spec.memory_mb,
         gpu_memory_utilization=float(str(util)) if util is not None else None,
         device_total_mb=device_total_mb,
-        tensor_parallel_size=_arg_int(args.get("tensor_parallel_size")) or 1,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        context_parallel_size=pcp,
+        data_parallel_local=dp,
         model_path=spec.model,
         params_b=params_b,
         dtype=str(args.get("dtype") or "auto"),
@@ -168,7 +220,32 @@ def footprint_for_spec(
         max_model_len=_arg_int(args.get("max_model_len")),
         max_num_seqs=_arg_int(args.get("max_num_seqs")),
         max_num_batched_tokens=_arg_int(args.get("max_num_batched_tokens")),
+        context_mb=context_mb,
+        nccl_mb=nccl_mb,
     )
+
+
+def parallel_sizes(spec: ModelSpec) -> tuple[int, int, int, int]:
+    """(tensor, pipeline, prefill-context, local data) parallel sizes from the model's args.
+
+    vLLM's world size is their product on one node (vLLM 0.33 ``config/parallel.py:964-968``;
+    data parallel ranks on this node each run a whole copy, ``data_parallel_size_local``
+    defaulting to ``data_parallel_size``). Short flags in ``extra_args`` are not read.
+    """
+    args = {k.replace("-", "_"): v for k, v in spec.args}
+
+    def size(*keys: str) -> int:
+        for key in keys:
+            value = _arg_int(args.get(key))
+            if value is not None:
+                return value
+        return 1
+
+    tp = size("tensor_parallel_size", "tp")
+    pp = size("pipeline_parallel_size", "pp")
+    pcp = size("prefill_context_parallel_size", "pcp")
+    dp = size("data_parallel_size_local", "dpl", "data_parallel_size", "dp")
+    return tp, pp, pcp, dp
 
 
 def _arg_int(value: Any) -> int | None:
@@ -181,13 +258,13 @@ def _arg_int(value: Any) -> int | None:
     return int(float(number) * scale)
 
 
-def _from_utilization(util: float, total_mb: int | None, tp: int) -> Footprint:
+def _from_utilization(util: float, total_mb: int | None, gpus: int, overhead: int) -> Footprint:
     if not 0 < util <= 1:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {util}")
     if total_mb is None:
         raise ValueError("gpu_memory_utilization needs the device's total memory")
-    detail = {"gpu_memory_utilization": util, "device_total_mb": total_mb}
-    return Footprint(math.ceil(util * total_mb), "utilization", detail, tp)
+    detail = {"gpu_memory_utilization": util, "device_total_mb": total_mb, "overhead_mb": overhead}
+    return Footprint(math.ceil(util * total_mb) + overhead, "utilization", detail, gpus, overhead)
 
 
 def _ceil_mb(n_bytes: float) -> int:

@@ -134,6 +134,55 @@ class NvmlMonitor:
             processes=_processes(lib, handle),
         )
 
+    def visible(self, value: str, order: str) -> tuple[int, ...]:
+        """The NVML indices of the GPUs a ``CUDA_VISIBLE_DEVICES`` value names, in its order.
+
+        Entries are indices or ``GPU-<uuid>`` (a unique prefix is enough, as for CUDA). Indices
+        are NVML's only in PCI bus order: with ``order`` other than ``PCI_BUS_ID`` (CUDA's
+        default is fastest first) they are refused on a host with more than one GPU. MIG
+        instances (``MIG-<uuid>``) are refused. ValueError says what is wrong.
+        """
+        lib = self._lib()
+        count = int(lib.nvmlDeviceGetCount())
+        out: list[int] = []
+        for item in (v.strip() for v in value.split(",") if v.strip()):
+            if item.startswith("MIG-"):
+                raise ValueError(f"{item!r} is a MIG instance; MIG slices are not supported")
+            if item.startswith("GPU-"):
+                uuids = [_text(lib.nvmlDeviceGetUUID(lib.nvmlDeviceGetHandleByIndex(i)))
+                         for i in range(count)]  # fmt: skip
+                found = [i for i, u in enumerate(uuids) if u.startswith(item)]
+                if len(found) != 1:
+                    raise ValueError(f"{item!r} matches {len(found)} GPUs (NVML sees {count})")
+                out.append(found[0])
+                continue
+            if not item.isdigit():
+                raise ValueError(f"{item!r} is neither a GPU index nor a GPU-<uuid>")
+            if int(item) >= count:
+                raise ValueError(f"GPU {item} does not exist (NVML sees {count})")
+            if order != "PCI_BUS_ID" and count > 1:
+                raise ValueError(
+                    f"index {item} counts GPUs in CUDA's {order or 'FASTEST_FIRST'} order, which"
+                    " NVML does not use; set CUDA_DEVICE_ORDER=PCI_BUS_ID or name GPUs by UUID"
+                )
+            out.append(int(item))
+        if len(set(out)) != len(out):
+            raise ValueError(f"{value!r} names a GPU twice")
+        return tuple(out)
+
+    def mig_devices(self) -> list[int]:
+        """Indices of the GPUs with MIG mode on (NVML reports their memory as the parent's)."""
+        lib = self._lib()
+        out = []
+        for i in range(int(lib.nvmlDeviceGetCount())):
+            try:
+                current = lib.nvmlDeviceGetMigMode(lib.nvmlDeviceGetHandleByIndex(i))[0]
+            except (lib.NVMLError, AttributeError):
+                continue  # not MIG-capable, or an NVML without the call
+            if current == getattr(lib, "NVML_DEVICE_MIG_ENABLE", 1):
+                out.append(i)
+        return out
+
     async def run(self, interval_s: float = 1.0) -> None:
         """Refresh `latest` every `interval_s` seconds until cancelled.
 
@@ -158,6 +207,10 @@ class NvmlMonitor:
             if self._initialised and self._nvml is not None:
                 self._initialised = False
                 self._nvml.nvmlShutdown()
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _utilisation(lib: Any, handle: Any) -> float | None:

@@ -23,12 +23,11 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import aiohttp
-import psutil
 from prometheus_client import Gauge
 
 from .config import ModelSpec
@@ -42,7 +41,8 @@ from .engine import (
     read_tail,
 )
 from .errors import EngineFailed, ProxyError, Unavailable
-from .memory import OOM_MARKERS, Placement
+from .hostmem import HostRam
+from .memory import KV_SHORT_MARKERS, OOM_MARKERS, PROFILING_MARKERS, Placement, Usage
 from .metrics import Metrics
 from .registry import EngineRegistry
 
@@ -53,6 +53,8 @@ log = logging.getLogger(__name__)
 EXIT_LOOK_S = 0.25
 #: Host RAM left free beyond the weights when choosing sleep level 1.
 HOST_RAM_MARGIN_MB = 1024
+#: The ``runtime`` pool a level-1 (and level-2) sleep also pins in host RAM, when unknown.
+RUNTIME_POOL_MB = 512
 
 
 class State(enum.Enum):
@@ -97,6 +99,16 @@ class OutOfMemory(EngineFailed):
     """The engine failed to start because the GPU had too little free memory."""
 
 
+class KvCacheShort(EngineFailed):
+    """vLLM started but its budget left no room for the KV cache (non-KV memory took more than
+    planned): a larger budget may work, evicting others does not."""
+
+
+class ProfilingDisturbed(EngineFailed):
+    """vLLM's start failed its memory-profiling check: another process freed GPU memory on the
+    device meanwhile (an engine that crashed, a program outside the proxy). Worth a retry."""
+
+
 class WakeFailed(Unavailable):
     """A wake that failed (or a sleep that failed under it): the engine was stopped; the caller
     starts a new instance."""
@@ -108,6 +120,14 @@ async def _no_admission(_inst: Instance) -> Placement | None:
 
 async def _no_readmission(_inst: Instance) -> None:
     return None
+
+
+async def _no_usage(_pgid: int | None, _devices: tuple[int, ...]) -> Usage | None:
+    return None
+
+
+async def _no_wait(_before: Usage | None) -> bool:
+    return True
 
 
 @dataclass
@@ -130,10 +150,22 @@ class EngineContext:
     device_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
-    #: A sleeping instance now holds only this many MiB per device (memory managed only).
-    doze: Callable[[str, int], None] = lambda _iid, _mb: None
+    #: A sleeping instance now holds this many MiB per device (None: what its model is
+    #: expected to hold asleep; memory managed only).
+    doze: Callable[[str, int | None], None] = lambda _iid, _mb: None
+    #: A fresh reading of an engine's devices (NVML only) ...
+    usage: Callable[[int | None, tuple[int, ...]], Awaitable[Usage | None]] = _no_usage
+    #: ... what an instance holds after its /sleep, from readings before and after ...
+    residue: Callable[[str, Usage | None, Usage | None], int | None] = lambda _i, _b, _a: None
+    #: ... and a wait until a stopped engine's processes have left the GPU (bounded).
+    wait_released: Callable[[Usage | None], Awaitable[bool]] = _no_wait
     #: Host RAM (MiB) the model's weights take, all devices together, when known.
     weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
+    #: After vLLM found no room for the KV cache: raise the model's budget for its next start
+    #: (None), or say why that cannot help.
+    grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: "its memory is not managed"
+    #: Host RAM promised to level-1 sleeps in flight.
+    host: HostRam = field(default_factory=HostRam)
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -192,6 +224,9 @@ class Instance:
         #: ... and the /sleep call while it is in flight (the memory still counts as awake).
         self._sleep_call: asyncio.Task[None] | None = None
         self._wake_task: asyncio.Task[None] | None = None
+        #: Holds its devices' lock (starting, waking or falling asleep): its own stop must not
+        #: wait for that lock.
+        self._owns_devices = False
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
         self._policy = policy
@@ -371,8 +406,7 @@ class Instance:
         except Stopped:
             raise  # stopped while starting: the stop owns the state
         except ProxyError as err:
-            if self._out_of_memory():
-                err = OutOfMemory(err.message, code="insufficient_gpu_memory")
+            err = self._classify(err)
             self._fail(err.message)
             raise err from None
 
@@ -382,13 +416,17 @@ class Instance:
         lock = self.ctx.memory_lock(devices, self.id) if self.ctx.memory_lock else _nothing()
         async with lock:
             self._raise_if_stopped()  # stopped while queued for the device: spawn nothing
-            engine = await self._spawn()
+            self._owns_devices = True
             try:
-                seconds = await engine.wait_ready(self.ctx.session)
-            except ProxyError:
-                await engine.stop(STARTING_STOP_GRACE_S)
-                self._raise_if_stopped()
-                raise
+                engine = await self._spawn()
+                try:
+                    seconds = await engine.wait_ready(self.ctx.session)
+                except ProxyError:
+                    await engine.stop(STARTING_STOP_GRACE_S)
+                    self._raise_if_stopped()
+                    raise
+            finally:
+                self._owns_devices = False
         self._raise_if_stopped()
         if self.spec.warmup:
             await self._warm_up(engine, self.spec.startup_timeout_s)
@@ -425,11 +463,19 @@ class Instance:
                 code="engine_start_failed",
             ) from None
 
-    def _out_of_memory(self) -> bool:
+    def _classify(self, err: ProxyError) -> ProxyError:
+        """A failed start, by what the engine's log says: no room for the KV cache in its
+        budget, profiling disturbed by another process, out of GPU memory, or `err` itself."""
         if not self.devices or self.engine is None:
-            return False
+            return err
         tail = read_tail(self.engine.log_path, lines=200)
-        return any(marker in tail for marker in OOM_MARKERS)
+        if any(marker in tail for marker in KV_SHORT_MARKERS):
+            return KvCacheShort(err.message, code="insufficient_gpu_memory")
+        if any(marker in tail for marker in PROFILING_MARKERS):
+            return ProfilingDisturbed(err.message, code="engine_start_failed")
+        if any(marker in tail for marker in OOM_MARKERS):
+            return OutOfMemory(err.message, code="insufficient_gpu_memory")
+        return err
 
     async def _spawn(self) -> EngineProcess:
         port = self.ctx.ports.allocate(self.spec.port_range)
@@ -594,28 +640,44 @@ class Instance:
         return self._sleep_call
 
     def _choose_level(self, level: int) -> int:
-        """Level 1 keeps the weights in host RAM: only when that much RAM is available."""
+        """Level 1 pins the weights and the runtime pool in host RAM: only when that much is
+        available (within the proxy's cgroup, less what other sleeps in flight will pin);
+        the choice is promised until the /sleep call returns."""
         if level != 1:
             return level
-        need = self.ctx.weights_mb(self.spec)
-        if need is None:
+        weights = self.ctx.weights_mb(self.spec)
+        if weights is None:
             return level
-        available = psutil.virtual_memory().available // (1024 * 1024)
-        if need + HOST_RAM_MARGIN_MB > available:
+        need = weights + RUNTIME_POOL_MB
+        room = self.ctx.host.room_mb()
+        if need + HOST_RAM_MARGIN_MB > room:
             log.warning(
-                "%s: sleep level 1 would keep ~%d MiB of weights in host RAM but only %d MiB are"
-                " available; using level 2 (the weights are reloaded from disk on wake)",
-                self.id, need, available,
+                "%s: sleep level 1 would pin ~%d MiB of weights and runtime pool in host RAM but"
+                " only %d MiB are available (cgroup limit and sleeps in flight counted); using"
+                " level 2 (the weights are reloaded from disk on wake)",
+                self.id, need, room,
             )  # fmt: skip
             return 2
+        self.ctx.host.promise(self.id, need)
         return level
 
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
-        started = time.monotonic()
+        """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
+        device while it slept, and a start next to it must not see memory freed while it
+        profiles); what the engine still holds afterwards is measured and from then on is its
+        claim."""
+        residue: int | None = None
         try:
-            async with asyncio.timeout(self.spec.sleep_timeout_s):
-                await engine.sleep(self.ctx.session, level)
+            async with self._devices_held():
+                started = time.monotonic()
+                before = await self.ctx.usage(engine.pid, self.devices)
+                async with asyncio.timeout(self.spec.sleep_timeout_s):
+                    await engine.sleep(self.ctx.session, level)
+                after = await self.ctx.usage(engine.pid, self.devices)
+                residue = self.ctx.residue(self.id, before, after)
         except Exception as err:  # failed, timed out, or a bug: the engine is stopped
+            self._sleep_call = None
+            self.ctx.host.settle(self.id)
             if not isinstance(err, CallFailed | TimeoutError):
                 log.exception("%s: sleep failed", self.id)
             if self.state is State.SLEEPING and self.engine is engine:
@@ -626,20 +688,33 @@ class Instance:
             return
         finally:
             self._sleep_call = None
+            self.ctx.host.settle(self.id)
         if self.state is not State.SLEEPING or self.engine is not engine:
             return  # stopped meanwhile
         seconds = time.monotonic() - started
         self.sleep_level = level
         self.ctx.metrics.transitions.labels(self.name, "sleep").observe(seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
-        log.info("%s: asleep at level %d after %.2fs (%s)", self.id, level, seconds, reason)
-        self.ctx.doze(self.id, self.spec.sleep_memory_mb)
+        held = f", {residue} MiB per GPU still held" if residue is not None else ""
+        log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
+        self.ctx.doze(self.id, residue)
         self._changed.set()  # memory came back; waiters re-plan
         self._changed = asyncio.Event()
         self.ctx.on_capacity()
         idle = self.leases == 0 and not self.retired and self._wake_task is None
         if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
+
+    @asynccontextmanager
+    async def _devices_held(self) -> AsyncIterator[None]:
+        """Its devices' lock (memory managed only), marked as held by this instance."""
+        lock = self.ctx.device_lock(self.devices) if self.ctx.device_lock and self.devices else None
+        async with lock or _nothing():
+            self._owns_devices = True
+            try:
+                yield
+            finally:
+                self._owns_devices = False
 
     def wake(self) -> asyncio.Task[None]:
         """Wake a SLEEPING instance (one wake for every caller): the memory first, then
@@ -683,11 +758,10 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         started = time.monotonic()
         level = self.sleep_level
-        lock = self.ctx.device_lock(self.devices) if self.ctx.device_lock else _nothing()
         try:
             # Not while another engine starts on these devices (its memory profiling would
             # count the wake's allocations as its own); the wait is bounded by that start.
-            async with lock, asyncio.timeout(self.spec.wake_timeout_s):
+            async with self._devices_held(), asyncio.timeout(self.spec.wake_timeout_s):
                 if self.state is not State.WAKING:
                     raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
                 await engine.wake(self.ctx.session, level)
@@ -768,7 +842,16 @@ class Instance:
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
-            code = await engine.stop(grace)
+            if self._owns_devices or engine.exit_code is not None:
+                code = await engine.stop(grace)  # its own start, wake or sleep holds the lock
+            else:
+                # Memory given back while a neighbour profiles its start fails that start
+                # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
+                # it until the driver has taken the memory back.
+                async with self._devices_held():
+                    before = await self.ctx.usage(engine.pid, self.devices)
+                    code = await engine.stop(grace)
+                    await self.ctx.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None:
             await asyncio.wait({self._start_task}, timeout=KILL_WAIT_S)

@@ -74,6 +74,10 @@ class Manager:
             ctx.device_lock = memory.device_lock
             ctx.vacate = memory.vacate
             ctx.doze = memory.doze
+            ctx.usage = memory.usage
+            ctx.residue = memory.residue
+            ctx.wait_released = memory.wait_released
+            ctx.grow_budget = memory.grow_budget
         ctx.weights_mb = self._weights_mb
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
@@ -196,7 +200,7 @@ class Manager:
                 ModelView(i.id, held, claim.devices, state is State.RUNNING,
                           i.leases + i.queued(), i.last_used, pinned.get(i.name, False),
                           starting=state is State.STARTING, stopping=state is State.STOPPING,
-                          sleep_mb=min(i.spec.sleep_memory_mb, held) if sleepy else None,
+                          sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
                           asleep=i.asleep, waking=state is State.WAKING,
                           falling_asleep=state is State.SLEEPING and not i.asleep)
             )  # fmt: skip
@@ -217,7 +221,7 @@ class Manager:
         views, pending = self._views()
         if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
             claim = memory.claims[inst.id]
-            need = max(claim.footprint_mb - memory.held_mb(inst.id), 0)
+            need = memory.wake_need(inst.id)
             demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
         else:
             siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
@@ -236,7 +240,10 @@ class Manager:
             memory.occupy(inst.id, placement)
             return placement
 
-        return await self._reclaim(inst, State.STARTING, claim)
+        def unclaim() -> None:
+            memory.vacate(inst.id)
+
+        return await self._reclaim(inst, State.STARTING, claim, unclaim)
 
     async def _readmit(self, inst: Instance) -> None:
         """A wake: wait until the instance's whole footprint fits on its devices again (same
@@ -244,14 +251,23 @@ class Manager:
         memory = self.memory
         assert memory is not None
 
+        asleep_mb = memory.held_mb(inst.id)
+
         def claim(decision: Plan) -> Placement:
             memory.rouse(inst.id)
             return memory.claims[inst.id]
 
-        await self._reclaim(inst, State.WAKING, claim)
+        def unclaim() -> None:
+            memory.doze(inst.id, asleep_mb)
+
+        await self._reclaim(inst, State.WAKING, claim, unclaim)
 
     async def _reclaim(
-        self, inst: Instance, state: State, claim: Callable[[Plan], Placement]
+        self,
+        inst: Instance,
+        state: State,
+        claim: Callable[[Plan], Placement],
+        unclaim: Callable[[], None],
     ) -> Placement:
         memory = self.memory
         assert memory is not None
@@ -265,6 +281,7 @@ class Manager:
                 raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
             decision = self.plan_for(inst)
             if isinstance(decision, Plan):
+                need = self._need(inst)
                 # Claim memory and act on the victims before the first await: later plans see
                 # both (an instance counts as awake until its /sleep call has returned).
                 placement = claim(decision)
@@ -277,7 +294,18 @@ class Manager:
                     log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
                 if decision.sleep or decision.evict:
                     await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
-                    await memory.wait_free(decision.devices, self._need(inst, placement))
+                    if not await memory.wait_free(decision.devices, need):
+                        # Less came back than planned (a sleep that kept more, another
+                        # program): plan again on fresh readings rather than fail in vLLM.
+                        unclaim()
+                        if inst.state is state and loop.time() < deadline:
+                            continue
+                        raise Unavailable(
+                            f"model '{inst.name}' cannot start: the GPU memory freed for it did"
+                            f" not come back within {memory.free_timeout_s:g}s",
+                            code="insufficient_gpu_memory",
+                            retry_after_s=max(1, int(self.queue_timeout_s) or 5),
+                        )
                 wait_metric.observe(loop.time() - started)
                 return placement
             remaining = deadline - loop.time()
@@ -305,15 +333,17 @@ class Manager:
     def _instances(self, ids: tuple[str, ...]) -> list[Instance]:
         return [i for i in map(self.instance, ids) if i is not None]
 
-    def _need(self, inst: Instance, placement: Placement) -> int:
-        """What must be free on the devices before the engine allocates."""
+    def _need(self, inst: Instance) -> int:
+        """What must be free on the devices before the engine allocates: a start's footprint,
+        or what a wake adds to what the sleeping engine still holds (taken before the claim)."""
         assert self.memory is not None
         if inst.state is State.WAKING:
-            return max(placement.footprint_mb - inst.spec.sleep_memory_mb, 0)
-        return placement.footprint_mb
+            return self.memory.wake_need(inst.id)
+        return self.memory.footprint(inst.spec.name)
 
     def _weights_mb(self, spec: ModelSpec) -> int | None:
-        """Host RAM a level-1 sleep of `spec` keeps: its weights, all devices together."""
+        """Host RAM a level-1 sleep of `spec` pins: its weights, all devices together (the
+        caller adds the runtime pool)."""
         fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
         if fp is None:
             try:
@@ -322,11 +352,11 @@ class Manager:
                 fp = None
         weights = fp.detail.get("weights_mb") if fp is not None else None
         if fp is not None and isinstance(weights, int | float):
-            return int(weights) * fp.tp
+            return int(weights) * fp.gpus
         if spec.params_b is not None:  # 16-bit weights
             return math.ceil(spec.params_b * 1e9 * 2 / 2**20)
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
-            return fp.per_device_mb * fp.tp
+            return fp.budget_mb * fp.gpus
         return None
 
     async def _wait_capacity(self, inst: Instance, timeout: float) -> None:

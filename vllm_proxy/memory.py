@@ -2,12 +2,26 @@
 
 `Memory` answers "how much does this model take", "what is used where now" and "where may it go";
 the decision itself is `scheduler.plan()` (pure). The manager drives admission with it.
+
+Budgets and measurements are kept apart. The budget an engine is started with
+(``--gpu-memory-utilization``) comes from the model's config alone: the estimate, ``memory_mb``
+or the operator's own fraction, raised only after vLLM said the budget left no room for its KV
+cache. What NVML measures an engine to hold is used for accounting (what a running or sleeping
+instance holds, the overhead outside the budget, what a sleep leaves behind) and never fed back
+into the budget: vLLM's KV cache fills whatever budget it is given, so a measurement fed back
+would grow the budget at every restart.
+
+vLLM measures memory device-wide while it profiles a start and while it sleeps, and fails when
+another process freed (or, during a sleep, allocated) memory on the device meanwhile. So every
+change an engine makes on its devices that the proxy orders — start, wake, sleep, stop — holds
+that device's lock (`device_lock`) for as long as the change takes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -27,6 +41,32 @@ log = logging.getLogger(__name__)
 FREE_POLL_S = 0.2
 #: vLLM's log lines for a start that ran out of device memory.
 OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "less than desired")
+#: vLLM's log lines for a budget that holds the weights but leaves no room for the KV cache
+#: (activations, the sampler or CUDA graphs took more than planned): a larger budget may work,
+#: evicting others does not help (vLLM 0.33 ``v1/core/kv_cache_utils.py``).
+KV_SHORT_MARKERS = (
+    "No available memory for the cache blocks",
+    "which is larger than the available KV cache memory",
+)
+#: vLLM's assertion when another process freed memory while it profiled: retry the start.
+PROFILING_MARKERS = ("Error in memory profiling",)
+#: How much a budget grows after vLLM found no room for the KV cache: a quarter, at least this.
+KV_BOOST_MIN_MB = 512
+#: Headroom kept free on every NVML device unless `gpu.reserve_mb` says otherwise.
+NVML_RESERVE_MB = 256
+#: What a sleeping engine holds beyond its overhead when nothing was measured yet (CUDA graphs,
+#: buffers outside the sleep allocator's pools).
+SLEEP_GUESS_MB = 512
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One reading of an engine's devices: MiB used on each, MiB its own processes hold on each
+    (empty where NVML does not report per process) and those processes."""
+
+    used: dict[int, int]
+    own: dict[int, int]
+    pids: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -46,6 +86,8 @@ def make_source(config: Config) -> tuple[GpuSource | None, str]:
     ids = [d.id if isinstance(d, GpuDevice) else d for d in listed] or None
     sizes = {d.id: d.memory_mb for d in listed if isinstance(d, GpuDevice)}
     mode = gpu.monitor
+    if mode == "auto" and os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        mode = "static" if sizes else "none"  # the proxy was given no GPU
     if mode == "auto":
         mode = "nvml" if NvmlMonitor.available() else ("static" if sizes else "none")
     if mode == "none":
@@ -56,7 +98,35 @@ def make_source(config: Config) -> tuple[GpuSource | None, str]:
         return StaticBudget(sizes), "static"
     if not NvmlMonitor.available():
         raise ConfigError("gpu.monitor: nvml was requested but NVML does not answer (no driver?)")
-    return NvmlMonitor(devices=ids), "nvml"
+    return _nvml_source(ids), "nvml"
+
+
+def _nvml_source(ids: list[int] | None) -> NvmlMonitor:
+    """The NVML monitor over the GPUs the proxy may use: `gpu.devices`, within what its own
+    ``CUDA_VISIBLE_DEVICES`` shows (the engines are given NVML indices, so an inherited value is
+    honoured by planning on those GPUs only). MIG GPUs are refused."""
+    monitor = NvmlMonitor(devices=ids)
+    inherited = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if inherited is not None:
+        order = os.environ.get("CUDA_DEVICE_ORDER", "FASTEST_FIRST")
+        try:
+            visible = list(monitor.visible(inherited, order))
+        except ValueError as err:
+            raise ConfigError(f"CUDA_VISIBLE_DEVICES in the proxy's environment: {err}") from None
+        if ids is not None and not set(ids) <= set(visible):
+            raise ConfigError(
+                f"gpu.devices: {ids} are not all among the GPUs the proxy's CUDA_VISIBLE_DEVICES"
+                f" shows (NVML indices {visible})"
+            )
+        monitor = NvmlMonitor(devices=ids if ids is not None else visible, nvml=monitor._nvml)
+    mig = [d for d in monitor.mig_devices() if monitor.devices is None or d in monitor.devices]
+    if mig:
+        raise ConfigError(
+            f"GPU(s) {mig} are in MIG mode: NVML reports a MIG GPU's memory as the whole"
+            " device's, so its slices cannot be planned; turn MIG off, or leave those GPUs out"
+            " with gpu.devices"
+        )
+    return monitor
 
 
 class Memory:
@@ -72,7 +142,12 @@ class Memory:
     ) -> None:
         self.source = source
         self.kind = kind
-        self.reserve_mb = config.gpu.reserve_mb
+        reserve = config.gpu.reserve_mb
+        self.reserve_mb = (
+            reserve if reserve is not None else (NVML_RESERVE_MB if kind == "nvml" else 0)
+        )
+        self.context_mb = config.gpu.context_mb
+        self.nccl_mb = config.gpu.nccl_mb
         self.free_timeout_s = config.gpu.free_timeout_s
         self.poll_interval_s = config.gpu.poll_interval_s
         self.metrics = metrics
@@ -92,26 +167,61 @@ class Memory:
         self.measured: dict[str, int] = {}
         #: Instances whose measurement comes from NVML per-process memory (else: device delta).
         self.by_process: set[str] = set()
-        #: The last measurement of a model's engine, with the engine it was taken of: the next
-        #: instance of the same engine is planned with it.
-        self.learned: dict[str, tuple[tuple[object, ...], int]] = {}
+        #: Per model, with the engine it was measured of: the largest overhead outside the budget
+        #: seen (measured minus budget) and what its last sleep left on the device. The next
+        #: instance of the same engine is accounted with them; neither changes its budget.
+        self.overheads: dict[str, tuple[tuple[object, ...], int]] = {}
+        self.residues: dict[str, tuple[tuple[object, ...], int]] = {}
+        #: Budget added to a model whose engine found no room for its KV cache.
+        self.boosts: dict[str, tuple[tuple[object, ...], int]] = {}
+        #: Devices a model's env pins (``CUDA_VISIBLE_DEVICES``), as NVML indices.
+        self.pinned_devices: dict[str, tuple[int, ...]] = {}
         self._keys: dict[str, tuple[object, ...]] = {}
+        self._specs: dict[str, ModelSpec] = {}
         self.set_specs(specs)
 
     def set_specs(self, specs: dict[str, ModelSpec]) -> None:
         """Compute every model's footprint; `ConfigError` for one that can never fit."""
         problems = []
         estimates: dict[str, Footprint] = {}
+        pinned: dict[str, tuple[int, ...]] = {}
         for name, spec in specs.items():
-            allowed = [d for d in (spec.devices or self.totals) if d in self.totals]
+            try:
+                devices = self._env_devices(spec)
+            except ValueError as err:
+                problems.append(f"models.{name}.env.CUDA_VISIBLE_DEVICES: {err}")
+                continue
+            allowed = [d for d in (devices or spec.devices or self.totals) if d in self.totals]
             total = min((self.totals[d] for d in allowed), default=None)
             try:
-                fp = footprint_for_spec(spec, total, spec.params_b)
+                fp = footprint_for_spec(spec, total, spec.params_b, self.context_mb, self.nccl_mb)
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
                 continue
+            if self.kind == "nvml" and fp.budget_mb <= 0:
+                problems.append(
+                    f"models.{name}.memory_mb: {spec.memory_mb} MiB leaves no budget for vLLM"
+                    f" after the {fp.overhead_mb} MiB the engine holds outside it (CUDA context"
+                    " and libraries, gpu.context_mb); raise it"
+                )
+                continue
+            if devices is not None:
+                if spec.devices is not None and set(devices) != set(spec.devices):
+                    problems.append(
+                        f"models.{name}.devices: {list(spec.devices)} contradicts its env's"
+                        f" CUDA_VISIBLE_DEVICES (GPUs {list(devices)}); keep one"
+                    )
+                    continue
+                if len(devices) < fp.gpus:
+                    problems.append(
+                        f"models.{name}.env.CUDA_VISIBLE_DEVICES: shows {len(devices)} GPU(s)"
+                        f" but the engine needs {fp.gpus} (parallel sizes)"
+                    )
+                    continue
+                pinned[name] = devices[: fp.gpus]  # vLLM uses the first world-size ones
             estimates[name] = fp
-            demand = Demand(name, fp.per_device_mb, fp.tp, spec.devices, self.reserve_mb)
+            demand = Demand(name, fp.per_device_mb, fp.gpus, pinned.get(name) or spec.devices,
+                            self.reserve_mb)  # fmt: skip
             why = never_fits(demand, self.totals)
             if why:
                 problems.append(f"models.{name}: {why}")
@@ -121,25 +231,95 @@ class Memory:
             with contextlib.suppress(KeyError):
                 self.metrics.memory_estimate.remove(name)
         self.estimates = estimates
+        self.pinned_devices = pinned
+        self._specs = dict(specs)
         self._keys = {name: spec.engine_key() for name, spec in specs.items()}
-        self.learned = {n: v for n, v in self.learned.items() if self._keys.get(n) == v[0]}
+        for learned in (self.overheads, self.residues, self.boosts):
+            for n, v in list(learned.items()):
+                if self._keys.get(n) != v[0]:
+                    del learned[n]
         for name, fp in self.estimates.items():
             self.metrics.memory_estimate.labels(name).set(fp.per_device_mb)
 
+    def _env_devices(self, spec: ModelSpec) -> tuple[int, ...] | None:
+        """The NVML indices a model's own ``CUDA_VISIBLE_DEVICES`` pins it to (None: not set,
+        or no NVML devices to map them to)."""
+        value = dict(spec.env).get("CUDA_VISIBLE_DEVICES")
+        if value is None or self.kind != "nvml" or not isinstance(self.source, NvmlMonitor):
+            return None
+        order = dict(spec.env).get("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+        return self.source.visible(value, order)
+
+    def budget(self, name: str) -> int:
+        """MiB per device inside vLLM's budget: from the config (and a KV boost) only."""
+        boost = self.boosts.get(name)
+        return self.estimates[name].budget_mb + (boost[1] if boost else 0)
+
+    def overhead(self, name: str) -> int:
+        """MiB per device outside the budget: the largest measured, else the config's guess."""
+        learned = self.overheads.get(name)
+        return learned[1] if learned else self.estimates[name].overhead_mb
+
     def footprint(self, name: str) -> int:
-        """The larger of the estimate and what the model's engine was last measured to take."""
-        learned = self.learned.get(name)
-        return max(self.estimates[name].per_device_mb, learned[1] if learned else 0)
+        """What one engine of the model holds on each device: budget plus overhead."""
+        return self.budget(name) + self.overhead(name)
+
+    def sleep_mb(self, spec: ModelSpec) -> int:
+        """What one engine of the model is expected to hold per device asleep: its last measured
+        sleep, else ``sleep_memory_mb``, else the overhead plus `SLEEP_GUESS_MB`."""
+        learned = self.residues.get(spec.name)
+        if learned:
+            return learned[1]
+        if spec.sleep_memory_mb is not None:
+            return spec.sleep_memory_mb
+        return self.overhead(spec.name) + SLEEP_GUESS_MB if spec.name in self.estimates else 0
 
     def demand_mb(self, spec: ModelSpec) -> int:
         return self.footprint(spec.name)
+
+    def devices_for(self, spec: ModelSpec) -> tuple[int, ...] | None:
+        """The devices a model may be placed on (its env's or its config's), None for any."""
+        return self.pinned_devices.get(spec.name) or spec.devices
 
     def demand(self, spec: ModelSpec, instance_id: str, avoid: tuple[int, ...] = ()) -> Demand:
         """What starting instance `instance_id` of `spec` asks of the planner; `avoid` are the
         devices of the model's other replicas."""
         fp = self.estimates[spec.name]
         mb = self.footprint(spec.name)
-        return Demand(instance_id, mb, fp.tp, spec.devices, self.reserve_mb, avoid)
+        allowed = self.devices_for(spec)
+        return Demand(instance_id, mb, fp.gpus, allowed, self.reserve_mb, avoid)
+
+    def grow_budget(self, spec: ModelSpec) -> str | None:
+        """After vLLM found no room for the KV cache in the model's budget: raise the budget of
+        an estimated footprint by a quarter (at least `KV_BOOST_MIN_MB`) for its next start and
+        return None, or say why not (the operator set the size, or it would never fit)."""
+        fp = self.estimates.get(spec.name)
+        if fp is None:
+            return "its memory is not managed"
+        if fp.source != "estimate":
+            key = "memory_mb" if fp.source == "config" else "args.gpu_memory_utilization"
+            return (
+                f"its budget ({self.budget(spec.name)} MiB per GPU, from {key}) leaves no room for"
+                " the KV cache after the weights, activations and CUDA graphs; raise " + key +
+                " or lower max_model_len / max_num_seqs"
+            )  # fmt: skip
+        boost = self.boosts.get(spec.name, (spec.engine_key(), 0))[1]
+        grown = boost + max(self.budget(spec.name) // 4, KV_BOOST_MIN_MB)
+        demand = Demand(spec.name, fp.per_device_mb + grown, fp.gpus, self.devices_for(spec),
+                        self.reserve_mb)  # fmt: skip
+        if never_fits(demand, self.totals):
+            return (
+                f"its budget grew to {self.budget(spec.name)} MiB per GPU and vLLM still found no"
+                " room for the KV cache; a larger one does not fit the GPUs: set memory_mb, or"
+                " lower max_model_len / max_num_seqs"
+            )
+        self.boosts[spec.name] = (spec.engine_key(), grown)
+        log.warning(
+            "%s: no room for the KV cache in a %d MiB budget; the next start gets %d MiB",
+            spec.name, self.budget(spec.name) - grown + boost, self.budget(spec.name),
+        )  # fmt: skip
+        self.metrics.memory_estimate.labels(spec.name).set(self.footprint(spec.name))
+        return None
 
     async def read_fresh(self) -> list[GpuSnapshot]:
         """Snapshots read now (NVML in a worker thread; the refresher's copy if that fails):
@@ -154,11 +334,17 @@ class Memory:
         return self.refresh()
 
     def held_mb(self, instance_id: str) -> int:
-        """What a placed instance holds (or is promised) on each of its devices."""
+        """What a placed instance holds (or is promised) on each of its devices: asleep, what
+        its sleep left; running, what it was measured to hold; else its claim."""
         if instance_id in self.asleep:
             return self.asleep[instance_id]
-        claim = self.claims[instance_id]
-        return max(claim.footprint_mb, self.measured.get(instance_id, 0))
+        measured = self.measured.get(instance_id)
+        return measured if measured is not None else self.claims[instance_id].footprint_mb
+
+    def wake_need(self, instance_id: str) -> int:
+        """What a sleeping instance adds per device when it wakes: the model's footprint (with
+        the overhead measured so far) less what it still holds."""
+        return max(self.footprint(_model_of(instance_id)) - self.held_mb(instance_id), 0)
 
     def allocated_mb(self, instance_id: str, pgid: int | None, device: int) -> int:
         """How much of its claim an instance that is starting or waking has allocated on
@@ -174,22 +360,32 @@ class Memory:
         base = self.baseline.get(instance_id, {}).get(device)
         return max(snap.used_mb - base, 0) if base is not None else 0
 
-    def doze(self, instance_id: str, mb: int) -> None:
-        """The instance is asleep: from now on it holds only `mb` per device."""
+    def doze(self, instance_id: str, mb: int | None) -> None:
+        """The instance is asleep: from now on it holds `mb` per device (measured after its
+        /sleep returned), or the model's expected sleep memory when nothing could be measured."""
         claim = self.claims.get(instance_id)
         if claim is None:
             return
-        held = min(mb, claim.footprint_mb)
+        name = _model_of(instance_id)
+        if mb is not None and name in self._keys:
+            self.residues[name] = (self._keys[name], mb)
+        spec = self._specs.get(name)
+        expected = self.sleep_mb(spec) if spec is not None else 0
+        held = min(mb if mb is not None else expected, claim.footprint_mb)
         self.asleep[instance_id] = held
         if isinstance(self.source, StaticBudget):
             self.source.set_usage(instance_id, claim.devices, held)
 
     def rouse(self, instance_id: str) -> None:
-        """A wake was admitted: the instance claims its whole footprint again."""
+        """A wake was admitted: the instance claims its model's whole footprint again (measured
+        anew once it runs)."""
         claim = self.claims.get(instance_id)
         self.asleep.pop(instance_id, None)
         if claim is None:
             return
+        claim = dataclasses.replace(claim, footprint_mb=self.footprint(_model_of(instance_id)))
+        self.claims[instance_id] = claim
+        self.measured.pop(instance_id, None)
         self.baseline[instance_id] = {s.id: s.used_mb for s in self.snapshots}
         if isinstance(self.source, StaticBudget):
             self.source.set_usage(instance_id, claim.devices, claim.footprint_mb)
@@ -224,22 +420,25 @@ class Memory:
         return views
 
     def placement(self, spec: ModelSpec, devices: tuple[int, ...]) -> Placement:
-        """What the engine is started with on `devices`.
+        """What the engine is started with on `devices`, and the memory it claims there.
 
-        On NVML-managed GPUs the engine gets ``CUDA_VISIBLE_DEVICES`` (unless its env sets one)
-        and, unless its args set one, ``--gpu-memory-utilization`` = footprint / device total,
-        so that vLLM stays inside the share the planner gave it.
+        On NVML-managed GPUs the engine gets ``CUDA_VISIBLE_DEVICES`` (NVML indices in PCI bus
+        order; a model whose env pins devices keeps its own, and is only ever placed on them)
+        and, unless its args set a fraction themselves, ``--gpu-memory-utilization`` =
+        budget / device total, rounded down: vLLM's budget never exceeds the planned one. The
+        claim is the budget plus the overhead outside it.
         """
         mb = self.footprint(spec.name)
         overrides: dict[str, ArgValue] = {}
         env: dict[str, str] = {}
         if self.kind == "nvml":
             if "CUDA_VISIBLE_DEVICES" not in dict(spec.env):
-                env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+            if "CUDA_DEVICE_ORDER" not in dict(spec.env):
+                env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
             if self.estimates[spec.name].source != "utilization":
                 total = min(self.totals[d] for d in devices)
-                overrides["gpu_memory_utilization"] = utilization_for(mb, total)
+                overrides["gpu_memory_utilization"] = utilization_for(self.budget(spec.name), total)
         return Placement(devices, mb, overrides, env)
 
     def occupy(self, instance_id: str, placement: Placement) -> None:
@@ -271,6 +470,11 @@ class Memory:
         return {
             "estimate_mb": est.per_device_mb,
             "planned_mb": self.footprint(spec.name),
+            "budget_mb": self.budget(spec.name),
+            "overhead_mb": self.overhead(spec.name),
+            "sleep_mb": self.sleep_mb(spec) if spec.sleep is not None else None,
+            "gpus": est.gpus,
+            "devices": list(self.devices_for(spec) or []) or None,
             "source": est.source,
             "detail": est.detail,
         }
@@ -325,11 +529,63 @@ class Memory:
         return {d: snaps[d] for d in devices if d in snaps} if snaps else None
 
     def _set_measured(self, instance_id: str, mb: int) -> None:
+        """Record what a running instance holds (accounting), and the overhead outside its
+        budget that this shows; the budget itself never changes with it."""
         self.measured[instance_id] = mb
         name = _model_of(instance_id)
-        if name in self._keys:
-            self.learned[name] = (self._keys[name], mb)
+        if name in self._keys and name in self.estimates:
+            overhead = max(mb - self.budget(name), 0)
+            known = self.overheads.get(name)
+            if known is None or known[0] != self._keys[name] or overhead > known[1]:
+                self.overheads[name] = (self._keys[name], overhead)
         self.metrics.memory_measured.labels(name, instance_id).set(mb)
+
+    async def usage(self, pgid: int | None, devices: tuple[int, ...]) -> Usage | None:
+        """A fresh reading of `devices` and of what the engine (process group `pgid`) holds on
+        them; None where there is no NVML."""
+        if not isinstance(self.source, NvmlMonitor) or not devices:
+            return None
+        snaps = await self.read_fresh()
+        used, own, pids = {}, {}, set()
+        for snap in snaps:
+            if snap.id not in devices:
+                continue
+            used[snap.id] = snap.used_mb
+            mine = {pid: mb for pid, mb in snap.processes.items() if pgid and _pgid(pid) == pgid}
+            if mine:
+                own[snap.id] = sum(mine.values())
+                pids |= set(mine)
+        return Usage(used, own, frozenset(pids))
+
+    def residue(self, instance_id: str, before: Usage | None, after: Usage | None) -> int | None:
+        """What an instance still holds per device after its /sleep returned (the largest over
+        its devices): its processes' memory where NVML reports it, else what it held less what
+        the devices' usage dropped by (the sleep held the device lock). None: not measurable."""
+        if before is None or after is None or instance_id not in self.claims:
+            return None
+        if after.own:
+            return max(after.own.values())
+        held = self.held_mb(instance_id)
+        drops = [before.used[d] - after.used[d] for d in before.used if d in after.used]
+        return max(held - min(drops), 0) if drops else None
+
+    async def wait_released(self, before: Usage | None) -> bool:
+        """After an engine stopped: poll until NVML lists none of its processes (the driver
+        has taken their memory back), bounded by ``free_timeout_s``. True when nothing was to
+        wait for or it came back."""
+        if before is None or not before.pids or not isinstance(self.source, NvmlMonitor):
+            return True
+        deadline = time.monotonic() + self.free_timeout_s
+        while True:
+            snaps = await asyncio.to_thread(self.source.read)
+            listed = {pid for s in snaps if s.id in before.used for pid in s.processes}
+            if not listed & before.pids:
+                return True
+            if time.monotonic() > deadline:
+                log.warning("processes %s still hold GPU memory after their engine stopped",
+                            sorted(listed & before.pids))  # fmt: skip
+                return False
+            await asyncio.sleep(FREE_POLL_S)
 
     async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
         """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""

@@ -24,7 +24,9 @@ from .instance import (
     DOWN,
     EngineContext,
     Instance,
+    KvCacheShort,
     OutOfMemory,
+    ProfilingDisturbed,
     State,
     Stopped,
     WakeFailed,
@@ -35,6 +37,10 @@ log = logging.getLogger(__name__)
 
 #: Port races retried per start (new vLLM exits 1 on "Address already in use").
 PORT_ATTEMPTS = 3
+#: Starts retried after vLLM's memory profiling was disturbed by another process freeing memory.
+PROFILING_RETRIES = 2
+#: Starts retried with a larger budget after vLLM found no room for the KV cache.
+KV_RETRIES = 3
 #: Starts one request may sit through (an engine that crashes right after starting is retried).
 START_ATTEMPTS = 2
 #: Log files of ended instances kept per model (besides those of live instances).
@@ -360,7 +366,7 @@ class Model:
             except Stopped:
                 if self.removed or self.closed or self.draining:
                     raise  # the waiters' loop answers (an unload: they wait for its end)
-        port_attempts, oom_retried = 0, False
+        port_attempts, oom_retried, disturbed, grown = 0, False, 0, 0
         while True:
             if self.removed or self.closed or self.draining:  # between two attempts
                 raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
@@ -385,6 +391,29 @@ class Model:
                 msg = f"model '{self.name}': no port could be bound after {PORT_ATTEMPTS} attempts"
                 self._failed(msg, "start_failed")
                 raise EngineFailed(msg, code="engine_start_failed") from err
+            except KvCacheShort as err:
+                grown += 1
+                why = (
+                    self.ctx.grow_budget(self.spec)
+                    if grown <= KV_RETRIES
+                    else (f"{KV_RETRIES} larger budgets did not help; set memory_mb")
+                )
+                if why is None:
+                    log.warning("%s: no room for the KV cache; retrying with a larger budget",
+                                inst.id)  # fmt: skip
+                    continue
+                msg = f"model '{self.name}': vLLM found no room for the KV cache: {why}"
+                log.error("%s", msg)
+                self._failed(msg, "out_of_memory")
+                raise Unavailable(msg, code="insufficient_gpu_memory") from err
+            except ProfilingDisturbed as err:
+                disturbed += 1
+                if disturbed <= PROFILING_RETRIES:
+                    log.warning("%s: another process freed GPU memory while vLLM profiled its"
+                                " start; retrying", inst.id)  # fmt: skip
+                    continue
+                self._failed(err.message, "start_failed")
+                raise
             except OutOfMemory as err:
                 evict = self._evict_more
                 if not oom_retried and evict is not None and await evict(inst.devices):

@@ -1,0 +1,326 @@
+"""The proxy on a simulated GPU: its real NVML code path over the simulated-GPU ledger, in front of
+fake engines that hold memory the way vLLM 0.33 does (``fake_vllm/simgpu.py``).
+
+Each test pins one of vLLM's memory rules that the planner used to get wrong, and fails on the
+code before its fix:
+
+* the CUDA context lies outside ``--gpu-memory-utilization``, and vLLM refuses to start unless
+  ``util x total`` is free after creating it;
+* the KV cache fills the whole budget, so a measurement fed back into the budget grows it at every
+  restart (0.492 -> 0.624 over seven starts of one model);
+* vLLM profiles device-wide and fails when a neighbour frees memory meanwhile;
+* a sleeping engine keeps its context and CUDA graphs, which the proxy now measures;
+* level-2 wakes map the weights, reload them, then map the KV cache;
+* a budget without room for the KV cache is grown (estimates) or named (memory_mb);
+* the world size counts every parallel dimension, and a model's own CUDA_VISIBLE_DEVICES is
+  where it is planned.
+
+Tests wait on states and on the ledger with deadlines, never on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RunningProxy, StartProxy, make_config, wait_for
+
+from fake_vllm.simgpu import Ledger, nvml_module
+from vllm_proxy.config import Config
+from vllm_proxy.engine import instance_logs
+from vllm_proxy.instance import Instance, State
+
+#: What the simulated engines hold outside their budget (a real H100 context is of this order).
+CONTEXT_MB = 512
+#: vLLM's startup check, as the simulated engine prints it.
+STARTUP_REFUSAL = "less than desired GPU memory utilization"
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    """One simulated 24000 MiB GPU; the proxy's NVML import gets the stand-in over it."""
+    path = tmp_path / "gpu.json"
+    ledger = Ledger.create(path, [{"total_mb": 24_000}, {"total_mb": 24_000}])
+    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return ledger
+
+
+def sim_config(
+    tmp_path: Path, ledger: Ledger, models: dict[str, dict[str, Any]], devices: list[int] | None
+) -> Config:
+    sim = {"FAKE_ENGINE_SIM_GPU": str(ledger.path), "FAKE_ENGINE_SIM_CONTEXT_MB": str(CONTEXT_MB)}
+    for model in models.values():
+        model["env"] = {**sim, "FAKE_ENGINE_SIM_PROFILE_S": "0.05", **model.get("env", {})}
+    cfg = make_config(
+        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0}
+    )
+    gpu = cfg.gpu.model_copy(
+        update={"monitor": "nvml", "poll_interval_s": 0.1, "devices": devices or [0]}
+    )
+    admission = cfg.admission.model_copy(update={"queue_timeout_s": 20})
+    return cfg.model_copy(update={"gpu": gpu, "admission": admission})
+
+
+async def chat(proxy: RunningProxy, model: str) -> tuple[int, str]:
+    resp = await proxy.chat(model, max_tokens=2)
+    return resp.status, await resp.text()
+
+
+def utils_started(proxy: RunningProxy, name: str) -> list[float]:
+    """The --gpu-memory-utilization of every engine the model was started with, in order."""
+    out = []
+    logs = instance_logs(proxy.model(name).spec)
+    for n in sorted(logs):
+        for line in logs[n].read_text().splitlines():
+            if "[vllm-proxy] starting engine" in line:
+                out.append(float(re.findall(r"--gpu-memory-utilization (\S+)", line)[0]))
+    return out
+
+
+def all_logs(proxy: RunningProxy, name: str) -> str:
+    return "".join(p.read_text() for p in instance_logs(proxy.model(name).spec).values())
+
+
+def engine_pids(ledger: Ledger, device: int = 0) -> set[int]:
+    return {pid for r in ledger.read() if r.id == device for pid in r.processes}
+
+
+def outsider(ledger: Ledger, device: int, mb: int) -> None:
+    """Another program on the GPU (this test process) holding `mb`."""
+    ledger.allocate(os.getpid(), device, mb, "outsider")
+
+
+# -- the context outside the budget ------------------------------------------------------------
+
+
+async def test_a_start_the_planner_admits_passes_vllms_free_memory_check(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: the context was planned inside the budget, so with exactly the footprint free
+    vLLM's check (free after its own context >= util x total) refused the start."""
+    outsider(ledger, 0, 24_000 - 11_800 - 256)  # leaves the footprint plus the reserve free
+    proxy = await start_proxy(
+        sim_config(tmp_path, ledger, {"a": {"model": "x", "memory_mb": 11_800}}, None)
+    )
+    status, _ = await chat(proxy, "a")
+    assert status == 200, all_logs(proxy, "a")
+    assert STARTUP_REFUSAL not in all_logs(proxy, "a")
+    inst = proxy.instance("a")
+    util = utils_started(proxy, "a")[0]
+    # vLLM holds its whole budget (KV fills it) plus the context: within the planned footprint.
+    held = ledger.read()[0].used_mb - (24_000 - 11_800 - 256)
+    assert held == math.ceil(util * 24_000) + CONTEXT_MB <= 11_800
+    assert proxy.manager.memory is not None
+    assert proxy.manager.memory.claims[inst.id].footprint_mb == 11_800
+
+
+# -- budgets never grow from measurements -------------------------------------------------------
+
+
+async def test_budgets_stay_constant_across_20_lru_cycles(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: each measured engine raised the next one's --gpu-memory-utilization (the KV
+    cache fills any budget), until the model "never fit"."""
+    models = {"a": {"model": "x", "memory_mb": 12_400}, "b": {"model": "x", "memory_mb": 12_400}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    utils: dict[str, list[float]] = {"a": [], "b": []}
+    ids = set()
+    for _ in range(20):
+        for name in ("a", "b"):  # they do not fit together: each start evicts the other
+            status, text = await chat(proxy, name)
+            assert status == 200, text
+            utils[name].append(utils_started(proxy, name)[-1])  # the newest engine's log
+            ids.add(proxy.instance(name).id)
+            assert STARTUP_REFUSAL not in all_logs(proxy, name)
+    for name in ("a", "b"):
+        assert len(set(utils[name])) == 1, utils[name]
+    assert len(ids) == 40, "every request started an engine, and none failed"
+
+
+# -- nobody frees memory while a neighbour profiles ----------------------------------------------
+
+
+def profiling(ledger: Ledger, skip: set[int]) -> bool:
+    """A starting engine (not in `skip`) has loaded its weights but not yet its KV cache."""
+    for pid in engine_pids(ledger) - skip:
+        tags = ledger.tags(pid, 0)
+        if "weights" in tags and "kv_cache" not in tags:
+            return True
+    return False
+
+
+@pytest.mark.parametrize("how", ["sleep", "stop"])
+async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy, how: str
+) -> None:
+    """Regression: only starts and wakes held the device lock; an idle sleep or stop released
+    memory while another engine profiled, and vLLM failed it ("Error in memory profiling")."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1.5"}},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    a_pids = engine_pids(ledger)
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: profiling(ledger, a_pids), what="b profiling its start")
+    if how == "sleep":
+        a._sleep_due()  # the idle timer firing now
+    else:
+        a._idle_expired()
+    status, text = await b_request
+    assert status == 200, text
+    assert "Error in memory profiling" not in all_logs(proxy, "b")
+    assert proxy.engine_starts("b") == 1
+    # The neighbour's sleep or stop went ahead once the start had finished.
+    if how == "sleep":
+        await wait_for(lambda: a.asleep, what="a asleep")
+    else:
+        await wait_for(lambda: a.state is State.STOPPED, what="a stopped")
+
+
+# -- what a sleeping engine keeps ----------------------------------------------------------------
+
+
+async def test_the_sleep_residue_is_measured_and_planned_with(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: a sleeping engine was assumed to hold a fixed sleep_memory_mb; vLLM keeps its
+    context and CUDA graphs (unless they are offloaded), which nothing measured."""
+    models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600},
+                    "env": {"FAKE_ENGINE_SIM_GRAPHS_MB": "700"}}}  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    assert (await chat(proxy, "a"))[0] == 200
+    inst = proxy.instance("a")
+    task = inst.sleep("test")
+    assert task is not None
+    await task
+    memory = proxy.manager.memory
+    assert memory is not None and inst.asleep
+    residue = ledger.read()[0].used_mb
+    assert residue == CONTEXT_MB + 700  # the context and the CUDA graphs stay
+    assert memory.held_mb(inst.id) == residue
+    assert memory.sleep_mb(inst.spec) == residue  # what the planner expects of the next sleep
+    status, _ = await chat(proxy, "a")  # the wake needs only what the sleep freed
+    assert status == 200 and proxy.engine_starts("a") == 1
+
+
+# -- level-2 wake order --------------------------------------------------------------------------
+
+
+async def sim_calls(proxy: RunningProxy, inst: Instance) -> list[Any]:
+    assert inst.engine is not None
+    async with proxy.http.get(inst.engine.base_url + "/sim/calls") as resp:
+        return list(await resp.json())
+
+
+async def test_a_level_2_wake_follows_vllms_order_on_a_tight_gpu(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: the proxy woke every tag and then reloaded the weights, so the reload's
+    buffers sat on top of a mapped KV cache: on a packed GPU the wake ran out of memory and the
+    engine was stopped and cold-started."""
+    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "600", "FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED": "0"}
+    models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": {"level": 2, "after_idle_s": 3600},
+                    "env": env}}  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    assert (await chat(proxy, "a"))[0] == 200
+    used = ledger.read()[0].used_mb
+    outsider(ledger, 0, 24_000 - used - 300)  # 300 MiB free: less than the reload's 600
+    inst = proxy.instance("a")
+    task = inst.sleep("test")
+    assert task is not None
+    await task
+    status, text = await chat(proxy, "a")
+    assert status == 200 and "<garbage>" not in text, text
+    assert proxy.engine_starts("a") == 1, "the wake did not fall back to a cold start"
+    calls = await sim_calls(proxy, inst)
+    wake = [(c["call"], c.get("tags") or c.get("method")) for c in calls if c["call"] != "sleep"]
+    assert wake == [
+        ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"), ("wake_up", ["kv_cache"]),
+    ]  # fmt: skip
+    assert all(c["status"] == 200 for c in calls)
+
+
+# -- no room for the KV cache ------------------------------------------------------------------
+
+
+def tiny_checkpoint(tmp_path: Path) -> str:
+    """A local config.json for the estimate: a small budget (weights from params_b)."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+async def test_an_estimate_without_room_for_the_kv_cache_is_grown_and_retried(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: "No available memory for the cache blocks" was no out-of-memory marker, and
+    the same too-small budget was tried again at every request."""
+    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "900", "FAKE_ENGINE_SIM_ACTIVATION_MB": "300"}
+    models = {"a": {"model": tiny_checkpoint(tmp_path), "params_b": 0.05, "env": env}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    memory = proxy.manager.memory
+    assert memory is not None
+    first = memory.budget("a")
+    assert first < 900 + 300 + 256  # the estimate leaves vLLM no room for the KV cache
+    status, text = await chat(proxy, "a")
+    assert status == 200, text
+    utils = utils_started(proxy, "a")
+    assert len(utils) >= 2 and utils == sorted(utils) and utils[-1] > utils[0]
+    assert "No available memory for the cache blocks" in all_logs(proxy, "a")
+
+
+async def test_a_fixed_budget_without_room_for_the_kv_cache_names_the_key(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "2000"}
+    models = {"a": {"model": "x", "memory_mb": 2_500, "env": env}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    status, text = await chat(proxy, "a")
+    assert status == 503 and "memory_mb" in text and "KV cache" in text, text
+    assert "No available memory" not in text  # the engine's log stays in the proxy's log
+    assert proxy.engine_starts("a") == 1, "a budget the operator fixed is not grown"
+
+
+# -- devices: world size and a model's own CUDA_VISIBLE_DEVICES --------------------------------
+
+
+async def test_pipeline_parallel_engines_get_every_gpu_of_their_world(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: only tensor_parallel_size counted; a pipeline-parallel engine got one GPU and
+    vLLM refused its world size."""
+    models = {"pp": {"model": "x", "memory_mb": 6_000, "args": {"pipeline_parallel_size": 2}}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, [0, 1]))
+    status, text = await chat(proxy, "pp")
+    assert status == 200, text
+    inst = proxy.instance("pp")
+    assert sorted(inst.devices) == [0, 1]
+    assert all(r.used_mb > 0 for r in ledger.read())
+
+
+async def test_a_model_pinned_by_its_env_is_planned_and_charged_on_that_gpu(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: the planner charged a GPU of its own choosing while the engine obeyed the
+    model's CUDA_VISIBLE_DEVICES."""
+    models = {"a": {"model": "x", "memory_mb": 6_000, "env": {"CUDA_VISIBLE_DEVICES": "1"}}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, [0, 1]))
+    assert (await chat(proxy, "a"))[0] == 200
+    inst = proxy.instance("a")
+    assert inst.devices == (1,)
+    used = {r.id: r.used_mb for r in ledger.read()}
+    assert used[0] == 0 and used[1] > 0
