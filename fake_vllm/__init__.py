@@ -141,7 +141,8 @@ process read the same ledger through NVML calls.
     ``FAKE_ENGINE_SIM_RELOAD_MB_S`` (4096, reload speed); ``FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED``
     (``1``: the reload temporary stays allocated until the next sleep, as torch caches it;
     ``0``: it is freed when the reload ends). ``FAKE_ENGINE_ASLEEP`` defaults to ``park`` in this
-    mode. With ``FAKE_ENGINE_SPAWN_CHILD=1`` the memory is charged to the EngineCore child.
+    mode. With ``FAKE_ENGINE_SPAWN_CHILD=1`` the memory is charged to the EngineCore
+    child; it goes when the server exits, or when the child dies (a process-group kill).
 ``VLLM_SERVER_DEV_MODE``
     ``1``: register the dev-mode routes (see sleep mode above).
 """

@@ -12,9 +12,10 @@ memory when the test starts, so the tests hold on any GPU size:
   error in an engine, which the proxy would see as a failed start or a failed wake and a second
   engine process. The swap uses sleep level 2, which frees the memory without a host copy.
 
-Every engine holds ``CONTEXT_MB`` beyond its ``FAKE_ENGINE_GPU_MB`` for torch's CUDA context;
-each model's ``memory_mb`` counts it, and so does ``sleep_memory_mb`` (a sleeping engine keeps
-its context).
+Every engine holds up to ``CONTEXT_MB`` beyond its ``FAKE_ENGINE_GPU_MB`` for torch's CUDA
+context; each model's ``memory_mb`` counts it (memory_mb is everything an engine holds), and
+``sleep_memory_mb`` is the planner's guess until the proxy has measured what a sleeping engine
+keeps (its context).
 """
 
 from __future__ import annotations
@@ -275,7 +276,8 @@ async def test_sleep_levels_1_and_2_free_the_memory_nvml_sees(
         # The proxy's own reading and its claim both show the memory back.
         snapshot = (await memory.read_fresh())[0]
         assert snapshot.used_mb <= asleep + size // 10, (level, snapshot.used_mb, asleep)
-        assert memory.held_mb(inst.id) == CONTEXT_MB
+        # What the sleeping engine keeps (its context), as the proxy measured it.
+        assert 0 < memory.held_mb(inst.id) <= CONTEXT_MB, memory.held_mb(inst.id)
         await chat(http, proxy, "m")  # wakes it; after level 2 the weights are reloaded
         assert inst.state is State.RUNNING and proxy.instance("m") is inst
         assert device().used_mb - asleep >= 0.9 * size, (level, "awake again")

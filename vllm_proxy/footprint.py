@@ -39,6 +39,8 @@ CUDA_CONTEXT_MB = 768
 NCCL_MB = 512
 #: Fixed part of the activation estimate (workspace, sampler, CUDA graphs).
 ACTIVATION_BASE_MB = 512
+#: A level-2 wake's reload buffer per device when the checkpoint's tensors cannot be read.
+RELOAD_BUFFER_MB = 512
 #: vLLM's default number of sequences in one batch.
 DEFAULT_MAX_NUM_SEQS = 256
 #: Full-length sequences the KV cache is sized for when ``max_num_seqs`` is not given. Planning
@@ -223,6 +225,29 @@ def footprint_for_spec(
         context_mb=context_mb,
         nccl_mb=nccl_mb,
     )
+
+
+def reload_buffer_mb(spec: ModelSpec) -> int:
+    """What a level-2 wake's weight reload leaves allocated on each device beyond the budget.
+
+    vLLM reloads layer by layer, materialising each module on the device, and nothing empties
+    torch's cache afterwards, so the largest of those buffers stays held until the next sleep
+    (vLLM 0.33 ``model_loader/reload/layerwise.py``). Sized as the checkpoint's largest tensor
+    over the tensor-parallel size when its safetensors headers are local, else
+    `RELOAD_BUFFER_MB`; 0 for a model without a level-2 sleep policy.
+    """
+    if spec.sleep is None or spec.sleep.level != 2:
+        return 0
+    model_dir = _local_dir(spec.model)
+    files = safetensors_files(model_dir) if model_dir is not None else []
+    try:
+        largest = max((numel * DTYPE_BYTES.get(dtype, 2) for f in files
+                       for dtype, numel in tensor_sizes(f)), default=0)  # fmt: skip
+    except (ValueError, OSError):
+        largest = 0
+    if not largest:
+        return RELOAD_BUFFER_MB
+    return _ceil_mb(largest / parallel_sizes(spec)[0])
 
 
 def parallel_sizes(spec: ModelSpec) -> tuple[int, int, int, int]:

@@ -42,7 +42,14 @@ from .engine import (
 )
 from .errors import EngineFailed, ProxyError, Unavailable
 from .hostmem import HostRam
-from .memory import KV_SHORT_MARKERS, OOM_MARKERS, PROFILING_MARKERS, Placement, Usage
+from .memory import (
+    KV_SHORT_MARKERS,
+    NOT_SIZED,
+    OOM_MARKERS,
+    PROFILING_MARKERS,
+    Placement,
+    Usage,
+)
 from .metrics import Metrics
 from .registry import EngineRegistry
 
@@ -163,7 +170,7 @@ class EngineContext:
     weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
     #: After vLLM found no room for the KV cache: raise the model's budget for its next start
     #: (None), or say why that cannot help.
-    grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: "its memory is not managed"
+    grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
     #: Host RAM promised to level-1 sleeps in flight.
     host: HostRam = field(default_factory=HostRam)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from .config import ArgValue, Config, GpuDevice, ModelSpec
 from .errors import ConfigError
-from .footprint import Footprint, footprint_for_spec, utilization_for
+from .footprint import Footprint, footprint_for_spec, reload_buffer_mb, utilization_for
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
 from .metrics import Metrics
 from .scheduler import Demand, DeviceView, never_fits
@@ -52,6 +52,11 @@ KV_SHORT_MARKERS = (
 PROFILING_MARKERS = ("Error in memory profiling",)
 #: How much a budget grows after vLLM found no room for the KV cache: a quarter, at least this.
 KV_BOOST_MIN_MB = 512
+#: Why a budget cannot be grown where the proxy does not pass --gpu-memory-utilization.
+NOT_SIZED = (
+    "the proxy does not size its budget here (no NVML); raise args.gpu_memory_utilization or"
+    " lower max_model_len / max_num_seqs"
+)
 #: Headroom kept free on every NVML device unless `gpu.reserve_mb` says otherwise.
 NVML_RESERVE_MB = 256
 #: What a sleeping engine holds beyond its overhead when nothing was measured yet (CUDA graphs,
@@ -194,7 +199,9 @@ class Memory:
             allowed = [d for d in (devices or spec.devices or self.totals) if d in self.totals]
             total = min((self.totals[d] for d in allowed), default=None)
             try:
-                fp = footprint_for_spec(spec, total, spec.params_b, self.context_mb, self.nccl_mb)
+                # A level-2 sleeper also keeps its reload's buffer after a wake: outside the budget.
+                context = self.context_mb + reload_buffer_mb(spec)
+                fp = footprint_for_spec(spec, total, spec.params_b, context, self.nccl_mb)
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
                 continue
@@ -256,9 +263,17 @@ class Memory:
         return self.estimates[name].budget_mb + (boost[1] if boost else 0)
 
     def overhead(self, name: str) -> int:
-        """MiB per device outside the budget: the largest measured, else the config's guess."""
+        """MiB per device outside the budget: the largest measured, else the config's guess. A
+        level-2 sleeper keeps at least the guess, which holds its reload buffer: a measurement
+        taken before its first wake does not show that buffer yet."""
         learned = self.overheads.get(name)
-        return learned[1] if learned else self.estimates[name].overhead_mb
+        guess = self.estimates[name].overhead_mb
+        if learned is None:
+            return guess
+        spec = self._specs.get(name)
+        if spec is not None and spec.sleep is not None and spec.sleep.level == 2:
+            return max(learned[1], guess)
+        return learned[1]
 
     def footprint(self, name: str) -> int:
         """What one engine of the model holds on each device: budget plus overhead."""
@@ -294,8 +309,8 @@ class Memory:
         an estimated footprint by a quarter (at least `KV_BOOST_MIN_MB`) for its next start and
         return None, or say why not (the operator set the size, or it would never fit)."""
         fp = self.estimates.get(spec.name)
-        if fp is None:
-            return "its memory is not managed"
+        if fp is None or self.kind != "nvml":
+            return NOT_SIZED
         if fp.source != "estimate":
             key = "memory_mb" if fp.source == "config" else "args.gpu_memory_utilization"
             return (
