@@ -13,8 +13,9 @@ accepted), ``--max-num-seqs`` (default 256; more concurrent requests queue as "w
 ``/v1*`` with 401 ``{"error":"Unauthorized"}``). Simulated-GPU mode also reads
 ``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-size``,
 ``--gpu-memory-utilization`` (default 0.9), ``--kv-cache-memory-bytes`` and
-``--sleep-mode-offload-cudagraph``. Flags may be spelled with ``_`` or ``-``; every other flag
-is accepted and ignored.
+``--sleep-mode-offload-cudagraph``. ``--runner pooling`` or ``--convert embed|classify`` makes
+a pooling model, without the completion routes (as vLLM registers them only for generating
+models). Flags may be spelled with ``_`` or ``-``; every other flag is accepted and ignored.
 
 It mimics the newest vLLM server: the port is bound only when the "engine" is ready (connections
 are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI error bodies,

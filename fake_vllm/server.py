@@ -78,8 +78,9 @@ class FakeServer:
         add("GET", "/load", self.load)
         add("GET", "/metrics", self.metrics)
         add("GET", "/v1/models", self.models)
-        add("POST", "/v1/chat/completions", self.chat_completions)
-        add("POST", "/v1/completions", self.completions)
+        if not self.settings.pooling:
+            add("POST", "/v1/chat/completions", self.chat_completions)
+            add("POST", "/v1/completions", self.completions)
         add("POST", "/v1/embeddings", self.embeddings)
         if self.settings.dev_mode:
             add("POST", "/collective_rpc", self.collective_rpc)

@@ -67,6 +67,9 @@ class Settings:
     api_keys: tuple[str, ...] = ()
     dev_mode: bool = False
     enable_sleep_mode: bool = False
+    #: A pooling model (``--runner pooling`` or ``--convert embed|classify``): no completion
+    #: routes, as in vLLM, which registers them only for generating models.
+    pooling: bool = False
     startup_delay: float = 0.0
     tokens: int = 8
     token_delay: float = 0.0
@@ -135,6 +138,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sleep-mode-offload-cudagraph", action=argparse.BooleanOptionalAction)
     parser.add_argument("--api-key", nargs="+", default=None)
     parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--runner", default="auto")
+    parser.add_argument("--convert", default="auto")
     return parser
 
 
@@ -246,6 +251,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         api_keys=tuple(keys),
         dev_mode=environ.get("VLLM_SERVER_DEV_MODE") == "1",
         enable_sleep_mode=bool(args.enable_sleep_mode),
+        pooling=args.runner == "pooling" or args.convert in ("embed", "classify"),
         startup_delay=_env_number(environ, "FAKE_ENGINE_STARTUP_DELAY", 0.0),
         tokens=max(0, int(_env_number(environ, "FAKE_ENGINE_TOKENS", 8))),
         token_delay=_env_number(environ, "FAKE_ENGINE_TOKEN_DELAY", 0.0),

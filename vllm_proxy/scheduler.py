@@ -82,7 +82,8 @@ class ModelView:
 
 @dataclass(frozen=True)
 class Demand:
-    """A model that wants to start: `footprint_mb` on each of `tp` devices.
+    """A model that wants to start: `footprint_mb` on each of `tp` devices (vLLM's world size on
+    this node: tensor x pipeline x context x local data parallel).
 
     ``allowed_devices`` restricts placement to those device ids (None: any device);
     ``reserve_mb`` is headroom left free on every device.
@@ -124,7 +125,7 @@ def never_fits(demand: Demand, devices_total: Mapping[int, int]) -> str | None:
     ``total - reserve >= footprint`` even with nothing else running.
     """
     if demand.tp < 1:
-        return f"model '{demand.name}': tensor parallel size must be at least 1, got {demand.tp}"
+        return f"model '{demand.name}': its GPU count must be at least 1, got {demand.tp}"
     allowed = _allowed(demand, devices_total)
     if demand.tp > len(allowed):
         where = _device_list(allowed) if allowed else "none"
@@ -140,7 +141,7 @@ def never_fits(demand: Demand, devices_total: Mapping[int, int]) -> str | None:
             f"model '{demand.name}' needs {demand.footprint_mb} MiB on each of {demand.tp} GPU(s) "
             f"but only {len(big)} allowed GPU(s) are large enough (largest: {largest} MiB, "
             f"reserve {demand.reserve_mb} MiB); lower its memory or max_model_len, or raise "
-            "tensor_parallel_size"
+            "tensor_parallel_size or pipeline_parallel_size"
         )
     return None
 
