@@ -171,7 +171,8 @@ class Admin:
         assert inst.engine is not None
         try:
             timeout = aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT_S)
-            async with self.session.get(inst.engine.base_url + "/metrics", timeout=timeout) as r:
+            client = inst.engine.client(self.session)
+            async with client.get(inst.engine.base_url + "/metrics", timeout=timeout) as r:
                 return await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, TimeoutError) as err:
             log.warning("%s: cannot read engine metrics: %s", inst.id, err)

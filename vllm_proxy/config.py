@@ -8,6 +8,7 @@ the dotted path of the offending key, so a bad file fails at start, never at req
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import os
@@ -70,6 +71,16 @@ class ServerConfig(_Strict):
     keepalive_timeout_s: float = Field(75, gt=0)
     #: A streaming client that takes nothing for this long is dropped, its lease released.
     send_timeout_s: float = Field(60, gt=0)
+    #: Request bodies held at once by all requests (read, waiting for a model, being sent);
+    #: a request whose body would pass it gets 503 + Retry-After.
+    max_bodies_mb: float = Field(512, gt=0)
+    #: Keys for /metrics and /metrics/engines; with none they are open (Prometheus on a
+    #: trusted network).
+    metrics_api_keys: list[str] = []
+    #: Host header values (names, or name:port) the proxy answers; empty: any.
+    allowed_hosts: list[str] = []
+    #: /metrics/engines reads at most this much of each engine's page.
+    engine_metrics_max_mb: float = Field(4, gt=0)
 
 
 class SleepPolicy(_Strict):
@@ -352,6 +363,11 @@ class ModelSpec:
     def engine_key(self) -> tuple[Any, ...]:
         """What the engine process is made of; a change here needs a restart on reload."""
         return (self.model, self.command, self.args, self.extra_args, self.env, self.sleep_mode)
+
+    @functools.cached_property
+    def api_key(self) -> str | None:
+        """`engine_api_key()`, worked out once (it is sent with every request)."""
+        return self.engine_api_key()
 
     def engine_api_key(self) -> str | None:
         """The key the engine was started with (``api_key`` arg or ``VLLM_API_KEY``), if any:

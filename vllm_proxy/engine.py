@@ -288,6 +288,11 @@ class EngineProcess:
         self.listener = listeners
         return True
 
+    def client(self, shared: aiohttp.ClientSession) -> aiohttp.ClientSession:
+        """The HTTP session that reaches this engine at `base_url`: the proxy's shared one for an
+        engine on a loopback port."""
+        return shared
+
     async def probe(self, session: aiohttp.ClientSession, timeout: float) -> bool:
         """One health probe: ``GET /health`` answered 200 within `timeout`."""
         try:

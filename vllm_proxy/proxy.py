@@ -11,6 +11,7 @@ import functools
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -163,18 +164,43 @@ class Tap:
 
 
 _DECODER = json.JSONDecoder()
+#: What a client's request id may be made of: no space, no control character.
+_TOKEN = re.compile(r"[A-Za-z0-9\-._:~+/=]+")
+#: Characters escaped in access-log fields: controls, space, backslash, quotes, non-ASCII.
+_UNSAFE = re.compile(r'[^\x21-\x7e]|[\\"]')
+
+
+def _escaped(text: str) -> str:
+    """`text` with every character that could end an access-log line or blur its fields (a
+    control, a space, a quote, a backslash, anything not ASCII) written as an escape."""
+    return _UNSAFE.sub(_escape_char, text) if _UNSAFE.search(text) else text
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    char = match.group()
+    if char == "\\":
+        return "\\\\"
+    code = ord(char)
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
 TAP = web.RequestKey("tap", Tap)
 
 
-def _upstream_headers(request: web.Request) -> list[tuple[str, str]]:
+def _upstream_headers(request: web.Request, engine_key: str | None) -> list[tuple[str, str]]:
     """The client's headers minus hop-by-hop ones (and those its ``Connection`` names), with
-    the request id (vLLM logs it)."""
+    the request id (vLLM logs it) and the engine's own API key when it was started with one
+    (the client's ``Authorization`` is the proxy's key, never passed on)."""
     headers = request.headers
     drop = DROP_REQUEST
     if "Connection" in headers:
         drop = drop | _connection_named(headers.getall("Connection"))
     out = [(k, v) for k, v in headers.items() if k.lower() not in drop]
     out.append(("X-Request-ID", request[ENGINE_ID]))
+    if engine_key:
+        out.append(("Authorization", f"Bearer {engine_key}"))
     return out
 
 
@@ -270,19 +296,23 @@ class Proxy:
         return resp
 
     def _access(self, request: web.Request, rid: str, tap: Tap, status: int) -> None:
+        # The path and the model come from the client: escaped, so that no value can end the
+        # line or pass for another field (the request id is a token, see `_request_id`).
         ACCESS.info(
             "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f",
-            rid, request.method, request.path, tap.model, tap.instance,
+            rid, request.method, _escaped(request.path),
+            _escaped(tap.model) if tap.model is not None else None, tap.instance,
             499 if tap.client_gone else status, tap.bytes,
             (time.monotonic() - tap.started) * 1000,
         )  # fmt: skip
 
     def _request_id(self, request: web.Request) -> str:
-        """The client's ``X-Request-ID`` when it is a sane token, else a new one."""
+        """The client's ``X-Request-ID`` when it is a token (letters, digits and ``-._:~+/=``,
+        at most 128), else a new one."""
         self._rid_seq += 1
         own = f"{self._rid_prefix}-{self._rid_seq:x}"
         given = request.headers.get("X-Request-ID")
-        if given and len(given) <= 128 and given.isascii() and given.isprintable():
+        if given and len(given) <= 128 and _TOKEN.fullmatch(given):
             # vLLM takes the header as its own request id, which must be unique: the engine
             # gets the client's id with ours appended (`ENGINE_ID`), the client its own back.
             request[ENGINE_ID] = f"{given}.{own}"
@@ -428,7 +458,13 @@ class Proxy:
         timeout = inst.spec.read_timeout_s
         try:
             up = await self.upstream.request(
-                engine.port, "POST", path, _upstream_headers(request), body, timeout, inst.name
+                engine.port,
+                "POST",
+                path,
+                _upstream_headers(request, inst.spec.api_key),
+                body,
+                timeout,
+                inst.name,
             )
         except TimeoutError:
             raise self._read_timeout(inst) from None
