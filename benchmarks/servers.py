@@ -274,6 +274,14 @@ class ProxyHandle:
         return len(re.findall(rf"\b{re.escape(model)}#\d+: STOPPED -> STARTING", text))
 
 
+def tcp_engines(tree: Path | None) -> dict[str, str]:
+    """``transport: tcp`` where the checkout at `tree` (None: this one) knows the key: the
+    benchmarks measure engines on loopback ports (nginx, the port read from the proxy's log),
+    and older revisions served engines on ports only."""
+    config = (tree or BENCH_DIR.parent) / "vllm_proxy" / "config.py"
+    return {"transport": "tcp"} if "transport" in config.read_text() else {}
+
+
 def start_proxy(
     procs: Procs,
     tmp: Path,
@@ -299,6 +307,7 @@ def start_proxy(
             "idle_timeout_s": 0,
             "stop_timeout_s": 3,
             "startup_timeout_s": 60,
+            **tcp_engines(tree),
         },
         "models": models,
     }
@@ -516,7 +525,7 @@ def static_proxy_config(tmp: Path, port: int, upstream: int, key: str) -> Path:
             "api_keys": [key],
             "drain_timeout_s": 2,
         },
-        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3},
+        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3, **tcp_engines(None)},
         "models": {
             "bench": {
                 "model": "static/bench",

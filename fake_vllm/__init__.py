@@ -4,26 +4,27 @@ Run it the way the proxy runs vLLM::
 
     python -m fake_vllm --model m --served-model-name m alias --port 8001
 
-Understood flags: ``--model`` (default ``fake-model``), ``--served-model-name A [B ...]``
-(first name is the response ``model``; any listed name is accepted), ``--host`` (default
-127.0.0.1), ``--port`` (default 8000), ``--max-model-len`` (default 2048; ``4k``/``4K``/``auto``
-accepted), ``--max-num-seqs`` (default 256; more concurrent requests queue as "waiting"),
-``--tensor-parallel-size``/``-tp`` (entries in ``/collective_rpc`` results),
-``--enable-sleep-mode`` (see sleep mode below) and ``--api-key`` (also ``VLLM_API_KEY``; guards
-``/v1*`` with 401 ``{"error":"Unauthorized"}``). Simulated-GPU mode also reads
-``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-size``,
+Understood flags: ``--model`` (default ``fake-model``), ``--served-model-name A [B ...]`` (first
+name is the response ``model``; any listed name is accepted), ``--host`` (default 127.0.0.1),
+``--port`` (default 8000), ``--uds PATH`` (serve on that Unix socket only, as vLLM does; a file
+already at the path fails the start like a taken port), ``--max-model-len`` (default 2048;
+``4k``/``4K``/``auto`` accepted), ``--max-num-seqs`` (default 256; more concurrent requests
+queue as "waiting"), ``--tensor-parallel-size``/``-tp`` (entries in ``/collective_rpc``
+results), ``--enable-sleep-mode`` (see sleep mode below) and ``--api-key`` (also
+``VLLM_API_KEY``; guards ``/v1*`` with 401 ``{"error":"Unauthorized"}``). Simulated-GPU mode
+also reads ``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-size``,
 ``--gpu-memory-utilization`` (default 0.9), ``--kv-cache-memory-bytes`` and
-``--sleep-mode-offload-cudagraph``. ``--runner pooling`` or ``--convert embed|classify`` makes
-a pooling model, without the completion routes (as vLLM registers them only for generating
+``--sleep-mode-offload-cudagraph``. ``--runner pooling`` or ``--convert embed|classify`` makes a
+pooling model, without the completion routes (as vLLM registers them only for generating
 models). Flags may be spelled with ``_`` or ``-``; every other flag is accepted and ignored.
 
-It mimics the newest vLLM server: the port is bound only when the "engine" is ready (connections
-are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI error bodies,
-``{"detail": ...}`` for unknown routes, vLLM's exact JSON and SSE shapes, Prometheus ``/metrics``
-with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting in-flight requests
-(``finish_reason: "abort"``) before exiting 0. Replies are the words ``tok0 tok1 ...``; prompt
-tokens are counted as words. ``/v1/embeddings`` returns deterministic unit vectors of dimension 8.
-Nothing is logged per request.
+It mimics the newest vLLM server: the port (or socket) is bound only when the "engine" is ready
+(connections are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI
+error bodies, ``{"detail": ...}`` for unknown routes, vLLM's exact JSON and SSE shapes,
+Prometheus ``/metrics`` with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting
+in-flight requests (``finish_reason: "abort"``) before exiting 0. Replies are the words
+``tok0 tok1 ...``; prompt tokens are counted as words. ``/v1/embeddings`` returns deterministic
+unit vectors of dimension 8. Nothing is logged per request.
 
 Sleep mode, as in vLLM 0.33: ``VLLM_SERVER_DEV_MODE=1`` registers ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and ``/is_sleeping``. Without the

@@ -27,6 +27,13 @@ def _display_host(settings: Settings) -> str:
     return settings.host or "0.0.0.0"
 
 
+def _listen_address(settings: Settings) -> str:
+    """What vLLM logs it serves on: ``unix:PATH`` or ``http://HOST:PORT``."""
+    if settings.uds:
+        return f"unix:{settings.uds}"
+    return f"http://{_display_host(settings)}:{settings.port}"
+
+
 def _set_title(title: str) -> None:
     try:
         import setproctitle
@@ -63,6 +70,15 @@ def _spawn_engine_core() -> int:
 
 
 def _bind(settings: Settings) -> socket.socket:
+    if settings.uds:  # as vLLM: an existing file at the path fails the bind (Errno 98)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(settings.uds)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        return sock
     host = _display_host(settings)
     infos = socket.getaddrinfo(
         host, settings.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
@@ -95,7 +111,7 @@ def _listening_socket(settings: Settings) -> socket.socket | None:
             raise OSError(errno.EADDRINUSE, os.strerror(errno.EADDRINUSE))
         return _bind(settings)
     except OSError as exc:
-        url = f"http://{_display_host(settings)}:{settings.port}"
+        url = _listen_address(settings)
         log(f"Failed to bind the API server socket on {url}", "ERROR", sys.stderr)
         print(f"OSError: {exc}", file=sys.stderr, flush=True)
         return None
@@ -156,7 +172,7 @@ async def serve(settings: Settings, sock: socket.socket, gpu: DeviceMemory | Non
         loop.add_signal_handler(signal.SIGTERM, stop.set)
     await web.SockSite(runner, sock, backlog=2048).start()
     log("Supported tasks: ['generate', 'embed']")
-    log(f"Starting vLLM server on http://{_display_host(settings)}:{settings.port}")
+    log(f"Starting vLLM server on {_listen_address(settings)}")
     _uvicorn(f"Started server process [{os.getpid()}]")
     _uvicorn("Waiting for application startup.")
     _uvicorn("Application startup complete.")

@@ -55,6 +55,8 @@ class Settings:
     served_names: tuple[str, ...] = ("fake-model",)
     host: str = "127.0.0.1"
     port: int = 8000
+    #: ``--uds PATH``: serve on this Unix socket only (host and port are ignored).
+    uds: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 256
     tensor_parallel_size: int = 1
@@ -126,6 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--served-model-name", nargs="+", default=None)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", default=None)
     parser.add_argument("--max-model-len", type=_model_len, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("-tp", "--tensor-parallel-size", type=int, default=1)
@@ -239,6 +242,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         served_names=tuple(args.served_model_name or [args.model]),
         host=args.host,
         port=args.port,
+        uds=args.uds or None,
         max_model_len=args.max_model_len,
         max_num_seqs=max(1, args.max_num_seqs),
         tensor_parallel_size=max(1, args.tensor_parallel_size),

@@ -72,7 +72,7 @@ async def test_admin_models_load_unload_pin_logs(tmp_path: Path, start_proxy: St
     loaded = await (await proxy.http.post(url + "/one/load")).json()
     assert loaded["state"] == "running" and loaded["leases"] == 0
     [inst] = loaded["instances"]
-    assert inst["id"] == "m1#1" and inst["state"] == "running" and inst["pid"] and inst["port"]
+    assert inst["id"] == "m1#1" and inst["state"] == "running" and inst["pid"] and inst["socket"]
     pinned = await (await proxy.http.post(url + "/m1/pin")).json()
     assert pinned["pinned"] is True
     assert (await (await proxy.http.post(url + "/m1/unpin")).json())["pinned"] is False

@@ -1,7 +1,7 @@
 """Finding ``model`` in a request body without parsing it whole (`vllm_proxy.body`).
 
-Every case is checked against `json.loads`: the scan must find what the parser finds, or not
-decide at all (then the proxy parses the body, so the client gets the parser's answer).
+Every case is checked against `json.loads`: the scan must find what the parser finds, and
+refuse what the parser refuses (then the client gets the scan's 400).
 """
 
 from __future__ import annotations
@@ -10,12 +10,14 @@ import json
 import random
 import subprocess
 import sys
+import tracemalloc
 from typing import Any
 
 import pytest
 
 from vllm_proxy import body as body_mod
 from vllm_proxy.body import (
+    BULK_DEPTH,
     CHECK_STRINGS_BELOW,
     MAX_DEPTH,
     SCAN_MIN_BYTES,
@@ -67,9 +69,6 @@ def test_scan_agrees_with_the_parser(doc: bytes) -> None:
         b'"model"',
         b"",
         b"   ",
-        b'{"model":5}',  # not a string: the parser's error says so
-        b'{"model":{"a":1}}',
-        b'{"model":null}',
         b"{not json",
         b'{"a":1,}',
         b'{"a" 1}',
@@ -89,29 +88,57 @@ def test_scan_agrees_with_the_parser(doc: bytes) -> None:
         b'{"a":"\\x"}',  # a bad escape
         b'{"a":"\\u12"}',
         b'{"a":"\xff"}',  # not UTF-8
-        b'\xef\xbb\xbf{"model":"bom"}',  # a BOM: the parser decides
+        b'\xef\xbb\xbf{"model":"bom"}',  # a BOM (json.loads refuses it too)
         b'{"a" : 1 , }',
         b"{,}",
         b'{"a":1}}',
     ],
 )
-def test_scan_leaves_anything_doubtful_to_the_parser(doc: bytes) -> None:
-    assert scan(doc) is None
+def test_scan_refuses_what_the_parser_refuses(doc: bytes) -> None:
+    s = Scan(len(doc), doc)
+    s.walk(len(doc))
+    assert s.result() is None
+    assert s.error is not None and s.error.status == 400
 
 
-def test_deep_nesting_is_left_to_the_parser() -> None:
+@pytest.mark.parametrize("doc", [b'{"model":5}', b'{"model":{"a":[1]}}', b'{"model":null}'])
+def test_a_model_that_is_not_a_string_is_found_and_refused(doc: bytes) -> None:
+    """The scan finds where it is (so a model given in the path replaces it, as the parser's
+    dict would), and `model_of` refuses it otherwise."""
+    found = scan(doc)
+    assert found is not None and found.model is None and found.span is not None
+    for body in (doc, large(doc)):
+        with pytest.raises(BadRequest, match="'model' is required"):
+            model_of(body)
+        parsed = model_of(body, forced="p")
+        assert json.loads(bytes(parsed.body_for("p"))) == {"model": "p"}
+
+
+def test_deep_nesting_is_refused() -> None:
     ok = b'{"x":' + b"[" * (MAX_DEPTH - 2) + b"]" * (MAX_DEPTH - 2) + b',"model":"m"}'
     assert scan(ok + b" " * 100_000) is not None
     deep = b'{"x":' + b"[" * MAX_DEPTH + b"]" * MAX_DEPTH + b',"model":"m"}'
     assert scan(deep + b" " * 100_000) is None
+    with pytest.raises(BadRequest, match="nested too deeply"):
+        model_of(deep + b" " * SCAN_MIN_BYTES)
 
 
-def test_a_dense_body_is_left_to_the_parser() -> None:
-    """More than one token per BYTES_PER_TOKEN bytes: json.loads is faster per token."""
-    dense = json.dumps({"model": "m", "input": list(range(200_000))}).encode()
-    assert scan(dense) is None
-    sparse = json.dumps({"model": "m", "input": "x" * 500_000, "n": list(range(100))}).encode()
-    assert scan(sparse) is not None
+def test_a_dense_body_is_scanned_in_bulk_not_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An array of numbers (token ids), arrays of objects: the bulk regexes take them, nothing
+    is parsed, and the model and stream come out as the parser reads them."""
+    monkeypatch.setattr(body_mod, "_parse", lambda b: pytest.fail("parsed"))
+    for doc in (
+        {"model": "m", "prompt": list(range(200_000))},
+        {"input": [[{}, [], {"a": [1, 2.5e-3, None, True]}]] * 20_000, "model": "m"},
+        {
+            "messages": [{"role": "user", "content": "x\n" * 50}] * 5000,
+            "stream": True,
+            "model": "m",
+        },
+    ):
+        raw = json.dumps(doc).encode()
+        parsed = model_of(raw)
+        assert (parsed.model, parsed.stream) == ("m", doc.get("stream") is True)
 
 
 def test_long_strings_are_only_bounded() -> None:
@@ -158,11 +185,10 @@ def test_random_documents_agree_with_the_parser() -> None:
         raw = text.encode()
         found = scan(raw)
         want = doc.get("model")
-        if isinstance(want, str):
-            assert found is not None, raw
-            decided += 1
-        if found is not None:
-            assert found.model == want, raw
+        assert found is not None, raw
+        assert found.model == (want if isinstance(want, str) else None), raw
+        assert (found.span is not None) == ("model" in doc), raw
+        decided += isinstance(want, str)
     assert decided > 1000
 
 
@@ -219,12 +245,14 @@ def test_large_bad_bodies_get_the_same_errors_as_small_ones(doc: bytes, fragment
 
 def test_large_bodies_are_scanned_and_small_ones_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    real = body_mod.scan
-    monkeypatch.setattr(body_mod, "scan", lambda b: calls.append(len(b)) or real(b))
+    real = body_mod._parse
+    monkeypatch.setattr(body_mod, "_parse", lambda b: calls.append(len(b)) or real(b))
     small = b'{"model": "m"}'
-    assert model_of(small).model == "m" and calls == []
-    assert model_of(large(small)).model == "m" and calls == [len(large(small))]
+    assert model_of(small).model == "m" and calls == [len(small)]
+    calls.clear()
+    assert model_of(large(small)).model == "m" and calls == []
     assert model_of(bytearray(large(small))).model == "m", "the reader's buffer scans too"
+    assert calls == []
     parsed = model_of(large(b'{"x": 1}'), forced="from-path")
     assert parsed.model == "from-path"
     assert json.loads(parsed.body_for("from-path")) == {"x": 1, "model": "from-path"}
@@ -326,11 +354,11 @@ def test_a_scan_fed_while_the_body_arrives_is_the_one_model_of_uses() -> None:
     s.feed(doc)
     parsed = model_of(Pieces([doc]), None, s)
     assert parsed.model == "m" and parsed.stream
-    # A scan that could not decide leaves the answer to json.loads, with its error.
+    # A scan that refuses the body says why, and where.
     bad = large(b'{"model": "m", "x": [1 2]}')
     s = Scan(len(bad))
     s.feed(bad)
-    with pytest.raises(BadRequest, match="not valid JSON"):
+    with pytest.raises(BadRequest, match=r"not valid JSON \(at byte 23\)"):
         model_of(Pieces([bad]), None, s)
 
 
@@ -391,7 +419,7 @@ def test_an_alias_in_pieces_is_replaced_where_it_lies() -> None:
     assert json.loads(bytes(out)) == {**json.loads(bare), "model": "p"}
 
 
-def test_bad_utf8_is_left_to_the_parser_but_not_inside_a_long_string() -> None:
+def test_bad_utf8_is_refused_but_not_inside_a_long_string() -> None:
     long = b"QUJD" * (CHECK_STRINGS_BELOW // 2)
     bad_short = b'{"a": "\xff", "x": "%s", "model": "m"}' % long
     assert scan(bad_short) is None and scan_in_pieces(bad_short, [3, 9, 70_000]) is None
@@ -451,10 +479,11 @@ def test_whitespace_pending_across_pieces_is_walked_once(monkeypatch: pytest.Mon
         assert offered[0] < 3 * len(doc), f"{offered[0]:,} bytes offered for {len(doc):,}"
 
 
-def test_a_number_still_open_after_a_kilobyte_is_left_to_the_parser() -> None:
+def test_a_number_still_open_after_a_kilobyte_is_refused() -> None:
     doc = b'{"n": 1' + b"0" * 5000 + b', "model": "m"}' + b" " * SCAN_MIN_BYTES
     assert scan_in_pieces(doc, list(range(100, len(doc), 100))) is None
-    assert model_of(Pieces([doc])).model == "m", "json.loads reads it"
+    with pytest.raises(BadRequest, match="a number of over 1024 digits"):
+        model_of(Pieces([doc]))
 
 
 def test_a_scan_answers_once_and_keeps_only_its_answer() -> None:
@@ -470,3 +499,110 @@ def test_a_scan_answers_once_and_keeps_only_its_answer() -> None:
     assert again is first and again.span == first.span, "asking twice changes nothing"
     s.feed(b"late")  # after the answer: ignored
     assert s.result() is first
+
+
+def test_a_dense_body_is_never_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """8 MB of ``[{},{},...]`` arriving in pieces: the scan holds a window of what it has not
+    walked yet, not the document (`json.loads` built 25 times its size)."""
+    doc = b'{"model": "m", "x": [' + b"{}," * (8_000_000 // 3) + b"{}]}"
+    parts = [doc[i : i + 65536] for i in range(0, len(doc), 65536)]
+    tracemalloc.start()
+    try:
+        s = Scan(len(doc))
+        for part in parts:
+            s.feed(part)
+        parsed = model_of(Pieces(parts), None, s)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert parsed.model == "m"
+    assert peak < len(doc) // 8, f"{peak:,} bytes at the peak for a {len(doc):,}-byte body"
+
+
+def test_a_whole_body_walked_in_steps_is_scanned_as_in_one_go() -> None:
+    """`intake` walks a body that is all there in slices (the loop runs between them)."""
+    rng = random.Random(7)
+    for _ in range(200):
+        doc: dict[str, Any] = {k: random_value(rng, 1) for k in ("a", "model", "b", "stream")}
+        raw = json.dumps(doc).encode()
+        whole = scan(raw)
+        s = Scan(len(raw), raw)
+        for at in range(0, len(raw) + 7, 7):
+            s.walk(at)
+        assert same(s.result(), whole), raw
+
+
+def mutated(rng: random.Random, doc: bytes) -> bytes:
+    """`doc` with a byte changed, dropped or added (JSON's own bytes, no encoding change)."""
+    at = rng.randrange(len(doc))
+    new = bytes([rng.choice(b'{}[],:" \\0123456789.eE+-abcdefnrtluINa\xc3\xff')])
+    op = rng.randrange(3)
+    if op == 0:
+        return doc[:at] + new + doc[at + 1 :]
+    if op == 1:
+        return doc[:at] + doc[at + 1 :]
+    return doc[:at] + new + doc[at:]
+
+
+def parser_verdict(doc: bytes) -> tuple[bool, Any]:
+    """(accepted, model) as `json.loads` (and the proxy's depth limit) decide."""
+    try:
+        data = json.loads(doc)
+    except (ValueError, RecursionError):
+        return False, None
+    if not isinstance(data, dict):
+        return False, None
+    model = data.get("model")
+    return True, model if isinstance(model, str) else None
+
+
+def test_random_documents_and_their_mutations_are_refused_as_the_parser_refuses_them() -> None:
+    """Valid documents with runs the bulk regexes take (arrays of numbers, of objects, nested
+    a few levels), and each with one byte changed, dropped or added: the scan accepts what
+    `json.loads` accepts, with the same model, and refuses the rest, whole or in pieces."""
+    rng = random.Random(20261126)
+    refused = 0
+    for _ in range(1500):
+        doc: dict[str, Any] = {
+            "messages": [random_value(rng, 2) for _ in range(rng.randint(0, 6))],
+            "n": [rng.randint(-9, 10**6) for _ in range(rng.randint(0, 5))],
+        }
+        if rng.random() < 0.8:
+            doc["model"] = "m-" + str(rng.randint(0, 9))
+        raw = json.dumps(doc, indent=rng.choice([None, 1])).encode()
+        for candidate in (raw, mutated(rng, raw), mutated(rng, mutated(rng, raw))):
+            accepted, model = parser_verdict(candidate)
+            found = scan(candidate)
+            assert (found is not None) == accepted, candidate
+            if found is not None:
+                assert found.model == model, candidate
+            cuts = sorted(rng.sample(range(1, len(candidate)), min(len(candidate) - 1, 5)))
+            assert same(scan_in_pieces(candidate, cuts), found), (candidate, cuts)
+            refused += not accepted
+    assert refused > 500
+
+
+def test_a_body_refused_says_where() -> None:
+    doc = b'{"model": "m", "messages": [{"role": "user"}, {"role" "user"}]}'
+    s = Scan(len(doc))
+    s.feed(doc)
+    assert s.result() is None and s.error is not None
+    assert s.error.message == "the request body is not valid JSON (at byte 54)"
+    assert doc[54:55] == b'"'
+
+
+def test_structure_too_deep_for_the_bulk_checks_is_refused_as_it_comes() -> None:
+    """Values nested deeper than the bulk regexes reach are read token by token; past one
+    token per `BYTES_PER_TOKEN` bytes the body is refused, as soon as that is known (the
+    reader stops there), so such a body costs the loop a bounded time per byte."""
+    deep = b"[" * (BULK_DEPTH + 3) + b"0" + b"]" * (BULK_DEPTH + 3) + b","
+    doc = b'{"model": "m", "x": [' + deep * (4_000_000 // len(deep)) + b"0]}"
+    s = Scan(len(doc))
+    fed = 0
+    while s.error is None and fed < len(doc):
+        s.feed(doc[fed : fed + 16384])
+        fed += 16384
+    assert s.error is not None and "more structure than the proxy reads" in s.error.message
+    assert fed < len(doc) // 4, f"refused only after {fed:,} of {len(doc):,} bytes"
+    ok = b'{"model": "m", "x": [' + deep * 50 + b"0]}"  # a little of it is read, and taken
+    assert scan(ok) is not None and scan(ok).model == "m"  # type: ignore[union-attr]

@@ -14,7 +14,9 @@ from conftest import StartProxy, make_config, wait_for
 async def test_deeply_nested_json_is_a_400(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(make_config(tmp_path))
     body = b'{"model": "m1", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=body)
+    resp = await proxy.http.post(
+        proxy.url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
+    )
     assert resp.status == 400
     assert "nested too deeply" in (await resp.json())["error"]["message"]
     assert proxy.model("m1").instances == []

@@ -110,7 +110,7 @@ class Member:
     def starts(self, model: str) -> int:
         """Engines of `model` this proxy started (that came up; a start that lost a port race
         and was retried counts once)."""
-        return len(re.findall(rf"\b{re.escape(model)}#\d+: ready on port", self.log()))
+        return len(re.findall(rf"\b{re.escape(model)}#\d+: ready on (?:port|socket) ", self.log()))
 
 
 @dataclass
@@ -704,15 +704,21 @@ async def test_streams_through_haproxy_are_chunk_exact(cluster: Cluster) -> None
     (home,) = await cluster.where("echo")
     member = cluster.members[home]
     async with cluster.http.get(f"{member.url}/admin/models/echo") as r:
-        engine = f"http://127.0.0.1:{(await r.json())['instances'][0]['port']}"
+        engine_socket = (await r.json())["instances"][0]["socket"]
     body = {"model": "echo", "stream": True, "max_tokens": 40,
             "stream_options": {"include_usage": True},
             "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
     seen = {}
-    for name, url in (("engine", engine), ("proxy", member.url), ("haproxy", cluster.url)):
-        async with cluster.http.post(url + "/v1/chat/completions", json=body) as r:
-            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            seen[name] = events(await r.read())
+    connector = aiohttp.UnixConnector(path=engine_socket)
+    async with aiohttp.ClientSession(connector=connector) as engine:  # the engine's own socket
+        for name, http, url in (
+            ("engine", engine, "http://localhost"),
+            ("proxy", cluster.http, member.url),
+            ("haproxy", cluster.http, cluster.url),
+        ):
+            async with http.post(url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+                seen[name] = events(await r.read())
     assert len(seen["engine"]) == 40 + 3, "a role chunk, 40 tokens, usage, [DONE]"
     assert seen["haproxy"] == seen["proxy"] == seen["engine"]
 

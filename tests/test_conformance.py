@@ -82,6 +82,10 @@ def image_request(model: str, pad: int = 400_000) -> bytes:
     )
 
 
+#: What a JSON body is sent with (the proxy refuses other types, as vLLM does).
+JSON_TYPE = {"Content-Type": "application/json"}
+
+
 async def test_a_large_body_reaches_the_engine_byte_for_byte(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
@@ -129,7 +133,9 @@ async def test_an_alias_in_a_large_body_is_replaced_in_place(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     proxy = await raw_proxy(tmp_path, start_proxy, OK_ANSWER)
-    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=image_request("a1"))
+    resp = await proxy.http.post(
+        proxy.url + "/v1/chat/completions", data=image_request("a1"), headers=JSON_TYPE
+    )
     assert resp.status == 200, await resp.text()
     assert seen(tmp_path)[-1]["body"].encode("latin-1") == image_request("m1")
 
@@ -147,7 +153,9 @@ async def test_large_bad_bodies_are_refused_before_any_engine_starts(
         (image_request("m1", pad=480_000), 413, "max_body_mb"),
     ]
     for data, status, fragment in cases:
-        resp = await proxy.http.post(proxy.url + "/v1/chat/completions", data=data)
+        resp = await proxy.http.post(
+            proxy.url + "/v1/chat/completions", data=data, headers=JSON_TYPE
+        )
         assert resp.status == status, (status, await resp.text())
         assert fragment in (await resp.json())["error"]["message"]
     assert proxy.model("m1").instances == [], "no engine started for a bad body"

@@ -231,6 +231,82 @@ def test_port_in_use_once_fails_only_the_first_start(start_fake: StartFake, tmp_
     wait_ready(second)
 
 
+def unix_probe(path: Path) -> int | None:
+    """Status of GET /health over the Unix socket at `path`, or None when nothing listens."""
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.settimeout(2)
+            sock.connect(str(path))
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
+            head = sock.recv(4096)
+    except (FileNotFoundError, ConnectionError):
+        return None
+    return int(head.split(b" ", 2)[1])
+
+
+def test_serves_on_a_unix_socket_only_with_uds(start_fake: StartFake, tmp_path: Path) -> None:
+    """``--uds PATH``: as vLLM, the socket replaces host and port (nothing listens on TCP), and
+    it is bound only once the engine is ready."""
+    path = tmp_path / "engine.sock"
+    env = {"FAKE_ENGINE_STARTUP_DELAY": "0.5"}
+    fake = start_fake(env=env, args=("--uds", str(path)))
+    wait_until(lambda: "Using max model len" in fake.stdout(), fake, "the startup banner")
+    assert unix_probe(path) is None
+    wait_until(lambda: unix_probe(path) == 200, fake, "GET /health over the socket -> 200")
+    assert f"Starting vLLM server on unix:{path}" in fake.stdout()
+    assert probe(fake.port) is None, "no TCP listener"
+
+
+def test_a_file_at_the_uds_path_exits_1_with_errno_98(
+    start_fake: StartFake, tmp_path: Path
+) -> None:
+    path = tmp_path / "engine.sock"
+    with socket.socket(socket.AF_UNIX) as old:
+        old.bind(str(path))  # left behind, as by an engine that died
+    fake = start_fake(args=("--uds", str(path)))
+    assert fake.wait_exit() == 1
+    assert "OSError: [Errno 98] Address already in use" in fake.stderr()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "uds"])
+def test_the_raw_engine_answers_with_exact_bytes(tmp_path: Path, transport: str) -> None:
+    """`fake_vllm.raw`: /health 200, every other request the answer file's bytes as they are,
+    each logged with its connection's number."""
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokEXTRA"
+    (tmp_path / "answer").write_bytes(answer)
+    port, path = free_port(), tmp_path / "raw.sock"
+    where = ["--uds", str(path)] if transport == "uds" else ["--port", str(port)]
+    env = {**os.environ, "FAKE_RAW_ANSWER": str(tmp_path / "answer"),
+           "FAKE_RAW_LOG": str(tmp_path / "seen"), "PYTHONPATH": str(ROOT)}  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "fake_vllm.raw", "--model", "x", *where],
+                            env=env, cwd=ROOT, start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT
+        while True:
+            try:
+                family = socket.AF_UNIX if transport == "uds" else socket.AF_INET
+                sock = socket.socket(family)
+                sock.connect(str(path) if transport == "uds" else ("127.0.0.1", port))
+                break
+            except OSError:
+                sock.close()
+                assert time.monotonic() < deadline and proc.poll() is None, "raw engine up"
+                time.sleep(POLL_INTERVAL)
+        with sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n")
+            sock.sendall(b"POST /v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+            got = b""
+            while len(got) < len(answer):
+                got += sock.recv(4096)
+        assert got == answer
+        [entry] = [json.loads(line) for line in (tmp_path / "seen").read_text().splitlines()]
+        assert entry == {"connection": 1, "line": "POST /v1/x HTTP/1.1", "body": "{}"}
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(EXIT_TIMEOUT)
+
+
 # --------------------------------------------------------------------------- API shapes
 
 

@@ -416,7 +416,7 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
     fake.procs = {0: [(me, 25_000 * MIB), (1, 5_000 * MIB)]}  # pid 1 is not in our group
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
     memory.snapshots = memory.source.read()
-    memory.measure({"m#1": os.getpgid(0)})
+    memory.measure({"m#1": (os.getpgid(0), 0.0)})
     assert memory.measured == {"m#1": 25_000}
     # The measurement is accounting: what it holds beyond its budget is overhead outside it.
     assert memory.budget("m") == 20_000 - 768
@@ -504,7 +504,7 @@ def test_budgets_stay_constant_across_restarts_whatever_is_measured(tmp_path: Pa
         held = math.ceil(float(str(util)) * 24_000) + 900
         fake.procs = {0: [(os.getpid(), held * MIB)]}
         memory.snapshots = memory.source.read()
-        memory.measure({f"a#{n}": os.getpgid(0)})
+        memory.measure({f"a#{n}": (os.getpgid(0), 0.0)})
         memory.vacate(f"a#{n}")
     assert len(set(utils)) == 1, utils
     # Accounting follows the measurement: the planner now expects what the engine really holds.

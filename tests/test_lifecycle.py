@@ -28,7 +28,7 @@ async def test_cold_start_on_first_request(tmp_path: Path, start_proxy: StartPro
     inst = proxy.instance("m1")
     assert inst.state is State.RUNNING
     assert inst.id == "m1#1"
-    assert inst.engine.port >= 20000
+    assert inst.engine.socket_path and inst.engine.socket_path.endswith("m1.1.sock")
     models = await (await proxy.http.get(proxy.url + "/v1/models")).json()
     assert {"id": "m1", "state": "running"}.items() <= models["data"][0].items()
 
@@ -100,9 +100,8 @@ async def test_port_race_is_retried_on_another_port(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     marker = tmp_path / "port-race-once"
-    cfg = make_config(
-        tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(marker)}}}
-    )
+    env = {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(marker)}
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env, "transport": "tcp"}})
     proxy = await start_proxy(cfg)
     resp = await proxy.chat("m1")
     assert resp.status == 200, await resp.text()
@@ -195,9 +194,10 @@ async def test_client_disconnect_releases_lease_and_aborts_upstream(
             assert inst.leases == 1
     await wait_for(lambda: inst.leases == 0, what="lease released after disconnect")
     engine_metrics = inst.engine.base_url + "/metrics"
+    engine_http = inst.engine.client(proxy.http)
 
     async def upstream_idle() -> bool:
-        async with proxy.http.get(engine_metrics) as r:
+        async with engine_http.get(engine_metrics) as r:
             text = await r.text()
         return 'vllm:num_requests_running{engine="0",model_name="m1"} 0' in text
 
@@ -243,24 +243,3 @@ async def test_engine_output_goes_to_the_instance_log(
     text = (tmp_path / "logs" / "m1.1.log").read_text()
     assert "Application startup complete" in text
     assert proxy.instance("m1").log_path == tmp_path / "logs" / "m1.1.log"
-
-
-async def test_startup_sweep_kills_engines_of_a_dead_proxy(
-    tmp_path: Path, start_proxy: StartProxy
-) -> None:
-    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}})
-    first = await start_proxy(cfg)
-    assert (await first.chat("m1")).status == 200
-    inst = first.instance("m1")
-    pgid = inst.engine.pid
-    # Simulate a proxy that vanished without stopping its engines: forget them.
-    inst.engine = None
-    inst.state = State.STOPPED
-    assert group_alive(pgid)
-    second = await start_proxy(cfg)  # same state dir: sweeps before allocating ports
-    assert not group_alive(pgid)
-    assert (await second.chat("m1")).status == 200
-    new = second.instance("m1")
-    assert new.engine.pid != pgid and group_alive(new.engine.pid)
-    assert new.id == "m1#2", "instance ids are not reused across proxy restarts"
-    assert (tmp_path / "state" / "engines.json").exists()

@@ -33,7 +33,7 @@ def config(tmp_path: Path, model: dict[str, Any], devices: int = 3) -> Any:
 async def served(proxy: RunningProxy, inst: Instance) -> float:
     """Requests the instance's engine has finished (its own vllm:request_success_total)."""
     assert inst.engine is not None
-    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
         text = await resp.text()
     return sum(
         float(line.rsplit(" ", 1)[1])

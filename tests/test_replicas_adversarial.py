@@ -364,7 +364,7 @@ async def test_a_sleeping_replica_killed_beside_a_streaming_one_cuts_nothing(
 
 async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
     assert inst.engine is not None
-    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
         text = await resp.text()
     return sum(
         float(line.rsplit(" ", 1)[1])

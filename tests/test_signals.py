@@ -68,7 +68,7 @@ async def wait_listening(url: str, session: aiohttp.ClientSession) -> None:
 
 def engine_groups(tmp_path: Path) -> list[int]:
     log = (tmp_path / "proxy.log").read_text()
-    ports = re.findall(r"ready on port (\d+)", log)
+    ports = re.findall(r"ready on (?:port|socket) (\S+)", log)
     registry = tmp_path / "st" / "engines.json"
     groups = []
     if registry.exists():
@@ -161,7 +161,10 @@ async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
             body = {"model": "m1", "messages": [{"role": "user", "content": secret}]}
             async with s.post(url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
-            async with s.post(url + "/v1/chat/completions", data=b"{" + secret.encode()) as r:
+            headers = {"Content-Type": "application/json"}
+            async with s.post(
+                url + "/v1/chat/completions", data=b"{" + secret.encode(), headers=headers
+            ) as r:
                 assert r.status == 400
         proc.send_signal(signal.SIGTERM)
         _, err = await asyncio.to_thread(proc.communicate, timeout=30)

@@ -227,7 +227,7 @@ async def test_the_sleep_residue_is_measured_and_planned_with(
 
 async def sim_calls(proxy: RunningProxy, inst: Instance) -> list[Any]:
     assert inst.engine is not None
-    async with proxy.http.get(inst.engine.base_url + "/sim/calls") as resp:
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/sim/calls") as resp:
         return list(await resp.json())
 
 

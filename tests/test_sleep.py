@@ -57,7 +57,7 @@ async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]
 async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
     """A sample of the instance's engine's own /metrics (the fake's counters)."""
     assert inst.engine is not None
-    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
         text = await resp.text()
     total = 0.0
     for line in text.splitlines():

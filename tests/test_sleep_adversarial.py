@@ -69,7 +69,7 @@ async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]
 async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
     """A sample of the instance's engine's own /metrics (the fake's counters)."""
     assert inst.engine is not None
-    async with proxy.http.get(inst.engine.base_url + "/metrics") as resp:
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
         text = await resp.text()
     total = 0.0
     for line in text.splitlines():
@@ -255,7 +255,8 @@ async def test_an_unload_during_a_wake_starts_no_engine_while_it_drains(
         resp = await proxy.http.post(proxy.url + "/admin/models/m/unload")
         assert resp.status == 200
         assert first.state is State.STOPPED
-    assert (await request)[0] == 200
+    got = await request
+    assert got[0] == 200, got
     assert problems == []
     assert proxy.engine_starts("m") == 2, "the sleeper, then one cold start after the unload"
 

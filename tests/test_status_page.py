@@ -230,7 +230,7 @@ async def test_status_page_renders_in_chromium(status_proxy: StatusProxy, tmp_pa
     assert set(live) == {scene.old, scene.new, scene.gamma}
     assert [scene.old, scene.new] == [i["id"] for i in models["alpha"]["instances"]]
     assert all(re.fullmatch(rf"{m}#\d+", i["id"]) for m in models for i in models[m]["instances"])
-    assert all(i["pid"] and i["port"] for i in live.values())
+    assert all(i["pid"] and i["socket"] for i in live.values())
     gpu = snapshot["gpus"][0]
     assert (gpu["id"], gpu["total_mb"], gpu["used_mb"]) == (0, GPU_MB, 800)
     assert snapshot["proxy"]["memory"] == "static"
@@ -290,7 +290,8 @@ async def test_status_page_renders_in_chromium(status_proxy: StatusProxy, tmp_pa
         assert dom.count(f'data-instance="{iid}"') == 1, f"{iid} shown more than once"
         row = row_html(dom, "instance", iid)
         assert f'data-state="{inst["state"]}"' in row and ">running<" in row
-        assert f"{inst['pid']} : {inst['port']}" in row, row
+        where = inst["port"] or inst["socket"].rsplit("/", 1)[-1]
+        assert f"{inst['pid']} : {where}" in row, row
         assert re.search(r"<td>0</td>", row), f"no device in {row}"
         assert re.search(rf'class="num">{inst["leases"]}<', row), row
         retired = ">draining<" in row

@@ -37,7 +37,8 @@ async def test_foreign_listener_on_the_engine_port_is_never_trusted(
         monkeypatch.setattr(
             engine_module, "port_is_free", lambda port: port == foreign_port or real_check(port)
         )
-        cfg = make_config(tmp_path, engine={"port_range": [foreign_port, foreign_port + 50]})
+        engine = {"transport": "tcp", "port_range": [foreign_port, foreign_port + 50]}
+        cfg = make_config(tmp_path, engine=engine)
         proxy = await start_proxy(cfg)
         resp = await proxy.chat("m1")
         body = await resp.json()

@@ -569,6 +569,7 @@ class RawEngine:
     def __init__(self, *answers: bytes | None) -> None:
         self.answers = list(answers)  # None: read the request, then close without answering
         self.requests = 0
+        self.connections = 0
         self.port = 0
         self.server: asyncio.Server | None = None
 
@@ -582,6 +583,7 @@ class RawEngine:
         self.server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
         try:
             while self.answers:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -684,4 +686,47 @@ async def test_a_request_that_went_out_is_never_sent_again() -> None:
             await pool.request(engine.port, "POST", "/x", [], b"{}", 5)
         await asyncio.sleep(0.1)  # a resend would arrive now (bounded look, nothing to wait on)
         assert engine.requests == 2
+        pool.close()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nEVIL!",  # a whole second response
+        b"HTTP/1.1 200 OK\r\nX-Part",  # the start of one
+        b"EXTRA",  # not HTTP at all
+    ],
+)
+async def test_bytes_after_a_complete_response_end_it_and_close_the_connection(
+    extra: bytes,
+) -> None:
+    """The response ends where its framing says; what the engine wrote after it is never part
+    of it (nor of the next response), and the connection is not used again."""
+    async with RawEngine(OK + extra, OK) as engine:
+        pool = UpstreamPool(limit=4)
+        status, _, body = await body_of(engine.port, pool)
+        assert (status, body) == (200, b"ok")
+        assert not pool._idle.get(engine.port), "the connection is closed, not pooled"
+        assert (await body_of(engine.port, pool))[2] == b"ok"
+        assert (engine.requests, engine.connections) == (2, 2)
+        pool.close()
+
+
+async def test_a_line_break_after_a_response_keeps_the_connection() -> None:
+    """Empty lines between messages are allowed (RFC 9112 2.2): not bytes after the end."""
+    async with RawEngine(OK + b"\r\n", OK) as engine:
+        pool = UpstreamPool(limit=4)
+        assert (await body_of(engine.port, pool))[2] == b"ok"
+        assert (await body_of(engine.port, pool))[2] == b"ok"
+        assert engine.connections == 1
+        pool.close()
+
+
+@pytest.mark.parametrize("status", [b"000", b"099", b"600", b"999"])
+async def test_a_status_outside_100_to_599_is_refused(status: bytes) -> None:
+    async with RawEngine(b"HTTP/1.1 %s X\r\nContent-Length: 2\r\n\r\nok" % status) as e:
+        pool = UpstreamPool(limit=4)
+        with pytest.raises(UpstreamError, match="outside 100-599"):
+            await pool.request(e.port, "POST", "/x", [], b"{}", 5)
+        assert not pool._idle.get(e.port)
         pool.close()

@@ -2,6 +2,11 @@
 
 Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``admin_open: true``);
 `Proxy.middleware` enforces it. The status page at ``/`` is static and reads ``/admin/models``.
+
+``/metrics/engines`` reads every engine's own page, at most ``server.engine_metrics_max_mb`` of
+each (a larger one is left out, with a warning), parses and renders them in a worker thread (a
+20 MiB page took 7 s of parsing), and keeps the result for `ENGINE_METRICS_TTL_S`: scrapes in a
+burst share one round of engine reads.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from . import __version__
+from .config import ServerConfig
 from .engine import read_tail
 from .errors import BadRequest, NotFound
 from .instance import Instance, State
@@ -31,18 +37,41 @@ log = logging.getLogger(__name__)
 
 LOG_TAIL_MAX = 5000
 ENGINE_METRICS_TIMEOUT_S = 3.0
+#: How long a merged page of the engines' metrics is served again without reading the engines.
+ENGINE_METRICS_TTL_S = 1.0
 Reloader = Callable[[], Awaitable[dict[str, Any]]]
 
 
 class Admin:
     """Handlers for /admin/*, / and /metrics/engines."""
 
-    def __init__(self, manager: Manager, session: aiohttp.ClientSession, reload: Reloader) -> None:
+    def __init__(
+        self,
+        manager: Manager,
+        session: aiohttp.ClientSession,
+        server: ServerConfig,
+        reload: Reloader | None = None,
+    ) -> None:
         self.manager = manager
         self.session = session
         self.reload_config = reload
         self.started = time.monotonic()
         self._page: bytes | None = None
+        self.configure(server)
+        #: The last merged engine page and when it was made; the round of reads under way.
+        self._engine_page: tuple[float, bytes] | None = None
+        self._engine_round: asyncio.Task[bytes] | None = None
+        #: Instances whose oversized page was reported (once each, while they live).
+        self._too_large: set[str] = set()
+
+    def configure(self, server: ServerConfig) -> None:
+        """Apply the keys of a (re)loaded config."""
+        self.engine_metrics_max = int(server.engine_metrics_max_mb * 1024 * 1024)
+
+    def close(self) -> None:
+        """Cancel a round of engine reads under way (the proxy is closing)."""
+        if self._engine_round is not None:
+            self._engine_round.cancel()
 
     # -- views ---------------------------------------------------------------------------
 
@@ -145,6 +174,8 @@ class Admin:
         return web.Response(text="".join(parts), content_type="text/plain")
 
     async def reload(self, request: web.Request) -> web.Response:
+        if self.reload_config is None:
+            raise BadRequest("the proxy cannot reload its config", code="invalid_config")
         return web.json_response(await self.reload_config())
 
     # -- status page and engine metrics --------------------------------------------------
@@ -155,28 +186,78 @@ class Admin:
         return web.Response(body=self._page, content_type="text/html", charset="utf-8")
 
     async def engine_metrics(self, request: web.Request) -> web.Response:
-        """Every running or sleeping engine's ``vllm:`` metrics, relabelled with ``model_id``."""
+        """Every running or sleeping engine's ``vllm:`` metrics, relabelled with ``model_id``
+        and ``instance``."""
+        resp = web.Response(body=await self._engine_metrics_page())
+        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
+        return resp
+
+    async def _engine_metrics_page(self) -> bytes:
+        cached = self._engine_page
+        if cached is not None and time.monotonic() - cached[0] < ENGINE_METRICS_TTL_S:
+            return cached[1]
+        if self._engine_round is None:
+            self._engine_round = asyncio.ensure_future(self._read_engines())
+            self._engine_round.add_done_callback(self._round_done)
+        # Shielded: a scraper that hangs up does not cancel the round the others wait for.
+        return await asyncio.shield(self._engine_round)
+
+    def _round_done(self, task: asyncio.Task[bytes]) -> None:
+        self._engine_round = None
+        if not task.cancelled() and task.exception() is None:
+            self._engine_page = (time.monotonic(), task.result())
+
+    async def _read_engines(self) -> bytes:
         running = [
             i for i in self.manager.all_instances()
             if (i.state is State.RUNNING or i.asleep) and i.engine is not None
         ]  # fmt: skip
-        texts = await asyncio.gather(*(self._scrape(i) for i in running))
-        registry = CollectorRegistry()
-        registry.register(_Families(_merge(zip(running, texts, strict=True))))
-        resp = web.Response(body=generate_latest(registry))
-        resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
-        return resp
+        self._too_large &= {i.id for i in running}
+        pages = await asyncio.gather(*(self._scrape(i) for i in running))
+        read = [(i.name, i.id, p) for i, p in zip(running, pages, strict=True) if p is not None]
+        return await asyncio.to_thread(_render, read)
 
-    async def _scrape(self, inst: Instance) -> str:
+    async def _scrape(self, inst: Instance) -> bytes | None:
+        """The engine's page, or None: not answered, or larger than the bound."""
         assert inst.engine is not None
+        limit = self.engine_metrics_max
         try:
             timeout = aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT_S)
             client = inst.engine.client(self.session)
             async with client.get(inst.engine.base_url + "/metrics", timeout=timeout) as r:
-                return await r.text() if r.status == 200 else ""
-        except (aiohttp.ClientError, TimeoutError) as err:
+                if r.status != 200:
+                    return None
+                if r.content_length is not None and r.content_length > limit:
+                    self._report_too_large(inst, r.content_length)
+                    return None
+                page = bytearray()
+                async for chunk in r.content.iter_any():
+                    page += chunk
+                    if len(page) > limit:  # no length given, or a compressed page
+                        self._report_too_large(inst, None)
+                        return None
+                return bytes(page)
+        except (aiohttp.ClientError, TimeoutError, RuntimeError) as err:  # closed: it exited
             log.warning("%s: cannot read engine metrics: %s", inst.id, err)
-            return ""
+            return None
+
+    def _report_too_large(self, inst: Instance, size: int | None) -> None:
+        if inst.id in self._too_large:
+            return
+        self._too_large.add(inst.id)
+        shown = f" ({size / 2**20:.1f} MiB)" if size is not None else ""
+        log.warning(
+            "%s: engine metrics page%s is over server.engine_metrics_max_mb (%g): left out of "
+            "/metrics/engines", inst.id, shown, self.engine_metrics_max / 2**20,
+        )  # fmt: skip
+
+
+def _render(pages: list[tuple[str, str, bytes]]) -> bytes:
+    """The engines' pages (model name, instance id, page) merged and rendered; CPU-bound, run
+    in a worker thread."""
+    registry = CollectorRegistry()
+    registry.register(_Families(_merge(pages)))
+    return generate_latest(registry)
 
 
 class _Families:
@@ -189,14 +270,15 @@ class _Families:
         return self.families
 
 
-def _merge(scrapes: Any) -> list[Metric]:
+def _merge(pages: list[tuple[str, str, bytes]]) -> list[Metric]:
     merged: dict[str, Metric] = {}
-    for inst, text in scrapes:
-        labels = {"model_id": inst.name, "instance": inst.id}
+    for name, iid, page in pages:
+        labels = {"model_id": name, "instance": iid}
         try:
+            text = page.decode("utf-8")
             families = list(text_string_to_metric_families(text))
-        except ValueError as err:
-            log.warning("%s: unparsable engine metrics: %s", inst.id, err)
+        except ValueError as err:  # UnicodeDecodeError is one too
+            log.warning("%s: unparsable engine metrics: %s", iid, err)
             continue
         for fam in families:
             if not fam.name.startswith("vllm:"):

@@ -1,31 +1,40 @@
-"""Composition root: builds every runtime object from a `Config`, serves, shuts down in order."""
+"""Composition root: builds every runtime object from a `Config`, serves, shuts down in order.
+
+A proxy first claims what it must hold alone (`Server.claim`): the state directory's lock, then
+its listening sockets. Only then does it sweep engines left by a dead predecessor, so a second
+proxy started by mistake leaves a running one untouched and exits with one line.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
+import hmac
 import logging
 import os
 import resource
 import signal
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from .admin import Admin, add_admin_routes
-from .config import Config, ModelSpec, load_for_reload, state_dir
-from .connection import Runner, Site
+from .config import Config, ModelSpec, ServerConfig, load_for_reload, state_dir
+from .connection import Listener, Runner, Site, listen
 from .engine import PortAllocator
-from .errors import BadRequest, ConfigError, ProxyError
+from .errors import BadRequest, ConfigError, Forbidden, ProxyError, Unauthorized
 from .instance import EngineContext
 from .manager import Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
 from .proxy import Proxy, add_routes
-from .registry import EngineRegistry
+from .registry import EngineRegistry, StateDirBusy, StateLock
 from .upstream import UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -38,6 +47,8 @@ class Runtime:
     manager: Manager
     metrics: Metrics
     proxy: Proxy
+    gate: Gate
+    admin: Admin
     config_path: str | None = None
     #: ``--host``/``--port`` from the command line: they win over the file at every reload.
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -53,6 +64,7 @@ class Runtime:
             raise BadRequest("the proxy was started without a config file", code="invalid_config")
         try:
             new = load_for_reload(self.config_path, self.overrides)
+            hosts = parse_hosts(new.server.allowed_hosts)
             specs = new.specs()
             if self.manager.memory is not None:
                 self.manager.memory.set_specs(specs)
@@ -63,6 +75,8 @@ class Runtime:
         self.manager.max_queue = new.admission.max_queue
         report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
         self.proxy.configure(new.server)
+        self.gate.configure(new.server, hosts)
+        self.admin.configure(new.server)
         self.proxy.upstream.set_shares(specs)
         report["needs_restart"] = _restart_only(self.config, new)
         if report["needs_restart"]:
@@ -80,6 +94,150 @@ def _restart_only(old: Config, new: Config) -> list[str]:
     if old.gpu != new.gpu:
         changed.append("gpu")
     return changed
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: Methods that change nothing; an admin call with any other is refused from another origin.
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+METRICS_PATHS = frozenset({"/metrics", "/metrics/engines"})
+#: Answered whatever the Host: load balancers probe by address.
+ANY_HOST_PATHS = frozenset({"/health"})
+#: Host header values allowed: ``(name, None)`` for any port, ``(name, port)`` for that one.
+Hosts = frozenset[tuple[str, int | None]]
+#: Host header values whose verdict is remembered (parsing one costs 3 us, a look-up 0.1 us);
+#: the memory is emptied when full, so a client sending new values cannot grow it.
+HOST_VERDICTS = 1024
+
+
+class Misdirected(ProxyError):
+    """The request names a Host this proxy does not answer (RFC 9110 15.5.20)."""
+
+    status = 421
+    type_ = "invalid_request_error"
+    code = "host_not_allowed"
+
+
+class Gate:
+    """The checks on who may drive the proxy, in front of every handler.
+
+    * ``server.allowed_hosts``: a Host header outside the list gets 421, except on ``/health``.
+      A page that rebinds its own DNS name to this host (DNS rebinding) sends its own name.
+    * Admin changes from a browser page of another origin get 403: a cross-site form POST needs
+      no preflight, and with ``admin_open`` it needs no key either. The page's browser names it
+      in ``Origin`` (or, without one, ``Sec-Fetch-Site``); curl and scripts send neither.
+    * ``server.metrics_api_keys``: ``/metrics`` and ``/metrics/engines`` need one when set.
+
+    It runs inside `Proxy.middleware`, which turns its refusals into OpenAI-shaped errors with
+    the request id.
+    """
+
+    def __init__(self, server: ServerConfig) -> None:
+        self.configure(server, parse_hosts(server.allowed_hosts))
+
+    def configure(self, server: ServerConfig, hosts: Hosts) -> None:
+        self.hosts = hosts
+        self._verdicts: dict[str, bool] = {}
+        self.metrics_keys = [k.encode() for k in server.metrics_api_keys]
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        if self.hosts and path not in ANY_HOST_PATHS:
+            self._check_host(request.headers.get("Host", ""))
+        if path.startswith("/admin"):
+            if request.method not in SAFE_METHODS:
+                _check_origin(request)
+        elif self.metrics_keys and path in METRICS_PATHS:
+            _check_metrics_key(request, self.metrics_keys)
+        return await handler(request)
+
+    def _check_host(self, header: str) -> None:
+        allowed = self._verdicts.get(header)
+        if allowed is None:
+            parsed = _host_port(header)
+            allowed = parsed is not None and bool({parsed, (parsed[0], None)} & self.hosts)
+            if len(self._verdicts) >= HOST_VERDICTS:
+                self._verdicts.clear()
+            self._verdicts[header] = allowed
+        if not allowed:
+            shown = repr(header[:200]) if header else "none"
+            raise Misdirected(f"this proxy does not answer for Host {shown} (server.allowed_hosts)")
+
+
+def parse_hosts(entries: list[str]) -> Hosts:
+    """``server.allowed_hosts`` as (name, port) pairs; `ConfigError` naming a bad entry."""
+    hosts = set()
+    for i, entry in enumerate(entries):
+        parsed = _host_port(entry)
+        if parsed is None:
+            raise ConfigError(
+                f"server.allowed_hosts.{i}: {entry!r} is not a host name or name:port"
+            )
+        hosts.add(parsed)
+    return frozenset(hosts)
+
+
+def _host_port(value: str) -> tuple[str, int | None] | None:
+    """``name``, ``name:port``, ``[v6]`` or ``[v6]:port`` as (lower-case name, port); None
+    for anything else."""
+    if not value or any(c in value for c in "/?#@ \t"):
+        return None
+    try:
+        parts = urlsplit("//" + value)
+        name, port = parts.hostname, parts.port
+    except ValueError:
+        return None
+    return (name.rstrip("."), port) if name else None
+
+
+def _check_origin(request: web.Request) -> None:
+    """Refuse a change from a page of another origin than the proxy's own (its Host)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        # Browsers send Origin with every POST today; Sec-Fetch-Site covers older ones.
+        if request.headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site"):
+            raise Forbidden(
+                "admin changes from another site's page are refused", code="cross_origin"
+            )
+        return
+    if not _same_origin(origin, request.headers.get("Host", "")):
+        raise Forbidden(
+            f"admin changes from another origin ({origin[:200]!r}) are refused",
+            code="cross_origin",
+        )
+
+
+_DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def _same_origin(origin: str, host: str) -> bool:
+    """Whether the Origin header names the host and port of the Host header. The scheme is
+    not compared: behind a TLS terminator the page is https, the proxy plain http."""
+    try:
+        parts = urlsplit(origin)
+        name, port = parts.hostname, parts.port
+    except ValueError:
+        return False
+    if parts.scheme not in _DEFAULT_PORTS or not name:
+        return False  # "null" (a sandboxed frame, a file), or no origin a browser sends
+    own = _host_port(host)
+    if own is None:
+        return False
+    default = _DEFAULT_PORTS[parts.scheme]
+    return (name.rstrip("."), port or default) == (own[0], own[1] or default)
+
+
+def _check_metrics_key(request: web.Request, keys: list[bytes]) -> None:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    given = token.strip().encode("utf-8", "surrogateescape")
+    ok = False
+    for key in keys:  # compare with every key: no early exit on a match
+        ok |= hmac.compare_digest(given, key)
+    if scheme.lower() != "bearer" or not ok:
+        raise Unauthorized(
+            "missing or invalid metrics key (expected 'Authorization: Bearer KEY' with a key "
+            "of server.metrics_api_keys)"
+        )
 
 
 RUNTIME = web.AppKey("runtime", Runtime)
@@ -113,8 +271,10 @@ def check_memory(config: Config) -> str:
 async def create_app(
     config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
 ) -> web.Application:
-    """Build the application (inside the running loop). Sweeps engines left by a dead proxy."""
+    """Build the application (inside the running loop). Sweeps engines left by a dead proxy:
+    call it only while holding the state dir's lock (`Server.claim`)."""
     metrics = Metrics()
+    gate = Gate(config.server)  # a bad allowed_hosts entry stops us here
     specs = config.specs()
     memory = build_memory(config, specs, metrics)  # a model that can never fit stops us here
     registry = EngineRegistry(state_dir(config.server))
@@ -132,17 +292,25 @@ async def create_app(
     )
     upstream.set_shares(specs)
     proxy = Proxy(manager, metrics, upstream, config.server)
-    app = web.Application(client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware])
-    runtime = Runtime(config, session, manager, metrics, proxy, config_path, overrides or {})
+    # Outermost first: the proxy's middleware (request ids, errors) wraps the gate.
+    app = web.Application(
+        client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware, gate.middleware]
+    )
+    admin = Admin(manager, session, config.server)
+    runtime = Runtime(
+        config, session, manager, metrics, proxy, gate, admin, config_path, overrides or {}
+    )
+    admin.reload_config = runtime.reload
     app[RUNTIME] = runtime
     add_routes(app, proxy)
-    add_admin_routes(app, Admin(manager, session, runtime.reload))
+    add_admin_routes(app, admin)
     app.on_cleanup.append(_cleanup)
     return app
 
 
 async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
+    rt.admin.close()
     await rt.manager.shutdown()
     rt.proxy.upstream.close()
     await rt.session.close()
@@ -162,8 +330,53 @@ class Server:
         self.overrides = overrides or {}
         self.runner: Runner | None = None
         self.app: web.Application | None = None
+        self._lock: StateLock | None = None
+        self._sockets: list[socket.socket] | None = None
+
+    def claim(self) -> None:
+        """Take the state dir's lock, then bind the listening sockets, before anything else.
+
+        A proxy that cannot have both changes nothing: `ConfigError` with one line naming the
+        key to change (another proxy with the same ``server.state_dir``, a port in use).
+        """
+        if self._lock is not None:
+            return
+        s = self.config.server
+        path = state_dir(s)
+        try:
+            lock = StateLock(path)
+        except StateDirBusy as err:
+            raise ConfigError(
+                f"{err}: stop it first, or give this proxy its own server.state_dir"
+            ) from None
+        except OSError as err:
+            raise ConfigError(f"server.state_dir: cannot use {path}: {_reason(err)}") from None
+        try:
+            self._sockets = listen(s.host, s.port)
+        except OSError as err:
+            lock.release()
+            raise ConfigError(_bind_error(s.host, s.port, err)) from None
+        self._lock = lock
+
+    def _unclaim(self) -> None:
+        for sock in self._sockets or ():
+            sock.close()  # no-op for sockets a listener has closed already
+        self._sockets = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     async def start(self) -> None:
+        """Claim (unless done), sweep leftovers and build the application, then listen."""
+        self.claim()
+        try:
+            await self._start()
+        except BaseException:
+            self._unclaim()
+            raise
+
+    async def _start(self) -> None:
+        assert self._sockets is not None
         self.app = await create_app(self.config, self.config_path, self.overrides)
         self.runner = Runner(
             self.app,
@@ -175,7 +388,7 @@ class Server:
         )
         await self.runner.setup()
         s = self.config.server
-        await Site(self.runner, s.host, s.port).start()
+        await ClaimedSite(self.runner, s.host, s.port, self._sockets).start()
         log.info("vllm-proxy listening on %s", ", ".join(self.urls))
         self.runtime.manager.preload()
 
@@ -197,6 +410,7 @@ class Server:
     async def shutdown(self) -> None:
         """Stop admitting, let in-flight requests finish (bounded), stop engines, close."""
         if self.runner is None:
+            self._unclaim()
             return
         manager = self.runtime.manager
         drained = await manager.drain(self.config.server.drain_timeout_s)
@@ -205,6 +419,49 @@ class Server:
         await manager.shutdown()
         await self.runner.cleanup()
         self.runner = None
+        self._unclaim()  # engines are stopped: another proxy may take the state dir now
+
+
+class ClaimedSite(Site):
+    """A `Site` on sockets bound before the application was built (`Server.claim`)."""
+
+    __slots__ = ("_sockets",)
+
+    def __init__(
+        self, runner: web.BaseRunner, host: str | None, port: int, sockets: list[socket.socket]
+    ) -> None:
+        super().__init__(runner, host, port)
+        self._sockets = sockets
+
+    async def start(self) -> None:
+        await web.BaseSite.start(self)  # registers the site; `Site.start` would bind again
+        server = self._runner.server
+        assert server is not None
+        self._server = Listener(asyncio.get_running_loop(), self._sockets, server)
+
+
+def _reason(err: OSError) -> str:
+    if err.errno and err.errno > 0:
+        return os.strerror(err.errno)
+    return err.strerror or str(err)  # getaddrinfo's errors
+
+
+def _bind_error(host: str, port: int, err: OSError) -> str:
+    """One line for a listening socket that cannot be had, naming the key to change."""
+    where = f"{host or '0.0.0.0'}:{port}"
+    if err.errno == errno.EADDRINUSE:
+        return (
+            f"cannot listen on {where}: port {port} is in use by another program; "
+            "set server.port (or --port) to a free port"
+        )
+    if err.errno == errno.EACCES:
+        return (
+            f"cannot listen on {where}: permission denied (ports below 1024 need privileges); "
+            "set server.port (or --port)"
+        )
+    if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL:
+        return f"cannot listen on {where}: {_reason(err)}; check server.host (or --host)"
+    return f"cannot listen on {where}: {_reason(err)}; check server.host and server.port"
 
 
 _tasks: set[asyncio.Task[None]] = set()
@@ -268,8 +525,9 @@ async def serve(
     config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
 ) -> int:
     """Run until SIGTERM/SIGINT (a second one forces exit); SIGHUP reloads the config."""
-    raise_fd_limit()
     server = Server(config, config_path, overrides)
+    server.claim()  # first: a proxy that cannot claim its state dir and port says one line
+    raise_fd_limit()
     await server.start()
     tune_gc()
     stop = asyncio.Event()

@@ -1,4 +1,5 @@
-"""`vllm-proxy --config config.yaml`: exit 0 after a clean shutdown, 2 on a bad config."""
+"""`vllm-proxy --config config.yaml`: exit 0 after a clean shutdown; 2 on a bad config, and on
+a state dir or port that another process holds (each with one line naming the key to change)."""
 
 from __future__ import annotations
 
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     heap.tune()
     try:
         return uvloop.run(serve(config, args.config, overrides))
-    except ConfigError as err:  # found at start-up, e.g. a model larger than any GPU
+    except ConfigError as err:  # found at start-up: a model larger than any GPU, a port in use
         print(f"vllm-proxy: {err}", file=sys.stderr)
         return EXIT_CONFIG
 

@@ -23,7 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError
 
 #: Flags the proxy sets itself on every engine command line.
-RESERVED_ARGS = {"host", "port", "served_model_name", "model"}
+RESERVED_ARGS = {"host", "port", "uds", "served_model_name", "model"}
+#: How the proxy reaches an engine: a Unix socket in a directory only its user can open, or a
+#: loopback TCP port (any local user can connect to it).
+Transport = Literal["uds", "tcp"]
 ArgValue = bool | int | float | str | list[Any] | dict[str, Any] | None
 
 
@@ -82,6 +85,15 @@ class ServerConfig(_Strict):
     #: /metrics/engines reads at most this much of each engine's page.
     engine_metrics_max_mb: float = Field(4, gt=0)
 
+    @model_validator(mode="after")
+    def _bodies_fit(self) -> ServerConfig:
+        if self.max_bodies_mb < self.max_body_mb:
+            raise ValueError(
+                "@max_bodies_mb: smaller than max_body_mb: every body of the largest allowed"
+                " size would get 503"
+            )
+        return self
+
 
 class SleepPolicy(_Strict):
     """vLLM sleep mode for idle engines (needs a GPU build of vLLM: the CPU build refuses it).
@@ -123,6 +135,10 @@ class _EngineKeys(_Strict):
     startup_timeout_s: float | None = Field(None, gt=0)
     stop_timeout_s: float | None = Field(None, ge=0)
     idle_timeout_s: float | None = Field(None, ge=0)
+    #: uds: the engine serves on ``<state_dir>/sockets/<model>.<n>.sock`` (``--uds``) in a
+    #: directory of mode 0700, so no other user of the host can reach it; tcp: on a loopback
+    #: port from `port_range` (``--host 127.0.0.1 --port N``), for engines without ``--uds``.
+    transport: Transport | None = None
     port_range: tuple[int, int] | None = None
     #: Bound on a silent upstream read (seconds without a byte from the engine).
     read_timeout_s: float | None = Field(None, gt=0)
@@ -179,7 +195,7 @@ class _EngineKeys(_Strict):
     def _args_ok(cls, v: dict[str, ArgValue]) -> dict[str, ArgValue]:
         for key in v:
             if _arg_name(key) in RESERVED_ARGS:
-                raise ValueError(f"@{key}: reserved, the proxy sets it (ports are allocated)")
+                raise ValueError(f"@{key}: reserved, the proxy sets it (see transport)")
         return v
 
     @field_validator("extra_args")
@@ -188,11 +204,12 @@ class _EngineKeys(_Strict):
         for tok in v:
             name = tok.split("=", 1)[0]
             if name.startswith("--") and _arg_name(name[2:]) in RESERVED_ARGS:
-                raise ValueError(f"{tok}: reserved, the proxy sets it (ports are allocated)")
+                raise ValueError(f"{tok}: reserved, the proxy sets it (see transport)")
         return v
 
 
 class EngineConfig(_EngineKeys):
+    transport: Transport = "uds"
     stop_timeout_s: float = Field(30, ge=0)
     idle_timeout_s: float = Field(600, ge=0)
     port_range: tuple[int, int] = (8001, 8999)
@@ -335,6 +352,10 @@ class ModelSpec:
     log_max_bytes: int
     log_backups: int
     memory_mb: int | None
+    #: ``<state_dir>/sockets`` (absolute): the engines' sockets under transport uds (0700).
+    socket_dir: str
+    #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
+    transport: Transport = "uds"
     pinned: bool = False
     devices: tuple[int, ...] | None = None
     params_b: float | None = None
@@ -362,7 +383,10 @@ class ModelSpec:
 
     def engine_key(self) -> tuple[Any, ...]:
         """What the engine process is made of; a change here needs a restart on reload."""
-        return (self.model, self.command, self.args, self.extra_args, self.env, self.sleep_mode)
+        return (
+            self.model, self.command, self.args, self.extra_args, self.env, self.sleep_mode,
+            self.transport,
+        )  # fmt: skip
 
     @functools.cached_property
     def api_key(self) -> str | None:
@@ -398,13 +422,19 @@ class ModelSpec:
         """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
         return self.sleep is not None
 
-    def engine_argv(self, port: int, overrides: dict[str, ArgValue] | None = None) -> list[str]:
-        """The engine command line; the proxy owns model, name, host and port.
+    def engine_argv(
+        self, address: int | str, overrides: dict[str, ArgValue] | None = None
+    ) -> list[str]:
+        """The engine command line; the proxy owns model, name and where it serves: a loopback
+        port (an int) or the path of a Unix socket (a str; vLLM then serves only there).
 
         `overrides` replace configured args (the memory planner sets gpu_memory_utilization).
         """
         argv = [*self.command, "--model", self.model, "--served-model-name", self.name]
-        argv += ["--host", "127.0.0.1", "--port", str(port)]
+        if isinstance(address, str):
+            argv += ["--uds", address]
+        else:
+            argv += ["--host", "127.0.0.1", "--port", str(address)]
         args = {**dict(self.args), **(overrides or {})}
         if self.sleep_mode:
             args.setdefault("enable_sleep_mode", True)
@@ -499,7 +529,8 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         own = getattr(m, key)
         return own if own is not None else getattr(e, key)
 
-    log_dir = pick("log_dir") or str(Path(state_dir(server)) / "logs")
+    state = Path(state_dir(server))
+    log_dir = pick("log_dir") or str(state / "logs")
     auto = auto_timeouts(checkpoint_gib(m.model, m.params_b))
     return ModelSpec(
         name=name,
@@ -522,6 +553,8 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         log_max_bytes=int(pick("log_max_mb") * 1024 * 1024),
         log_backups=pick("log_backups"),
         memory_mb=m.memory_mb,
+        socket_dir=os.path.abspath(state / "sockets"),
+        transport=pick("transport"),
         pinned=m.pinned,
         devices=tuple(m.devices) if m.devices is not None else None,
         params_b=m.params_b,

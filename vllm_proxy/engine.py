@@ -1,4 +1,5 @@
-"""One engine process: spawn (under its guard), readiness, stop, logs, and port allocation.
+"""One engine process: spawn (under its guard), readiness, stop, logs, and where it serves
+(a Unix socket in a private directory, or an allocated loopback port).
 
 Nothing here knows about model states or requests; `manager.Instance` drives an `EngineProcess`
 through its life and decides what its exit means.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -15,8 +17,10 @@ import random
 import re
 import signal
 import socket
+import stat
 import struct
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,6 +43,8 @@ GUARD_KILL_S = 1.0
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.02
 LOG_TAIL_LINES = 20
 _PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
+#: The longest path a Unix socket address holds (``sun_path``: 108 bytes with its final NUL).
+SUN_PATH_MAX = 107
 
 
 class PortInUse(EngineFailed):
@@ -89,6 +95,45 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
+def socket_path(spec: ModelSpec, instance_id: str) -> str:
+    """Where instance ``<model>#<n>`` serves under transport uds: ``<socket_dir>/<model>.<n>.sock``
+    in a directory only the proxy's user can open (made, or made private, here).
+
+    A path longer than a socket address holds gets a short name (a hash of the instance id);
+    when even that is too long, the directory is ``vllm-proxy-<uid>-<hash>`` under the temp
+    directory (or /tmp), made private the same way. Raises `OSError` when no directory fits or
+    one is not the proxy's own."""
+    n = instance_id.rpartition("#")[2]
+    short = hashlib.sha256(instance_id.encode()).hexdigest()[:16] + ".sock"
+    tag = hashlib.sha256(spec.socket_dir.encode()).hexdigest()[:12]
+    private = f"vllm-proxy-{os.geteuid()}-{tag}"
+    choices = [
+        (Path(spec.socket_dir), f"{_safe(spec.name)}.{n}.sock"),
+        (Path(spec.socket_dir), short),
+        (Path(tempfile.gettempdir()) / private, short),
+        (Path("/tmp") / private, short),
+    ]
+    for directory, name in choices:
+        path = str(directory / name)
+        if len(os.fsencode(path)) <= SUN_PATH_MAX:
+            private_dir(directory)
+            return path
+    raise OSError(f"no directory for engine sockets has a path short enough: {spec.socket_dir}")
+
+
+def private_dir(path: Path) -> None:
+    """Make `path` a directory of mode 0700 owned by this user (its parents as needed), or
+    raise `OSError` when it is something else (a link, another user's directory)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise OSError(f"{path}: not a directory owned by the proxy's user")
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(path, 0o700)
+
+
 def log_path(spec: ModelSpec, instance_id: str) -> Path:
     """``<log_dir>/<model>.<n>.log`` for instance ``<model>#<n>`` (rotated to .1, .2, ...)."""
     n = instance_id.rpartition("#")[2]
@@ -136,23 +181,31 @@ def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -
 
 
 class EngineProcess:
-    """A guarded engine process group listening on 127.0.0.1:`port`."""
+    """A guarded engine process group serving on a Unix socket (`socket_path`) or on
+    127.0.0.1:`port`."""
 
     def __init__(
         self,
         spec: ModelSpec,
-        port: int,
+        address: int | str,
         log_file: Path,
         tag: str = "",
         overrides: dict[str, ArgValue] | None = None,
         env: dict[str, str] | None = None,
     ) -> None:
         self.spec = spec
-        self.port = port
+        #: Where it serves: a loopback port (int) or the path of its Unix socket (str). The
+        #: request path's `UpstreamPool` takes it as it is.
+        self.address = address
+        self.socket_path = address if isinstance(address, str) else None
         self.tag = tag
         self.overrides = overrides or {}
         self.env = env or {}
-        self.base_url = f"http://127.0.0.1:{port}"
+        #: The URL `client()` reaches the engine at. Over a socket the host names nothing; port
+        #: 0 makes a TCP session given it by mistake fail (nothing can listen there).
+        self.base_url = "http://127.0.0.1:0" if self.socket_path else f"http://127.0.0.1:{address}"
+        #: Under uds: a session over the socket, made at spawn, closed once the process exited.
+        self._client: aiohttp.ClientSession | None = None
         self.log_path = log_file
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
@@ -166,13 +219,32 @@ class EngineProcess:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    @property
+    def port(self) -> int | str:
+        """`address`: what the request path hands `UpstreamPool.request`."""
+        return self.address
+
+    @property
+    def tcp_port(self) -> int | None:
+        """The loopback port under transport tcp (None on a socket)."""
+        return None if isinstance(self.address, str) else self.address
+
+    @property
+    def endpoint(self) -> str:
+        """Where it serves, for logs: ``socket <path>`` or ``port <port>``."""
+        return f"socket {self.socket_path}" if self.socket_path else f"port {self.address}"
+
     async def spawn(self) -> None:
         """Start the guard and, under it, the engine; returns once the process exists."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         argv = [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid())]
         argv += ["--log", str(self.log_path), "--log-max-bytes", str(self.spec.log_max_bytes)]
         argv += ["--log-backups", str(self.spec.log_backups), "--tag", self.tag, "--"]
-        argv += self.spec.engine_argv(self.port, self.overrides)
+        argv += self.spec.engine_argv(self.address, self.overrides)
+        if self.socket_path is not None:
+            # A socket file left by an engine that died with the proxy: vLLM's bind would fail.
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_path)
         with open(self.log_path, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -183,6 +255,9 @@ class EngineProcess:
                 start_new_session=True,
             )
         self.started_at = time.monotonic()
+        if self.socket_path is not None:
+            connector = aiohttp.UnixConnector(path=self.socket_path, limit=16)
+            self._client = aiohttp.ClientSession(connector=connector)
         asyncio.get_running_loop().create_task(self._watch(self.proc))
 
     async def _watch(self, proc: asyncio.subprocess.Process) -> None:
@@ -192,6 +267,13 @@ class EngineProcess:
             os.killpg(proc.pid, signal.SIGKILL)
         self.exit_code = code if code >= 0 else 128 - code
         self.exited_at = time.monotonic()
+        if self._client is not None:  # closed before anyone waiting on the exit goes on
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(KILL_WAIT_S):
+                    await self._client.close()
+        if self.socket_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.socket_path)
         self._exited.set()
 
     async def wait_exit(self, timeout: float | None = None) -> int | None:
@@ -237,11 +319,20 @@ class EngineProcess:
         if polling in done and not polling.cancelled() and polling.exception() is None:
             if polling.result():
                 return time.monotonic() - self.started_at
+            if self.socket_path is not None:  # only the proxy's user can bind there
+                log.error(
+                    "%s: %s answers /health, but its listener is not the engine's own process",
+                    self.spec.name, self.socket_path,
+                )  # fmt: skip
+                raise EngineFailed(
+                    f"model '{self.spec.name}': the engine's socket is held by another program",
+                    code="engine_start_failed",
+                )
             log.error(
                 "%s: port %d answers /health, but its listener is not the engine's own process;"
                 " trying another port",
                 self.spec.name,
-                self.port,
+                self.address,
             )
             raise PortInUse(
                 f"model '{self.spec.name}': the engine's port was taken by another program",
@@ -249,7 +340,8 @@ class EngineProcess:
             )
         if self._exited.is_set():
             tail = read_tail(self.log_path, lines=200).encode()
-            cls = PortInUse if _PORT_IN_USE.search(tail) else EngineFailed
+            taken = self.socket_path is None and _PORT_IN_USE.search(tail)
+            cls = PortInUse if taken else EngineFailed
             log.error("%s", self.failure_message("exited while starting"))
             raise cls(self.short_failure("exited while starting"), code="engine_start_failed")
         what = f"not ready after {self.spec.startup_timeout_s:g}s, stopped"
@@ -260,28 +352,38 @@ class EngineProcess:
         """Poll until ``/health`` answers 200; then True if the listener is the engine's own
         socket, False if another program holds the port (never trust a foreign listener)."""
         url = self.base_url + "/health"
+        session = self.client(session)
         delay = POLL_FIRST_S
         timeout = aiohttp.ClientTimeout(total=5)
         while True:
             try:
-                async with session.get(url, timeout=timeout) as resp:
-                    if resp.status == 200:
-                        return self._verify_listener()
+                if not session.closed:  # (closed: the process exited, which `wait_ready` sees)
+                    async with session.get(url, timeout=timeout) as resp:
+                        if resp.status == 200:
+                            return self._verify_listener()
             except (aiohttp.ClientError, TimeoutError):
                 pass
             await asyncio.sleep(delay)
             delay = min(delay * 1.5, POLL_MAX_S)
 
+    def _listeners(self) -> frozenset[int]:
+        """Inodes of the sockets listening where the engine serves."""
+        if self.socket_path is not None:
+            return unix_listening_inodes(self.socket_path)
+        assert isinstance(self.address, int)
+        return listening_inodes(self.address)
+
     def _verify_listener(self) -> bool:
-        """Whether every socket listening on our port belongs to the engine's process tree;
-        records the socket so it can be checked again later (`listener_unchanged`)."""
+        """Whether every socket listening where the engine serves (its port, or its socket's
+        path) belongs to the engine's process tree; records the socket so it can be checked
+        again later (`listener_unchanged`)."""
         assert self.proc is not None
-        listeners = listening_inodes(self.port)
+        listeners = self._listeners()
         ours = tree_socket_inodes(self.proc.pid)
         if not listeners or not listeners <= ours:
             log.error(
-                "%s: listeners on port %d: %s held by pid(s) %s; the engine's tree holds %s",
-                self.spec.name, self.port, sorted(listeners),
+                "%s: listeners on %s: %s held by pid(s) %s; the engine's tree holds %s",
+                self.spec.name, self.endpoint, sorted(listeners),
                 [(p, _cmd(p)) for p in _holders(listeners - ours)], sorted(ours),
             )  # fmt: skip
             return False
@@ -290,11 +392,15 @@ class EngineProcess:
 
     def client(self, shared: aiohttp.ClientSession) -> aiohttp.ClientSession:
         """The HTTP session that reaches this engine at `base_url`: the proxy's shared one for an
-        engine on a loopback port."""
-        return shared
+        engine on a loopback port; for one on a Unix socket, a session of its own over that
+        socket (made at spawn, closed once the process has exited: a call then fails)."""
+        return self._client or shared
 
     async def probe(self, session: aiohttp.ClientSession, timeout: float) -> bool:
         """One health probe: ``GET /health`` answered 200 within `timeout`."""
+        session = self.client(session)
+        if session.closed:
+            return False
         try:
             limit = aiohttp.ClientTimeout(total=timeout)
             async with session.get(self.base_url + "/health", timeout=limit) as resp:
@@ -314,6 +420,9 @@ class EngineProcess:
     ) -> object:
         """One call to the engine; its JSON answer (None when empty). `CallFailed` for anything
         but 200. The caller bounds the time."""
+        session = self.client(session)
+        if session.closed:
+            raise CallFailed(f"{method} {path}: the engine has exited")
         try:
             async with session.request(
                 method, self.base_url + path, json=body, headers=headers
@@ -336,6 +445,15 @@ class EngineProcess:
         if not isinstance(answer, dict) or not isinstance(answer.get("is_sleeping"), bool):
             raise CallFailed(f"GET /is_sleeping answered {answer!r}")
         return bool(answer["is_sleeping"])
+
+    async def probe_sleeping(self, session: aiohttp.ClientSession, timeout: float) -> bool:
+        """``GET /is_sleeping`` answered ``true`` within `timeout` (False for anything else:
+        awake, no answer, an error; the /health probe judges those)."""
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.is_sleeping(session)
+        except (CallFailed, TimeoutError):
+            return False
 
     async def sleep(self, session: aiohttp.ClientSession, level: int) -> None:
         """``POST /sleep?level=N``, then check ``/is_sleeping`` says so."""
@@ -386,8 +504,9 @@ class EngineProcess:
         return False
 
     def listener_unchanged(self) -> bool:
-        """The socket that listens on our port is still the one verified at readiness."""
-        return bool(self.listener) and listening_inodes(self.port) == self.listener
+        """The socket that listens where the engine serves is still the one verified at
+        readiness."""
+        return bool(self.listener) and self._listeners() == self.listener
 
     async def stop(self, grace_s: float) -> int | None:
         """SIGTERM to the group, `grace_s`, then SIGKILL; every wait bounded. Idempotent."""
@@ -473,6 +592,71 @@ def _listeners(family: int) -> list[tuple[int, int]]:
                 offset += (length + 3) & ~3
             if not data:
                 return found
+
+
+def unix_listening_inodes(path: str) -> frozenset[int]:
+    """Inodes of the Unix sockets listening on `path` (the name they were bound to).
+
+    Asks the kernel for listening Unix sockets only (sock_diag netlink, with their names);
+    falls back to reading /proc/net/unix."""
+    name = os.fsencode(path)
+    try:
+        return frozenset(inode for inode, bound in _unix_listeners() if bound == name)
+    except (OSError, struct.error):
+        return _unix_listening_inodes_proc(path)
+
+
+_UDIAG_SHOW_NAME, _UNIX_DIAG_NAME = 0x1, 0
+
+
+def _unix_listeners() -> list[tuple[int, bytes]]:
+    """(inode, bound name) of every listening Unix socket, from NETLINK_SOCK_DIAG."""
+    # struct unix_diag_req: family, protocol, pad, states, ino, show, cookie[2].
+    req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 1 << _TCP_LISTEN, 0, _UDIAG_SHOW_NAME,
+                      0, 0)  # fmt: skip
+    head = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY,
+                       _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)  # fmt: skip
+    found: list[tuple[int, bytes]] = []
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
+        nl.settimeout(2.0)
+        nl.sendall(head + req)
+        while True:
+            data = nl.recv(65536)
+            offset = 0
+            while offset + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, offset)
+                if kind == _NLMSG_DONE:
+                    return found
+                if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + 16:
+                    raise OSError("sock_diag refused the request or answered oddly")
+                # struct unix_diag_msg (16 B): inode at +4; then attributes (rtattr).
+                inode = struct.unpack_from("=I", data, offset + 20)[0]
+                attr, end = offset + 32, offset + length
+                while attr + 4 <= end:
+                    size, attr_type = struct.unpack_from("=HH", data, attr)
+                    if size < 4:
+                        break
+                    if attr_type == _UNIX_DIAG_NAME:
+                        found.append((inode, data[attr + 4 : attr + size].rstrip(b"\0")))
+                    attr += (size + 3) & ~3
+                offset += (length + 3) & ~3
+            if not data:
+                return found
+
+
+def _unix_listening_inodes_proc(path: str) -> frozenset[int]:
+    # "Num RefCount Protocol Flags Type St Inode Path": flag 00010000 is a listening socket.
+    found: set[int] = set()
+    try:
+        with open("/proc/net/unix") as fh:
+            for line in fh:
+                fields = line.split(None, 7)
+                if len(fields) == 8 and fields[7].rstrip("\n") == path:
+                    if int(fields[3], 16) & 0x10000:
+                        found.add(int(fields[6]))
+    except (OSError, ValueError):
+        pass
+    return frozenset(found)
 
 
 def _listening_inodes_proc(port: int) -> frozenset[int]:

@@ -76,6 +76,7 @@ class NvmlMonitor:
         self._init_lock = threading.Lock()
         self._initialised = False
         self._latest: list[GpuSnapshot] = []
+        #: When the read behind `latest` began (monotonic): nothing in it is newer.
         self.updated_at: float | None = None
         self.last_error: str | None = None
 
@@ -191,8 +192,9 @@ class NvmlMonitor:
         """
         while True:
             try:
+                started = time.monotonic()
                 self._latest = await asyncio.to_thread(self.read)
-                self.updated_at = time.monotonic()
+                self.updated_at = started  # the reading shows nothing older than this
                 self.last_error = None
             except Exception as err:
                 message = f"{type(err).__name__}: {err}"

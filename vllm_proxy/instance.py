@@ -39,6 +39,7 @@ from .engine import (
     PortAllocator,
     log_path,
     read_tail,
+    socket_path,
 )
 from .errors import EngineFailed, ProxyError, Unavailable
 from .hostmem import HostRam
@@ -158,8 +159,8 @@ class EngineContext:
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
     #: A sleeping instance now holds this many MiB per device (None: what its model is
-    #: expected to hold asleep; memory managed only).
-    doze: Callable[[str, int | None], None] = lambda _iid, _mb: None
+    #: expected to hold asleep), asleep at that level (memory managed only).
+    doze: Callable[[str, int | None, int | None], None] = lambda _iid, _mb, _level: None
     #: A fresh reading of an engine's devices (NVML only) ...
     usage: Callable[[int | None, tuple[int, ...]], Awaitable[Usage | None]] = _no_usage
     #: ... what an instance holds after its /sleep, from readings before and after ...
@@ -221,8 +222,10 @@ class Instance:
         self.ready_at = 0.0
         #: Replaced by a reload or its model removed: takes no new request, drains, stops.
         self.retired = False
-        #: Killed by the health watcher (hung, stopped, or its port taken over).
+        #: Killed by the health watcher (hung, stopped, its port taken over, or put to sleep
+        #: by someone else), and the reason counted for it.
         self.unhealthy = False
+        self.unhealthy_reason = ""
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
@@ -234,6 +237,12 @@ class Instance:
         #: Holds its devices' lock (starting, waking or falling asleep): its own stop must not
         #: wait for that lock.
         self._owns_devices = False
+        #: Waiting for its devices' lock to start: a stop need not wait for the start task.
+        self._awaiting_devices = False
+        #: Its wake failed and it is being stopped for that (not by someone else).
+        self._woken_in_vain = False
+        #: When it last became RUNNING (monotonic): readings older than this are not of it.
+        self.running_since = 0.0
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
         self._policy = policy
@@ -271,6 +280,8 @@ class Instance:
 
     def _set_state(self, new: State) -> None:
         old = self.state
+        if new is State.RUNNING:
+            self.running_since = time.monotonic()
         if new not in TRANSITIONS[old]:
             raise InvalidTransition(f"{self.id}: {old.name} -> {new.name} is not allowed")
         self.state = new
@@ -421,7 +432,12 @@ class Instance:
         """Spawn and wait for readiness; serialised per device when memory is managed."""
         devices = self.devices
         lock = self.ctx.memory_lock(devices, self.id) if self.ctx.memory_lock else _nothing()
-        async with lock:
+        async with contextlib.AsyncExitStack() as stack:
+            self._awaiting_devices = True
+            try:
+                await stack.enter_async_context(lock)
+            finally:
+                self._awaiting_devices = False
             self._raise_if_stopped()  # stopped while queued for the device: spawn nothing
             self._owns_devices = True
             try:
@@ -441,7 +457,7 @@ class Instance:
             seconds = time.monotonic() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
-        log.info("%s: ready on port %d after %.2fs", self.id, engine.port, seconds)
+        log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = time.monotonic()
         self.last_used = time.time()
         self._set_state(State.RUNNING)
@@ -459,7 +475,7 @@ class Instance:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
         try:
             async with asyncio.timeout(timeout):
-                await engine.warmup(self.ctx.session)
+                await engine.warmup(engine.client(self.ctx.session))
         except (CallFailed, TimeoutError) as err:
             why = str(err) or f"no answer within {timeout:g}s"
             log.error("%s: warm-up failed: %s", self.id, why)
@@ -485,11 +501,11 @@ class Instance:
         return err
 
     async def _spawn(self) -> EngineProcess:
-        port = self.ctx.ports.allocate(self.spec.port_range)
+        address = self._address()
         p = self.placement
         engine = EngineProcess(
             self.spec,
-            port,
+            address,
             self.log_path,
             tag=self.ctx.registry.tag,
             overrides=p.overrides if p else None,
@@ -498,7 +514,8 @@ class Instance:
         try:
             await engine.spawn()
         except OSError as err:
-            self.ctx.ports.release(port)
+            if isinstance(address, int):
+                self.ctx.ports.release(address)
             msg = f"model '{self.name}': cannot start engine command: {err}"
             raise EngineFailed(msg, code="engine_start_failed") from None
         assert engine.pid is not None
@@ -509,6 +526,19 @@ class Instance:
             await engine.stop(STARTING_STOP_GRACE_S)
             self._raise_if_stopped()
         return engine
+
+    def _address(self) -> int | str:
+        """Where the new engine will serve: its socket's path (uds), or a free port (tcp)."""
+        if self.spec.transport == "tcp":
+            return self.ctx.ports.allocate(self.spec.port_range)
+        try:
+            return socket_path(self.spec, self.id)
+        except OSError as err:
+            log.error("%s: no place for the engine's socket: %s", self.id, err)
+            raise EngineFailed(
+                f"model '{self.name}': no place for the engine's socket (see the proxy's log)",
+                code="engine_start_failed",
+            ) from None
 
     def _raise_if_stopped(self) -> None:
         if self.state is not State.STARTING:
@@ -530,7 +560,8 @@ class Instance:
         if self.state in LIVE and self.engine is engine:
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._exited(engine, "exited unexpectedly")
-        self.ctx.ports.release(engine.port)
+        if engine.tcp_port is not None:
+            self.ctx.ports.release(engine.tcp_port)
         try:
             self.ctx.registry.remove(engine.pid)
         except OSError as err:
@@ -547,7 +578,8 @@ class Instance:
         """Probe the RUNNING engine every `health_interval_s`; `health_misses` failed probes in a
         row (no 200 within `health_timeout_s`: hung, deadlocked, SIGSTOPped) or a listener that
         is no longer the engine's own socket mark it unhealthy: it is killed, and the next
-        request starts a new instance."""
+        request starts a new instance. With a sleep policy, an engine the proxy has running
+        that says it is asleep (someone else called its /sleep) is killed the same way."""
         spec = self.spec
         misses = 0
         while True:
@@ -557,44 +589,74 @@ class Instance:
             if self.state is State.WAKING or self._sleep_call is not None:
                 continue  # a wake or sleep call is bounded on its own
             if not engine.listener_unchanged():
-                self._unhealthy(engine, "its port is no longer held by the engine's own socket")
+                where = "socket path" if engine.socket_path else "port"
+                self._unhealthy(engine, f"its {where} is no longer held by the engine's own socket")
                 return
-            healthy = await engine.probe(self.ctx.session, spec.health_timeout_s)
+            client = engine.client(self.ctx.session)
+            healthy = await engine.probe(client, spec.health_timeout_s)
             misses = 0 if healthy else misses + 1
             if misses >= spec.health_misses and self.state in (State.RUNNING, State.SLEEPING):
                 why = f"no answer to {misses} health probes in a row"
                 self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
                 return
+            if healthy and spec.sleep is not None and self._awake(engine):
+                asleep = await engine.probe_sleeping(client, spec.health_timeout_s)
+                if asleep and self._awake(engine):  # (no sleep of its own began meanwhile)
+                    why = "/is_sleeping says asleep while the proxy has it running"
+                    self._unhealthy(engine, f"put to sleep by someone else ({why})",
+                                    reason="sleep_not_ordered")  # fmt: skip
+                    return
 
-    def _unhealthy(self, engine: EngineProcess, why: str) -> None:
+    def _awake(self, engine: EngineProcess) -> bool:
+        """RUNNING on `engine` as far as the proxy knows: none of its sleeps or wakes under way."""
+        return (
+            self.state is State.RUNNING
+            and self.engine is engine
+            and self._sleep_call is None
+            and self._wake_task is None
+        )
+
+    def _unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
         self.unhealthy = True
-        self.ctx.metrics.restarts.labels(self.name, "unhealthy").inc()
+        self.unhealthy_reason = reason
+        self.ctx.metrics.restarts.labels(self.name, reason).inc()
         self._fail(f"model '{self.name}': engine not healthy: {why}; killed")
         engine.kill()
 
-    def upstream_failure(self, engine: EngineProcess) -> ProxyError:
+    def upstream_failure(
+        self, engine: EngineProcess, cause: BaseException | None = None
+    ) -> ProxyError:
         """What a request whose engine connection broke is told: 503 + Retry-After when the
         health watcher killed the engine, else 502 with the exit code or signal if it died.
-        Never engine log lines (they may hold other users' prompts); those go to the log."""
+        Never engine log lines (they may hold other users' prompts); those go to the log, with
+        `cause` (what the connection raised: a refused response says why) when it lives."""
         if self.unhealthy:
+            what = (
+                "was put to sleep outside the proxy"
+                if self.unhealthy_reason == "sleep_not_ordered"
+                else "stopped answering health checks"
+            )
             return Unavailable(
-                f"model '{self.name}': the engine stopped answering health checks and was"
-                " restarted; retry",
+                f"model '{self.name}': the engine {what} and was restarted; retry",
                 code="engine_unhealthy",
                 retry_after_s=1,
             )
         if engine.exit_code is not None:
             log.error("%s", engine.failure_message("exited while serving a request"))
             return EngineFailed(engine.short_failure("exited while serving the request"))
+        if cause is not None:
+            log.warning("%s: the request failed on a live engine: %s", self.id, cause)
         return EngineFailed(f"model '{self.name}': connection to the engine was lost")
 
-    async def upstream_failure_after_exit(self, engine: EngineProcess) -> ProxyError:
+    async def upstream_failure_after_exit(
+        self, engine: EngineProcess, cause: BaseException | None = None
+    ) -> ProxyError:
         """`upstream_failure()`, after waiting (bounded) for the exit code when the engine
         process is gone, or briefly when it still seems alive."""
         if engine.exit_code is None:
             # A dying engine may still look alive for a moment: a short look, not a fixed wait.
             await engine.wait_exit(EXIT_LOOK_S if engine.engine_alive() else KILL_WAIT_S)
-        return self.upstream_failure(engine)
+        return self.upstream_failure(engine, cause)
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -672,30 +734,27 @@ class Instance:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
         device while it slept, and a start next to it must not see memory freed while it
         profiles); what the engine still holds afterwards is measured and from then on is its
-        claim."""
+        claim. A sleep that fails or runs out of time stops the engine before the lock goes:
+        the engine may still be freeing memory."""
         residue: int | None = None
+        failed = False
         try:
             async with self._devices_held():
                 started = time.monotonic()
-                before = await self.ctx.usage(engine.pid, self.devices)
-                async with asyncio.timeout(self.spec.sleep_timeout_s):
-                    await engine.sleep(self.ctx.session, level)
-                after = await self.ctx.usage(engine.pid, self.devices)
-                residue = self.ctx.residue(self.id, before, after)
-        except Exception as err:  # failed, timed out, or a bug: the engine is stopped
-            self._sleep_call = None
-            self.ctx.host.settle(self.id)
-            if not isinstance(err, CallFailed | TimeoutError):
-                log.exception("%s: sleep failed", self.id)
-            if self.state is State.SLEEPING and self.engine is engine:
-                why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
-                log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
-                self.ctx.metrics.restarts.labels(self.name, "sleep_failed").inc()
-                await self._begin_stop()
-            return
+                try:
+                    before = await self.ctx.usage(engine.pid, self.devices)
+                    async with asyncio.timeout(self.spec.sleep_timeout_s):
+                        await engine.sleep(engine.client(self.ctx.session), level)
+                    after = await self.ctx.usage(engine.pid, self.devices)
+                    residue = self.ctx.residue(self.id, before, after)
+                except Exception as err:  # failed, timed out, or a bug: the engine is stopped
+                    failed = True
+                    self._sleep_failed(engine, err)
         finally:
             self._sleep_call = None
             self.ctx.host.settle(self.id)
+        if failed:
+            return
         if self.state is not State.SLEEPING or self.engine is not engine:
             return  # stopped meanwhile
         seconds = time.monotonic() - started
@@ -704,7 +763,7 @@ class Instance:
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
-        self.ctx.doze(self.id, residue)
+        self.ctx.doze(self.id, residue, level)
         self._changed.set()  # memory came back; waiters re-plan
         self._changed = asyncio.Event()
         self.ctx.on_capacity()
@@ -712,15 +771,31 @@ class Instance:
         if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
 
+    def _sleep_failed(self, engine: EngineProcess, err: Exception) -> None:
+        """A /sleep that failed or ran out of time: stop the engine (begun at once, so that the
+        lock is kept until it is down)."""
+        if not isinstance(err, CallFailed | TimeoutError):
+            log.error("%s: sleep failed", self.id, exc_info=err)
+        if self.state is State.SLEEPING and self.engine is engine:
+            why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
+            log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
+            self.ctx.metrics.restarts.labels(self.name, "sleep_failed").inc()
+            self._begin_stop()
+
     @asynccontextmanager
     async def _devices_held(self) -> AsyncIterator[None]:
-        """Its devices' lock (memory managed only), marked as held by this instance."""
+        """Its devices' lock (memory managed only), marked as held by this instance. A stop
+        begun while it is held (its own failed sleep or wake, an unload) runs without the lock
+        and is waited for before the lock goes: the engine's memory is back by then."""
         lock = self.ctx.device_lock(self.devices) if self.ctx.device_lock and self.devices else None
         async with lock or _nothing():
             self._owns_devices = True
             try:
                 yield
             finally:
+                stopping = self._stopping
+                if stopping is not None and stopping is not asyncio.current_task():
+                    await asyncio.wait({stopping})
                 self._owns_devices = False
 
     def wake(self) -> asyncio.Task[None]:
@@ -765,23 +840,31 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         started = time.monotonic()
         level = self.sleep_level
-        try:
-            # Not while another engine starts on these devices (its memory profiling would
-            # count the wake's allocations as its own); the wait is bounded by that start.
-            async with self._devices_held(), asyncio.timeout(self.spec.wake_timeout_s):
-                if self.state is not State.WAKING:
-                    raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
-                await engine.wake(self.ctx.session, level)
-                if self.spec.warmup:
-                    await engine.warmup(self.ctx.session)
-        except Stopped:
-            raise
-        except (CallFailed, TimeoutError) as err:
-            why = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
-            return await self._wake_failed(why)
-        except Exception as err:  # a bug or an OS error: never left half-woken
-            log.exception("%s: wake failed", self.id)
-            return await self._wake_failed(type(err).__name__)
+        failure: str | None = None
+        # Not while another engine starts on these devices (its memory profiling would count
+        # the wake's allocations as its own); the wait is bounded by that start. A failed wake
+        # stops the engine before the lock goes: it may still be allocating.
+        async with self._devices_held():
+            try:
+                async with asyncio.timeout(self.spec.wake_timeout_s):
+                    if self.state is not State.WAKING:
+                        raise Stopped(f"model '{self.name}' was stopped while waking",
+                                      code="stopped")  # fmt: skip
+                    client = engine.client(self.ctx.session)
+                    await engine.wake(client, level)
+                    if self.spec.warmup:
+                        await engine.warmup(client)
+            except Stopped:
+                raise
+            except (CallFailed, TimeoutError) as err:
+                failure = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
+                self._abandon_wake(failure)
+            except Exception as err:  # a bug or an OS error: never left half-woken
+                log.exception("%s: wake failed", self.id)
+                failure = type(err).__name__
+                self._abandon_wake(failure)
+        if failure is not None:
+            return await self._wake_failed(failure)
         if self.state is not State.WAKING or self.engine is not engine:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = time.monotonic() - started
@@ -794,13 +877,22 @@ class Instance:
         if self.leases == 0 and not self.retired:
             self._arm_idle_timer()
 
+    def _abandon_wake(self, why: str) -> None:
+        """A failed wake: begin the stop at once (still holding the devices' lock)."""
+        if self.state is State.WAKING:
+            log.error("%s: wake failed (%s); stopping the engine", self.id, why)
+            self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
+            self._woken_in_vain = True
+            self._begin_stop()
+
     async def _wake_failed(self, why: str) -> None:
         """Never serve from a half-woken engine: stop it; the caller cold-starts a new one."""
-        if self.state is not State.WAKING:  # stopped meanwhile (unload, shutdown, eviction)
+        if self.state is State.WAKING:
+            self._abandon_wake(why)
+        elif not self._woken_in_vain:  # stopped meanwhile (unload, shutdown, eviction)
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
-        log.error("%s: wake failed (%s); stopping the engine", self.id, why)
-        self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
-        await self._begin_stop()
+        if self._stopping is not None:
+            await asyncio.shield(self._stopping)
         raise WakeFailed(f"model '{self.name}': the engine did not wake; restarting it",
                          code="wake_failed")  # fmt: skip
 
@@ -849,8 +941,13 @@ class Instance:
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
-            if self._owns_devices or engine.exit_code is not None:
-                code = await engine.stop(grace)  # its own start, wake or sleep holds the lock
+            code: int | None
+            if engine.exit_code is not None:
+                code = await engine.stop(grace)  # gone already: its memory with it
+            elif self._owns_devices:  # its own start, wake or sleep holds the lock and waits
+                before = await self.ctx.usage(engine.pid, self.devices)
+                code = await engine.stop(grace)
+                await self.ctx.wait_released(before)
             else:
                 # Memory given back while a neighbour profiles its start fails that start
                 # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
@@ -860,7 +957,8 @@ class Instance:
                     code = await engine.stop(grace)
                     await self.ctx.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
-        if starting and self._start_task is not None:
+        if starting and self._start_task is not None and not self._awaiting_devices:
+            # (A start still queued for its devices spawns nothing once it gets them.)
             await asyncio.wait({self._start_task}, timeout=KILL_WAIT_S)
         self._set_state(State.STOPPED)
 
@@ -886,7 +984,8 @@ class Instance:
             "state": self.state.value,
             "sleep_level": self.sleep_level if self.state is State.SLEEPING else 0,
             "pid": engine.pid if live and engine else None,
-            "port": engine.port if live and engine else None,
+            "port": engine.tcp_port if live and engine else None,
+            "socket": engine.socket_path if live and engine else None,
             "devices": list(self.devices) if self.state not in DOWN else [],
             "leases": self.leases,
             "last_used": self.last_used or None,

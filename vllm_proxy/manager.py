@@ -13,7 +13,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from .config import ModelSpec
@@ -132,9 +132,10 @@ class Manager:
 
             task.add_done_callback(done)
 
-    def _engine_groups(self) -> dict[str, int]:
+    def _engine_groups(self) -> dict[str, tuple[int, float]]:
+        """Every RUNNING engine's process group, with when it (last) became RUNNING."""
         return {
-            i.id: i.engine.pid
+            i.id: (i.engine.pid, i.running_since)
             for i in self.all_instances()
             if i.state is State.RUNNING and i.engine is not None and i.engine.pid is not None
         }
@@ -252,13 +253,14 @@ class Manager:
         assert memory is not None
 
         asleep_mb = memory.held_mb(inst.id)
+        level = memory.slept_level.get(inst.id)
 
         def claim(decision: Plan) -> Placement:
             memory.rouse(inst.id)
             return memory.claims[inst.id]
 
         def unclaim() -> None:
-            memory.doze(inst.id, asleep_mb)
+            memory.doze(inst.id, asleep_mb, level)
 
         await self._reclaim(inst, State.WAKING, claim, unclaim)
 
@@ -294,7 +296,9 @@ class Manager:
                     log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
                 if decision.sleep or decision.evict:
                     await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
-                    if not await memory.wait_free(decision.devices, need):
+                    freed = await self._while_in(inst, state, memory.wait_free(decision.devices,
+                                                                               need))  # fmt: skip
+                    if not freed:
                         # Less came back than planned (a sleep that kept more, another
                         # program): plan again on fresh readings rather than fail in vLLM.
                         unclaim()
@@ -318,6 +322,23 @@ class Manager:
                     retry_after_s=max(1, int(self.queue_timeout_s) or 5),
                 )
             await self._wait_capacity(inst, remaining)
+
+    async def _while_in(self, inst: Instance, state: State, wait: Awaitable[bool]) -> bool:
+        """`wait`'s answer, unless `inst` leaves `state` first (stopped, unloaded, shut down):
+        then `Stopped` at once, not when the wait runs out."""
+        task = asyncio.ensure_future(wait)
+        try:
+            while not task.done():
+                if inst.state is not state:
+                    raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
+                change = asyncio.ensure_future(inst.wait_change())
+                try:
+                    await asyncio.wait({task, change}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+            return task.result()
+        finally:
+            task.cancel()
 
     def _siblings(self, inst: Instance) -> list[Instance]:
         """The other placed, live replicas of `inst`'s model."""

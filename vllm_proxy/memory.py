@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .config import ArgValue, Config, GpuDevice, ModelSpec
+from .config import ArgValue, Config, GpuDevice, ModelSpec, SleepPolicy
 from .errors import ConfigError
 from .footprint import Footprint, footprint_for_spec, reload_buffer_mb, utilization_for
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
@@ -161,8 +161,10 @@ class Memory:
         self.totals = {s.id: s.total_mb for s in self.snapshots}
         #: Memory claimed by each placed instance (admitted and not yet down), by instance id.
         self.claims: dict[str, Placement] = {}
-        #: Instances asleep (their /sleep call returned): what each still holds per device.
+        #: Instances asleep (their /sleep call returned): what each still holds per device ...
         self.asleep: dict[str, int] = {}
+        #: ... and the level each was put to sleep at, where known.
+        self.slept_level: dict[str, int] = {}
         #: Device usage (NVML) when an instance began to allocate (a start under its device
         #: lock, a wake): what it has allocated since is the growth over this.
         self.baseline: dict[str, dict[int, int]] = {}
@@ -359,7 +361,19 @@ class Memory:
     def wake_need(self, instance_id: str) -> int:
         """What a sleeping instance adds per device when it wakes: the model's footprint (with
         the overhead measured so far) less what it still holds."""
-        return max(self.footprint(_model_of(instance_id)) - self.held_mb(instance_id), 0)
+        return max(self._awake_mb(instance_id) - self.held_mb(instance_id), 0)
+
+    def _awake_mb(self, instance_id: str) -> int:
+        """What the instance holds once awake: its model's footprint, plus the reload buffer
+        when it slept at level 2 although its model's policy (and so its footprint) did not
+        count one (level 1 demoted for lack of host RAM, or an admin's level-2 sleep)."""
+        name = _model_of(instance_id)
+        mb = self.footprint(name)
+        spec = self._specs.get(name)
+        if self.slept_level.get(instance_id) == 2 and spec is not None:
+            if spec.sleep is None or spec.sleep.level != 2:
+                mb += reload_buffer_mb(dataclasses.replace(spec, sleep=SleepPolicy(level=2)))
+        return mb
 
     def allocated_mb(self, instance_id: str, pgid: int | None, device: int) -> int:
         """How much of its claim an instance that is starting or waking has allocated on
@@ -375,12 +389,15 @@ class Memory:
         base = self.baseline.get(instance_id, {}).get(device)
         return max(snap.used_mb - base, 0) if base is not None else 0
 
-    def doze(self, instance_id: str, mb: int | None) -> None:
-        """The instance is asleep: from now on it holds `mb` per device (measured after its
-        /sleep returned), or the model's expected sleep memory when nothing could be measured."""
+    def doze(self, instance_id: str, mb: int | None, level: int | None = None) -> None:
+        """The instance is asleep (at `level`, when given): from now on it holds `mb` per device
+        (measured after its /sleep returned), or the model's expected sleep memory when nothing
+        could be measured."""
         claim = self.claims.get(instance_id)
         if claim is None:
             return
+        if level is not None:
+            self.slept_level[instance_id] = level
         name = _model_of(instance_id)
         if mb is not None and name in self._keys:
             self.residues[name] = (self._keys[name], mb)
@@ -398,8 +415,9 @@ class Memory:
         self.asleep.pop(instance_id, None)
         if claim is None:
             return
-        claim = dataclasses.replace(claim, footprint_mb=self.footprint(_model_of(instance_id)))
+        claim = dataclasses.replace(claim, footprint_mb=self._awake_mb(instance_id))
         self.claims[instance_id] = claim
+        self.slept_level.pop(instance_id, None)
         self.measured.pop(instance_id, None)
         self.baseline[instance_id] = {s.id: s.used_mb for s in self.snapshots}
         if isinstance(self.source, StaticBudget):
@@ -469,6 +487,7 @@ class Memory:
         """The instance is down: its claim and measurement go."""
         self.claims.pop(instance_id, None)
         self.asleep.pop(instance_id, None)
+        self.slept_level.pop(instance_id, None)
         self.baseline.pop(instance_id, None)
         if isinstance(self.source, StaticBudget):
             self.source.clear_usage(instance_id)
@@ -618,14 +637,19 @@ class Memory:
                 return False
             await asyncio.sleep(FREE_POLL_S)
 
-    def measure(self, groups: dict[str, int]) -> None:
-        """Record what each running instance (id -> process group) holds, from NVML per-process.
+    def measure(self, groups: dict[str, tuple[int, float]], read_at: float | None = None) -> None:
+        """Record what each running instance (id -> (process group, RUNNING since)) holds, from
+        NVML per-process readings taken at `read_at` (monotonic; None: now).
 
         Per-process readings win over the device delta taken at start when the driver has them.
+        A reading that began before the instance became RUNNING may show it mid-start or
+        mid-wake, holding far less than it will: it is not a measurement of it.
         """
         if self.kind != "nvml":
             return
-        for iid, pgid in groups.items():
+        for iid, (pgid, since) in groups.items():
+            if read_at is not None and read_at < since:
+                continue
             per_device = []
             for snap in self.snapshots:
                 mb = sum(m for pid, m in snap.processes.items() if _pgid(pid) == pgid)
@@ -635,7 +659,7 @@ class Memory:
                 self.by_process.add(iid)
                 self._set_measured(iid, max(per_device))
 
-    async def run(self, groups: Callable[[], dict[str, int]]) -> None:
+    async def run(self, groups: Callable[[], dict[str, tuple[int, float]]]) -> None:
         """Keep NVML snapshots fresh (in a thread) and measure running engines."""
         if not isinstance(self.source, NvmlMonitor):
             return
@@ -645,7 +669,7 @@ class Memory:
             while True:
                 await asyncio.sleep(self.poll_interval_s)
                 self.snapshots = source.latest or self.snapshots
-                self.measure(groups())
+                self.measure(groups(), source.updated_at)
         finally:
             refresher.cancel()
 

@@ -86,6 +86,9 @@ class Model:
         #: Set while an unload drains; new requests wait for it.
         #: Unloads and admin sleeps under way: while any runs, new requests wait.
         self._drains = 0
+        #: Drains begun so far: a waiter whose bring-up was stopped by one that has already
+        #: ended still tries again.
+        self._drains_begun = 0
         #: No longer configured (reload); requests still waiting get an error.
         self.removed = False
         #: The proxy is shutting down.
@@ -182,10 +185,11 @@ class Model:
                 starts += 1
                 self._bringup = asyncio.ensure_future(self._bring_up())
                 self._bringup.add_done_callback(self._bringup_done)
+            drains = self._drains_begun
             try:
                 await self._wait_bringup(self._bringup)
             except Stopped:
-                if self.draining or self.removed or self.closed:
+                if self.draining or self.removed or self.closed or drains != self._drains_begun:
                     continue  # the loop answers for the unload, removal or shutdown
                 raise
             except ProxyError:
@@ -569,6 +573,7 @@ class Model:
     async def unload(self, timeout: float) -> None:
         """Admin unload: new requests wait; in-flight ones get `timeout`; every instance stops."""
         self._drains += 1
+        self._drains_begun += 1
         try:
             while self.instances:
                 await asyncio.gather(*(i.drain_and_stop(timeout) for i in list(self.instances)))
@@ -602,6 +607,7 @@ class Model:
                 code="sleep_not_enabled",
             )
         self._drains += 1
+        self._drains_begun += 1
         try:
             instances = [i for i in self.instances if i.state is State.RUNNING]
             await asyncio.gather(*(i.drained(timeout) for i in instances))

@@ -23,7 +23,8 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from .body import Body, model_of
+from . import heap
+from .body import Body, bulk, model_of
 from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
@@ -39,7 +40,7 @@ from .errors import (
     error_body,
 )
 from .instance import Instance
-from .intake import read_body, too_large
+from .intake import MIB, Bodies, read_body, too_large
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
@@ -121,6 +122,8 @@ def sse_error(message: str, type_: str, code: str) -> bytes:
 
 #: What precedes the token counts in a response (the last such object is the final one).
 USAGE = b'"usage":'
+#: A token count above this in an engine's usage is counted as this.
+MAX_TOKENS = 1 << 31
 
 
 class Tap:
@@ -158,8 +161,9 @@ class Tap:
         try:
             text = self.usage.text.decode("utf-8", "replace").lstrip()
             usage, _ = _DECODER.raw_decode(text)
-            return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
-        except (ValueError, AttributeError, TypeError):
+            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            return min(int(prompt or 0), MAX_TOKENS), min(int(completion or 0), MAX_TOKENS)
+        except (ValueError, AttributeError, TypeError, OverflowError):  # 1e999 is inf
             return None
 
 
@@ -214,7 +218,10 @@ def _downstream_headers(raw: list[tuple[bytes, bytes]]) -> CIMultiDict[str]:
         if lower == "connection":
             named.append(v.decode("latin-1"))
         elif lower not in DROP_RESPONSE:
-            headers.add(name, v.decode("latin-1"))
+            try:  # aiohttp writes values as UTF-8: decoded so, the engine's bytes go out
+                headers.add(name, v.decode("utf-8"))
+            except UnicodeDecodeError:  # no str aiohttp writes as these bytes
+                log.warning("engine header %s is not UTF-8; dropped", name)
     for extra in _connection_named(named):  # rare: headers the engine marked hop-by-hop
         headers.popall(extra, None)
     return headers
@@ -242,7 +249,10 @@ class Proxy:
         self.manager = manager
         self.metrics = metrics
         self.upstream = upstream
-        self.max_body_bytes = int(server.max_body_mb * 1024 * 1024)
+        self.max_body_bytes = int(server.max_body_mb * MIB)
+        #: Request bodies held by all requests (``server.max_bodies_mb``).
+        self.bodies = Bodies(int(server.max_bodies_mb * MIB), heap.give_back())
+        bulk()  # the scan's regexes, compiled now rather than when the first body needs them
         self.configure(server)
         self.created = int(time.time())
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
@@ -257,6 +267,7 @@ class Proxy:
         self.access_log = server.access_log
         self.body_timeout_s = server.body_timeout_s
         self.send_timeout_s = server.send_timeout_s
+        self.bodies.limit = int(server.max_bodies_mb * MIB)
 
     # -- middleware ----------------------------------------------------------------------
 
@@ -354,31 +365,35 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        body, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s)
-        parsed = model_of(body, forced, scanned)
-        model = self.manager.resolve(parsed.model)
-        body = parsed.body_for(model.name)
-        tap.model = model.name
-        status = "error"
-        affinity = model.spec.affinity_header
-        session = request.headers.get(affinity) if affinity else None
+        hold = self.bodies.hold()  # the body's bytes, held until the request ends
         try:
-            if parsed.stream and model.serving() is None:
-                resp = await self._forward_loading(request, path, body, model, session, tap)
-            else:
-                async with self.manager.lease(model, session) as (inst, engine):
-                    tap.instance = inst.id
-                    resp = await self._relay(request, path, body, inst, engine, tap)
-            status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
-            return resp
-        except ProxyError as err:
-            status = str(err.status)
-            raise
-        except asyncio.CancelledError:
-            status = CLIENT_CLOSED
-            raise
+            body, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s, hold)
+            parsed = model_of(body, forced, scanned)
+            model = self.manager.resolve(parsed.model)
+            body = parsed.body_for(model.name)
+            tap.model = model.name
+            status = "error"
+            affinity = model.spec.affinity_header
+            session = request.headers.get(affinity) if affinity else None
+            try:
+                if parsed.stream and model.serving() is None:
+                    resp = await self._forward_loading(request, path, body, model, session, tap)
+                else:
+                    async with self.manager.lease(model, session) as (inst, engine):
+                        tap.instance = inst.id
+                        resp = await self._relay(request, path, body, inst, engine, tap)
+                status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
+                return resp
+            except ProxyError as err:
+                status = str(err.status)
+                raise
+            except asyncio.CancelledError:
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                self._observe(model.name, status, tap.started, tap)
         finally:
-            self._observe(model.name, status, tap.started, tap)
+            hold.release()
 
     async def _forward_loading(
         self,
@@ -458,7 +473,7 @@ class Proxy:
         timeout = inst.spec.read_timeout_s
         try:
             up = await self.upstream.request(
-                engine.port,
+                engine.address,
                 "POST",
                 path,
                 _upstream_headers(request, inst.spec.api_key),
@@ -470,8 +485,8 @@ class Proxy:
             raise self._read_timeout(inst) from None
         except NoSlot as err:
             raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
-        except UpstreamError:
-            raise await inst.upstream_failure_after_exit(engine) from None
+        except UpstreamError as err:
+            raise await inst.upstream_failure_after_exit(engine, err) from None
         try:
             headers = _downstream_headers(up.headers)
             if up.status == 503 and "Retry-After" not in headers:  # vLLM's own (queue limits)
@@ -490,8 +505,8 @@ class Proxy:
                     return web.Response(status=up.status, body=payload, headers=headers)
             except TimeoutError:
                 raise self._read_timeout(inst) from None
-            except UpstreamError:
-                raise await inst.upstream_failure_after_exit(engine) from None
+            except UpstreamError as err:
+                raise await inst.upstream_failure_after_exit(engine, err) from None
             return await self._body(request, up, headers, first, inst, tap)
         finally:
             up.release()  # not read to the end (client gone, error): closes, the engine aborts
@@ -609,8 +624,8 @@ class Proxy:
             msg = f"model '{inst.name}': no data for {timeout:g}s"
             await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
             return resp
-        except UpstreamError:
-            err = await inst.upstream_failure_after_exit(engine)
+        except UpstreamError as cause:
+            err = await inst.upstream_failure_after_exit(engine, cause)
             await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
             return resp
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):

@@ -4,12 +4,17 @@ A proxy that was killed hard leaves nothing behind in the normal case: every eng
 parent-death signal and kills its group. The sweep covers the rest (a guard that was killed
 itself, a kernel without the signal): at start the proxy kills every process group recorded in
 ``engines.json`` and every guard whose command line carries this instance's tag, before it
-allocates a single port.
+allocates a single port. A guard whose proxy is still alive (its parent is still the process
+that started it) is never swept: it belongs to a running proxy.
+
+`StateLock` keeps two proxies off one state directory: the second one stops before it reads
+``engines.json``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -23,6 +28,58 @@ import psutil
 from .guard import MARKER
 
 log = logging.getLogger(__name__)
+
+LOCK_FILE = "proxy.lock"
+
+
+class StateDirBusy(Exception):
+    """Another live process holds the state directory's lock."""
+
+    def __init__(self, path: str, holder: int | None) -> None:
+        who = f"pid {holder}" if holder else "another process"
+        super().__init__(f"state dir {path} is in use by another vllm-proxy ({who})")
+        self.path = path
+        self.holder = holder
+
+
+class StateLock:
+    """An exclusive lock on a state directory (``flock`` on ``proxy.lock``, holding our pid).
+
+    The kernel drops it when the process ends, however it ends: a proxy killed with ``kill -9``
+    never leaves its successor locked out. The descriptor is not inherited by engines.
+    """
+
+    def __init__(self, state_dir: str) -> None:
+        """Take the lock now; `StateDirBusy` when a live process holds it, `OSError` when the
+        directory cannot be made or written."""
+        self.path = Path(state_dir)
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BlockingIOError:
+            holder = _pid_in(fd)
+            os.close(fd)
+            raise StateDirBusy(str(self.path), holder) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd: int | None = fd
+
+    def release(self) -> None:
+        """Give the lock up (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _pid_in(fd: int) -> int | None:
+    try:
+        return int(os.pread(fd, 32, 0).decode().strip())
+    except (OSError, ValueError):
+        return None
 
 
 class EngineRegistry:
@@ -83,11 +140,17 @@ class EngineRegistry:
         """Kill engine groups left by a previous proxy with this state dir; returns their pgids.
 
         A recorded group is killed only when its leader is still the process we started (same
-        start time, our guard's command line); a pid reused by someone else is left alone.
+        start time, our guard's command line); a pid reused by someone else is left alone, and
+        so is a guard whose proxy is alive.
         """
         pgids = set(self._recorded()) | set(self._tagged_guards())
         pgids.discard(os.getpgid(0))
-        live = [g for g in pgids if _group_alive(g)]
+        owned = {g: owner for g in pgids if (owner := _live_owner(g)) is not None}
+        for pgid, owner in sorted(owned.items()):
+            log.warning(
+                "engine process group %d belongs to the live process %d: left alone", pgid, owner
+            )
+        live = [g for g in pgids if g not in owned and _group_alive(g)]
         for pgid in live:
             log.warning("stopping engine process group %d left by a previous proxy", pgid)
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -136,9 +199,29 @@ def _is_our_guard(pid: int, started: float | None) -> bool:
         return False
 
 
+def _live_owner(guard: int) -> int | None:
+    """The proxy that started this guard, while it is alive.
+
+    The guard's ``--parent`` is that proxy's pid. A process keeps its parent until the parent
+    dies (then it is reparented), so a parent that still equals ``--parent`` is that proxy, never
+    a stranger with a reused pid.
+    """
+    try:
+        proc = psutil.Process(guard)
+        cmd = proc.cmdline()
+        parent = int(_arg(cmd, "--parent") or 0)
+        return parent if parent > 1 and MARKER in cmd and proc.ppid() == parent else None
+    except (psutil.Error, ValueError):
+        return None
+
+
 def _tag_of(cmdline: list[str]) -> str | None:
+    return _arg(cmdline, "--tag")
+
+
+def _arg(cmdline: list[str], flag: str) -> str | None:
     with contextlib.suppress(ValueError, IndexError):
-        return cmdline[cmdline.index("--tag") + 1]
+        return cmdline[cmdline.index(flag) + 1]
     return None
 
 

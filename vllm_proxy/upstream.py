@@ -1,4 +1,5 @@
-"""The request path's HTTP/1.1 client to engines: keep-alive connections on loopback.
+"""The request path's HTTP/1.1 client to engines: keep-alive connections to each engine's Unix
+socket or loopback port.
 
 Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy does not need a
 general-purpose client on its hottest path. This one writes the request head and body in one
@@ -30,7 +31,13 @@ log = logging.getLogger(__name__)
 
 #: Idle keep-alive connections older than this are closed (uvicorn closes them after 5 s).
 IDLE_TIMEOUT_S = 4.0
-MAX_IDLE_PER_PORT = 256
+MAX_IDLE_PER_ENGINE = 256
+#: Addresses remembered (their ``Host`` line, their idle connections); every instance of an
+#: engine on a socket has an address of its own, so past this many the unused ones go.
+MAX_ADDRESSES = 4096
+#: A Unix socket's listen queue that is full answers a connect at once (EAGAIN): tried again
+#: after this, within the connect timeout.
+FULL_QUEUE_RETRY_S = 0.005
 #: Socket reads pause while this much body is buffered, and resume below the low mark.
 HIGH_WATER, LOW_WATER = 256 * 1024, 64 * 1024
 #: At most this many buffers go in the first send on a new connection (the system's limit
@@ -438,11 +445,12 @@ def _expire(fut: asyncio.Future[None]) -> None:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; parser callbacks feed the current response."""
 
-    __slots__ = ("closed", "deliver", "idle_since", "on_body", "parser", "pieces", "port",
+    __slots__ = ("address", "closed", "deliver", "idle_since", "on_body", "parser", "pieces",
                  "refused", "resp", "transport")  # fmt: skip
 
-    def __init__(self, port: int) -> None:
-        self.port = port
+    def __init__(self, address: int | str) -> None:
+        #: The engine's loopback port, or the path of its Unix socket.
+        self.address = address
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -524,6 +532,13 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
     # httptools callbacks
+    def on_message_begin(self) -> None:
+        # A response is one message: anything after its end (an engine that wrote more than
+        # it was asked) is not read as part of it, and the connection is not used again.
+        if self.resp._done:  # type: ignore[union-attr]
+            self.refused = "bytes after the end of the response"
+            raise UpstreamError(self.refused)
+
     def on_header(self, name: bytes, value: bytes) -> None:
         resp = self.resp
         assert resp is not None
@@ -542,10 +557,16 @@ class _Conn(asyncio.Protocol):
         if status == 101:
             self.refused = "the engine switched protocols (101), which the proxy refuses"
             raise UpstreamError(self.refused)
-        if 100 <= status < 200:  # 100 Continue, 103 Early Hints: not the final response
-            resp.headers.clear()
+        if status < 200:
+            if status < 100:
+                self.refused = f"status {status}, outside 100-599"
+                raise UpstreamError(self.refused)
+            resp.headers.clear()  # 100 Continue, 103 Early Hints: not the final response
             resp._head_bytes = 0
             return
+        if status > 599:
+            self.refused = f"status {status}, outside 100-599"
+            raise UpstreamError(self.refused)
         resp.status = status
         resp.keep_alive = parser.should_keep_alive()
         names = {k.lower() for k, _ in resp.headers}
@@ -567,12 +588,15 @@ class NoSlot(UpstreamError):
 
 
 class UpstreamPool:
-    """Keep-alive connections to 127.0.0.1:<port>; at most `limit` in use at once, split in
+    """Keep-alive connections to engines, each reached at its address: the path of its Unix
+    socket (a str) or its port on 127.0.0.1 (an int). At most `limit` in use at once, split in
     equal shares between the models (`set_shares`), so that one slow model cannot take every
     connection; a request waits for a slot of its share at most `slot_wait_s`."""
 
     def __init__(self, limit: int, connect_timeout_s: float = 10.0, slot_wait_s: float = 30.0):
-        self._idle: dict[int, collections.deque[_Conn]] = {}
+        self._idle: dict[int | str, collections.deque[_Conn]] = {}
+        #: The ``Host`` line of the requests to each address, made once.
+        self._hosts: dict[int | str, str] = {}
         self.limit = limit
         self.connect_timeout_s = connect_timeout_s
         self.slot_wait_s = slot_wait_s
@@ -610,7 +634,7 @@ class UpstreamPool:
 
     async def request(
         self,
-        port: int,
+        address: int | str,
         method: str,
         path: str,
         headers: Iterable[tuple[str, str]],
@@ -626,15 +650,16 @@ class UpstreamPool:
         """
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
-        head = _head(method, path, port, headers, len(body))
+        host = self._hosts.get(address) or self._host(address)
+        head = _head(method, path, host, headers, len(body))
         if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
             parts: tuple[bytes | bytearray, ...] = (head, *body.parts)
         else:
             parts = (head, body) if body else (head,)
         slot = await self._take(share)
         try:
-            pooled = self._pooled(port)
-            conn = pooled or _Conn(port)
+            pooled = self._pooled(address)
+            conn = pooled or _Conn(address)
             resp = UpstreamResponse(conn, self, slot)
             conn.start(resp)  # before a new socket is read: the answer may come at once
             if pooled is None:
@@ -652,9 +677,19 @@ class UpstreamPool:
             slot.release()
             raise
 
-    def _pooled(self, port: int) -> _Conn | None:
-        """An open pooled connection to `port`, if there is one."""
-        idle = self._idle.get(port)
+    def _host(self, address: int | str) -> str:
+        """The ``Host`` line for an address not seen before (once per engine)."""
+        if len(self._hosts) >= MAX_ADDRESSES:
+            self._hosts.clear()
+            self._idle = {a: idle for a, idle in self._idle.items() if idle}
+        host = self._hosts[address] = (
+            "Host: localhost" if isinstance(address, str) else f"Host: 127.0.0.1:{address}"
+        )
+        return host
+
+    def _pooled(self, address: int | str) -> _Conn | None:
+        """An open pooled connection to `address`, if there is one."""
+        idle = self._idle.get(address)
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -680,33 +715,45 @@ class UpstreamPool:
         with 2,000 streams open)."""
         loop = self.loop
         assert loop is not None
-        port = conn.port
+        address = conn.address
+        # A Unix socket's path, or the loopback port.
+        target = address if isinstance(address, str) else ("127.0.0.1", address)
+        unix = isinstance(target, str)
         try:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock = socket.socket(socket.AF_UNIX if unix else socket.AF_INET, socket.SOCK_STREAM)
         except OSError as err:
-            raise self._connect_error(port, err) from None
+            raise self._connect_error(address, err) from None
         try:
             sock.setblocking(False)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # asyncio.timeout, not wait_for: on 3.11 wait_for runs its awaitable in a task of
             # its own, two more loop iterations before a new stream's request can go out.
             async with asyncio.timeout(self.connect_timeout_s):
-                code = sock.connect_ex(("127.0.0.1", port))
-                if code == errno.EINPROGRESS:
-                    code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-                    if code == 0 and not _connected(sock):  # not done yet: the loop waits
-                        await loop.sock_connect(sock, ("127.0.0.1", port))
+                if unix:
+                    code = sock.connect_ex(target)
+                    while code == errno.EAGAIN:  # the engine's listen queue is full
+                        await asyncio.sleep(FULL_QUEUE_RETRY_S)
+                        code = sock.connect_ex(target)
+                else:
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    code = sock.connect_ex(target)
+                    if code == errno.EINPROGRESS:
+                        code = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                        if code == 0 and not _connected(sock):  # not done yet: the loop waits
+                            await loop.sock_connect(sock, target)
                 if code:
                     raise OSError(code, os.strerror(code))
                 try:
                     sent = sock.sendmsg(parts[:EARLY_PARTS])
                 except (BlockingIOError, InterruptedError):
                     sent = 0
-                await loop.create_connection(lambda: conn, sock=sock)
+                if unix:
+                    await loop.create_unix_connection(lambda: conn, sock=sock)
+                else:
+                    await loop.create_connection(lambda: conn, sock=sock)
         except BaseException as err:
             sock.close()
             if isinstance(err, OSError):
-                raise self._connect_error(port, err) from None
+                raise self._connect_error(address, err) from None
             raise
         rest = _after(parts, sent)
         if rest:
@@ -714,11 +761,12 @@ class UpstreamPool:
             conn.transport.writelines(rest)
 
     @staticmethod
-    def _connect_error(port: int, err: OSError) -> Exception:
+    def _connect_error(address: int | str, err: OSError) -> Exception:
         if err.errno in (errno.EMFILE, errno.ENFILE):  # ours to answer, not the engine's fault
             log.error("out of file descriptors: cannot open a connection to an engine")
             return NoSlot("the proxy is out of file descriptors")
-        return UpstreamError(f"cannot connect to the engine on port {port}: {err}")
+        where = f"socket {address}" if isinstance(address, str) else f"port {address}"
+        return UpstreamError(f"cannot connect to the engine on {where}: {err}")
 
     def _release(self, conn: _Conn, reusable: bool, slot: asyncio.Semaphore) -> None:
         slot.release()
@@ -727,8 +775,8 @@ class UpstreamPool:
         if not reusable or conn.closed:
             conn.close()
             return
-        idle = self._idle.setdefault(conn.port, collections.deque())
-        if len(idle) >= MAX_IDLE_PER_PORT:
+        idle = self._idle.setdefault(conn.address, collections.deque())
+        if len(idle) >= MAX_IDLE_PER_ENGINE:
             conn.close()
             return
         transport = conn.transport
@@ -767,8 +815,8 @@ def _after(parts: tuple[bytes | bytearray, ...], sent: int) -> list[bytes | byte
 
 
 def _head(
-    method: str, path: str, port: int, headers: Iterable[tuple[str, str]], length: int
+    method: str, path: str, host: str, headers: Iterable[tuple[str, str]], length: int
 ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", f"Content-Length: {length}"]
+    lines = [f"{method} {path} HTTP/1.1", host, f"Content-Length: {length}"]
     lines += [f"{k}: {v}" for k, v in headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")

@@ -43,8 +43,11 @@ async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
 
 
 async def main() -> None:
-    port = int(sys.argv[sys.argv.index("--port") + 1])
-    server = await asyncio.start_server(serve, "127.0.0.1", port)
+    if "--uds" in sys.argv:
+        server = await asyncio.start_unix_server(serve, sys.argv[sys.argv.index("--uds") + 1])
+    else:
+        port = int(sys.argv[sys.argv.index("--port") + 1])
+        server = await asyncio.start_server(serve, "127.0.0.1", port)
     async with server:
         await server.serve_forever()
 

@@ -1,0 +1,1041 @@
+"""Adversarial tests of GPU memory planning on the simulated GPU: hostile interleavings of starts,
+sleeps, wakes, stops, crashes, reloads and shutdown around the device locks.
+
+Each test pins an invariant of docs/design.md ("GPU memory", "Sleep tiers") with the proxy's real
+NVML path over the simulated-GPU ledger (``fake_vllm/simgpu.py``):
+
+* no memory is freed on a device while another engine profiles its start there, and nothing is
+  allocated there while an engine sleeps (vLLM's "Error in memory profiling" and "Memory usage
+  increased after sleeping"), checked on the ledger's event history, not only in the logs;
+* a stop never waits for the lock its own instance holds (start, sleep, wake): no deadlock;
+* no engine ever holds more than its claim (asleep: its measured residue), and vLLM's startup
+  check never refuses a start the planner admitted;
+* budgets (``--gpu-memory-utilization``) are the same at every start, retry and reload;
+* claims and host-RAM promises come back on every path: a refused wake, a failed or stopped
+  sleep, a wait for memory that did not come back.
+
+Tests wait on states and on the ledger with deadlines, never on time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RunningProxy, StartProxy, make_config, wait_for
+
+from fake_vllm.simgpu import Event, Ledger, nvml_module
+from vllm_proxy.config import Config
+from vllm_proxy.engine import instance_logs
+from vllm_proxy.instance import Instance, State
+
+#: What the simulated engines hold outside their budget.
+CONTEXT_MB = 512
+#: vLLM's messages that must never appear in an engine's log during proxy-ordered changes.
+STARTUP_REFUSAL = "less than desired GPU memory utilization"
+PROFILING_ERROR = "Error in memory profiling"
+SLEEP_ASSERT = "Memory usage increased after sleeping"
+WAKE_OOM = "Failed to wake up allocator"
+FORBIDDEN = (STARTUP_REFUSAL, PROFILING_ERROR, SLEEP_ASSERT, WAKE_OOM)
+#: A sleep policy that never fires by itself.
+L1 = {"level": 1, "after_idle_s": 3600}
+L2 = {"level": 2, "after_idle_s": 3600}
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    """Two simulated 24000 MiB GPUs; the proxy's NVML import gets the stand-in over them."""
+    path = tmp_path / "gpu.json"
+    ledger = Ledger.create(path, [{"total_mb": 24_000}, {"total_mb": 24_000}])
+    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    return ledger
+
+
+def sim_config(
+    tmp_path: Path,
+    ledger: Ledger,
+    models: dict[str, dict[str, Any]],
+    devices: list[int] | None = None,
+    queue_timeout_s: float = 15,
+    **gpu: Any,
+) -> Config:
+    sim = {"FAKE_ENGINE_SIM_GPU": str(ledger.path), "FAKE_ENGINE_SIM_CONTEXT_MB": str(CONTEXT_MB)}
+    for model in models.values():
+        model["env"] = {**sim, "FAKE_ENGINE_SIM_PROFILE_S": "0.05", **model.get("env", {})}
+    cfg = make_config(
+        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0}
+    )
+    update = {"monitor": "nvml", "poll_interval_s": 0.1, "devices": devices or [0], **gpu}
+    admission = cfg.admission.model_copy(update={"queue_timeout_s": queue_timeout_s})
+    return cfg.model_copy(update={"gpu": cfg.gpu.model_copy(update=update), "admission": admission})
+
+
+async def chat(proxy: RunningProxy, model: str) -> tuple[int, str]:
+    resp = await proxy.chat(model, max_tokens=2)
+    return resp.status, await resp.text()
+
+
+def all_logs(proxy: RunningProxy, name: str) -> str:
+    """The logs of the model's engines, oldest instance first."""
+    logs = instance_logs(proxy.model(name).spec)
+    return "".join(logs[n].read_text() for n in sorted(logs))
+
+
+def assert_clean_logs(proxy: RunningProxy, *names: str) -> None:
+    for name in names:
+        text = all_logs(proxy, name)
+        for marker in FORBIDDEN:
+            assert marker not in text, f"{name}: {marker!r} in its engine log"
+
+
+def utils_started(proxy: RunningProxy, name: str) -> list[float]:
+    """The --gpu-memory-utilization of every engine the model was started with, in order."""
+    out = []
+    logs = instance_logs(proxy.model(name).spec)
+    for n in sorted(logs):
+        for line in logs[n].read_text().splitlines():
+            if "[vllm-proxy] starting engine" in line:
+                out.append(float(re.findall(r"--gpu-memory-utilization (\S+)", line)[0]))
+    return out
+
+
+def engine_pids(ledger: Ledger, device: int = 0) -> set[int]:
+    return {pid for r in ledger.read() if r.id == device for pid in r.processes} - {os.getpid()}
+
+
+def profiling(ledger: Ledger, skip: set[int], device: int = 0) -> bool:
+    """A starting engine (not in `skip`) has loaded its weights but not yet its KV cache."""
+    for pid in engine_pids(ledger, device) - skip:
+        tags = ledger.tags(pid, device)
+        if "weights" in tags and "kv_cache" not in tags:
+            return True
+    return False
+
+
+def outsider(ledger: Ledger, device: int, mb: int) -> None:
+    """Another program on the GPU (this test process) holding `mb`."""
+    ledger.allocate(os.getpid(), device, mb, "outsider")
+
+
+async def sleep_now(inst: Instance) -> None:
+    task = inst.sleep("test")
+    assert task is not None
+    await task
+
+
+def windows(history: list[Event]) -> list[tuple[int, float, float]]:
+    """(pid, start, end) of every engine start's measured window on a device: from its context
+    (created before vLLM's free-memory snapshot) to its KV cache (allocated after profiling)."""
+    began: dict[int, float] = {}
+    out = []
+    for e in history:
+        if e.tag == "context" and e.delta_mb > 0:
+            began[e.pid] = e.time
+        elif e.tag == "kv_cache" and e.delta_mb > 0 and e.pid in began:
+            out.append((e.pid, began.pop(e.pid), e.time))
+    return out
+
+
+def assert_no_free_while_profiling(ledger: Ledger, device: int = 0) -> None:
+    """No other process freed memory on the device while an engine that started there was
+    between its context and its KV cache (vLLM's measured window)."""
+    history = ledger.history(device)
+    bad = []
+    for pid, start, end in windows(history):
+        for e in history:
+            if start < e.time < end and e.pid != pid and e.delta_mb < 0:
+                bad.append((pid, e))
+    assert not bad, f"memory freed while an engine profiled: {bad}"
+
+
+def assert_no_alloc_while_sleeping(ledger: Ledger, device: int = 0) -> None:
+    """No other process allocated on the device between an engine's sleep_begin marker and the
+    end of that sleep's frees."""
+    history = ledger.history(device)
+    for i, mark in enumerate(history):
+        if mark.tag != "sleep_begin":
+            continue
+        end = mark.time
+        for e in history[i + 1 :]:
+            if e.pid == mark.pid and e.delta_mb < 0:
+                end = e.time
+            elif e.pid == mark.pid:
+                break
+        intruders = [e for e in history if mark.time < e.time < end and e.pid != mark.pid
+                     and e.delta_mb > 0]  # fmt: skip
+        assert not intruders, f"allocated while {mark.pid} slept: {intruders}"
+
+
+def held_by_instance(ledger: Ledger, inst: Instance) -> dict[int, int]:
+    """MiB per device the instance's process group holds on the ledger."""
+    assert inst.engine is not None and inst.engine.pid is not None
+    out: dict[int, int] = {}
+    for reading in ledger.read():
+        for pid, mb in reading.processes.items():
+            try:
+                if os.getpgid(pid) == inst.engine.pid:
+                    out[reading.id] = out.get(reading.id, 0) + mb
+            except ProcessLookupError:
+                continue
+    return out
+
+
+async def measured_settled(proxy: RunningProxy, ledger: Ledger) -> None:
+    """Wait until NVML's per-process measurement of every running engine is what the ledger
+    shows (the refresher's reading post-dates the engine's last change), so that the next plan
+    is made on settled figures rather than on a reading taken while the engine still grew."""
+    memory = proxy.manager.memory
+    assert memory is not None
+
+    def settled() -> bool:
+        for inst in proxy.manager.all_instances():
+            if inst.state is State.RUNNING and inst.engine is not None:
+                held = held_by_instance(ledger, inst)
+                assert held, f"{inst.id} runs and holds nothing on the ledger"
+                if inst.id not in memory.by_process:
+                    return False
+                if memory.measured.get(inst.id) != max(held.values()):
+                    return False
+        return True
+
+    await wait_for(settled, what="measurements settled")
+
+
+def check_claims(proxy: RunningProxy, ledger: Ledger) -> None:
+    """Every engine holds at most its claim (asleep: its residue) on each of its devices, and
+    only on its devices. The proxy's view is read first: an engine only allocates after its
+    claim went up, and the claim only goes down after the engine freed the memory."""
+    memory = proxy.manager.memory
+    assert memory is not None
+    limits = {}
+    for inst in proxy.manager.all_instances():
+        claim = memory.claims.get(inst.id)
+        if claim is None or inst.engine is None or inst.state is State.STOPPED:
+            continue
+        limit = memory.asleep.get(inst.id, claim.footprint_mb)
+        limits[inst.id] = (inst, claim.devices, limit)
+    for iid, (inst, devices, limit) in limits.items():
+        for device, mb in held_by_instance(ledger, inst).items():
+            assert device in devices, f"{iid} holds {mb} MiB on GPU {device}, placed on {devices}"
+            assert mb <= limit, f"{iid} holds {mb} MiB on GPU {device}, more than its {limit}"
+
+
+# -- a stop during its own instance's change never waits for the lock it holds ---------------
+
+
+async def test_an_unload_during_its_own_start_does_not_wait_for_its_own_lock(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """The start holds the device lock for its whole profiling (10 s here); an unload then must
+    stop the engine at once, leave nothing on the GPU and free the lock for the next start."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "10"}},
+        "b": {"model": "x", "memory_mb": 8_000},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    started = proxy.model("a").ensure_started()
+    assert started is not None
+    await wait_for(lambda: profiling(ledger, set()), what="a profiling")
+    t0 = time.monotonic()
+    await proxy.model("a").unload(5)
+    assert time.monotonic() - t0 < 4, "the unload waited for the start's own lock"
+    assert not proxy.model("a").instances
+    await wait_for(lambda: not engine_pids(ledger), what="a's memory given back")
+    assert proxy.manager.memory is not None and not proxy.manager.memory.claims
+    t0 = time.monotonic()
+    assert (await chat(proxy, "b"))[0] == 200  # the lock is free: b starts at once
+    assert time.monotonic() - t0 < 4
+    assert_no_free_while_profiling(ledger)
+
+
+@pytest.mark.parametrize("change", ["sleep", "wake"])
+async def test_an_unload_during_its_own_sleep_or_wake_call_is_not_deadlocked(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy, change: str
+) -> None:
+    """The instance's own /sleep or /wake_up holds its device lock (slow here); an unload then
+    stops the engine without queueing behind that lock, and nothing is left half-way."""
+    env = {"FAKE_ENGINE_SIM_SLEEP_S": "2"} if change == "sleep" else {"FAKE_ENGINE_WAKE_DELAY": "3"}
+    models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "env": env}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    request = None
+    if change == "sleep":
+        nap = a.sleep("test")
+        assert nap is not None
+        await wait_for(lambda: a._owns_devices, what="the sleep holding the lock")
+    else:
+        await sleep_now(a)
+        request = asyncio.ensure_future(chat(proxy, "a"))
+        await wait_for(lambda: a.state is State.WAKING and a._owns_devices, what="a waking")
+    t0 = time.monotonic()
+    await proxy.model("a").unload(5)
+    assert time.monotonic() - t0 < 4.5
+    assert a.state is State.STOPPED
+    assert proxy.manager.ctx.host.promised == {}
+    assert proxy.manager.memory is not None and a.id not in proxy.manager.memory.claims
+    await wait_for(lambda: not engine_pids(ledger), what="a's memory given back")
+    if request is not None:  # the waiting request is served by a new engine after the unload
+        status, text = await request
+        assert status == 200, text
+    assert_clean_logs(proxy, "a")
+
+
+# -- a neighbour's stop waits for a start's profiling ------------------------------------------
+
+
+async def test_a_neighbours_unload_waits_until_the_start_has_profiled(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """An admin unload of `a` while `b` profiles on the same GPU: the unload returns only after
+    b's start, and the ledger shows no free in b's measured window."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1.5"}},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a_pids = engine_pids(ledger)
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: profiling(ledger, a_pids), what="b profiling")
+    unload = asyncio.ensure_future(proxy.model("a").unload(5))
+    await wait_for(lambda: proxy.instance("a").state is State.STOPPING, what="a stopping")
+    assert proxy.instance("b").state is State.STARTING
+    status, text = await b_request
+    assert status == 200, text
+    await unload
+    assert proxy.engine_starts("b") == 1
+    assert_no_free_while_profiling(ledger)
+    assert_clean_logs(proxy, "a", "b")
+
+
+async def test_a_reload_that_replaces_a_starting_engine_keeps_its_budget(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """A reload that changes a's engine while it profiles: the old start is stopped at once (its
+    own lock), the new engine starts with the same budget, and the waiting request is served."""
+    models = {"a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "2"}}}
+    cfg = sim_config(tmp_path, ledger, models)
+    proxy = await start_proxy(cfg)
+    request = asyncio.ensure_future(chat(proxy, "a"))
+    await wait_for(lambda: profiling(ledger, set()), what="a profiling")
+    models["a"]["args"] = {"max_num_seqs": 8}  # a new engine, the same memory
+    new = sim_config(tmp_path, ledger, models)
+    assert proxy.manager.memory is not None
+    proxy.manager.memory.set_specs(new.specs())
+    report = proxy.manager.reload(new.specs(), 5)
+    assert report["restarted"] == ["a"]
+    status, text = await request
+    assert status == 200, text
+    utils = utils_started(proxy, "a")
+    assert len(utils) == 2 and utils[0] == utils[1], utils
+    starts = [line for line in all_logs(proxy, "a").splitlines() if "starting engine" in line]
+    assert ["--max-num-seqs 8" in line for line in starts] == [False, True]
+    await wait_for(lambda: len(engine_pids(ledger)) == 1, what="the old engine gone")
+    assert_no_free_while_profiling(ledger)
+    check_claims(proxy, ledger)
+
+
+# -- crashes during a neighbour's profiling ----------------------------------------------------
+
+
+async def test_a_neighbour_killed_during_profiling_is_retried_with_the_same_budget(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """SIGKILL of `a` while `b` profiles: vLLM fails b's start ("Error in memory profiling"),
+    the proxy retries it (not an out-of-memory eviction, not a client error) with the same
+    --gpu-memory-utilization, and a's claim is gone."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1"}},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    a_pids = engine_pids(ledger)
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: profiling(ledger, a_pids), what="b profiling")
+    assert a.engine is not None and a.engine.pid is not None
+    os.killpg(a.engine.pid, signal.SIGKILL)
+    status, text = await b_request
+    assert status == 200, text
+    assert PROFILING_ERROR in all_logs(proxy, "b")
+    assert proxy.engine_starts("b") == 2
+    utils = utils_started(proxy, "b")
+    assert utils[0] == utils[1], utils
+    assert a.state is State.ERROR
+    memory = proxy.manager.memory
+    assert memory is not None and set(memory.claims) == {proxy.instance("b").id}
+    check_claims(proxy, ledger)
+
+
+# -- a wait for memory that does not come back -------------------------------------------------
+
+
+def residue_models(b_mb: int = 21_000) -> dict[str, dict[str, Any]]:
+    """`a` sleeps leaving far more than the planner's first guess (3000 MiB of CUDA graphs stay
+    on the GPU); `b` fits next to it only if that guess were right."""
+    return {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1,
+              "env": {"FAKE_ENGINE_SIM_GRAPHS_MB": "3000"}},
+        "b": {"model": "x", "memory_mb": b_mb},
+    }  # fmt: skip
+
+
+async def test_a_sleep_that_frees_less_than_planned_is_replanned_into_a_stop(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """wait_free comes back False (the residue was larger than guessed): the claim is dropped,
+    the plan is made again on the measured residue, `a` is stopped and `b` starts once, never
+    into vLLM's startup check."""
+    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=1)
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    await measured_settled(proxy, ledger)
+    status, text = await chat(proxy, "b")
+    assert status == 200, text
+    assert proxy.engine_starts("b") == 1
+    assert a.state is State.STOPPED
+    memory = proxy.manager.memory
+    assert memory is not None
+    assert memory.sleep_mb(a.spec) == CONTEXT_MB + 3000  # the residue measured, for next time
+    assert set(memory.claims) == {proxy.instance("b").id}
+    assert proxy.manager.ctx.host.promised == {}
+    assert_clean_logs(proxy, "a", "b")
+    check_claims(proxy, ledger)
+
+
+async def test_a_wake_whose_freed_memory_is_taken_stays_asleep_with_its_residue(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`c` is asleep; its wake puts `a` to sleep, but another program takes the memory `a` gave
+    back before the proxy sees it: the wake's claim is undone (the residue again), it is
+    answered 503 and stays asleep, and wakes normally once the memory is back."""
+    models = {
+        "a": {"model": "x", "memory_mb": 12_500, "sleep": L1},
+        "c": {"model": "x", "memory_mb": 12_500, "sleep": L1},
+    }
+    cfg = sim_config(tmp_path, ledger, models, queue_timeout_s=2, free_timeout_s=0.5)
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, "c"))[0] == 200
+    c = proxy.instance("c")
+    await sleep_now(c)
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    await measured_settled(proxy, ledger)
+    memory = proxy.manager.memory
+    assert memory is not None
+    residue = memory.held_mb(c.id)
+    wait_free = memory.wait_free
+
+    async def taken(devices: tuple[int, ...], need_mb: int) -> bool:
+        if not ledger.held(os.getpid()):  # the moment a's memory came back, someone took it
+            outsider(ledger, 0, ledger.read()[0].free_mb - 1_000)
+        return await wait_free(devices, need_mb)
+
+    monkeypatch.setattr(memory, "wait_free", taken)
+    status, text = await chat(proxy, "c")
+    assert status == 503, text
+    assert a.asleep, "a was put to sleep for c's wake"
+    assert c.asleep and c.state is State.SLEEPING
+    assert memory.held_mb(c.id) == residue
+    assert memory.claims[c.id].devices == (0,)
+    assert proxy.manager.ctx.host.promised == {}
+    check_claims(proxy, ledger)
+    ledger.free(os.getpid(), 0, "outsider")
+    status, text = await chat(proxy, "c")
+    assert status == 200, text
+    assert proxy.engine_starts("c") == 1, "the same engine woke"
+    assert_clean_logs(proxy, "a", "c")
+    assert_no_alloc_while_sleeping(ledger)
+    check_claims(proxy, ledger)
+
+
+async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_retries(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Another program takes memory between b's admission and its spawn: vLLM refuses b's start
+    ("less than desired GPU memory utilization"), the proxy evicts the idle `a` under the
+    device lock and retries b once with the same budget; a's memory is never freed while b
+    profiles."""
+    models = {"a": {"model": "x", "memory_mb": 8_000}, "b": {"model": "x", "memory_mb": 8_000}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    ctx = proxy.manager.ctx
+    assert ctx.memory_lock is not None
+    starting_on = ctx.memory_lock
+
+    def hostile(devices: tuple[int, ...], owner: str) -> Any:
+        if not ledger.held(os.getpid()):  # once: right before b's first spawn
+            outsider(ledger, 0, ledger.read()[0].free_mb - 4_000)
+        return starting_on(devices, owner)
+
+    ctx.memory_lock = hostile
+    status, text = await chat(proxy, "b")
+    assert status == 200, text
+    assert STARTUP_REFUSAL in all_logs(proxy, "b")
+    assert proxy.engine_starts("b") == 2
+    assert len(set(utils_started(proxy, "b"))) == 1
+    assert a.state is State.STOPPED
+    assert_no_free_while_profiling(ledger)
+    check_claims(proxy, ledger)
+
+
+# -- host RAM promises ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["fails", "times_out", "stopped"])
+async def test_host_ram_promised_to_a_sleep_is_released_on_every_path(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy, how: str
+) -> None:
+    """A level-1 sleep promises host RAM until its /sleep call returns; a failed, timed-out or
+    stopped sleep releases it too (else the next victims would go to level 2 for nothing)."""
+    env = {
+        "fails": {"FAKE_ENGINE_SLEEP_FAIL": "1"},
+        "times_out": {"FAKE_ENGINE_SIM_SLEEP_S": "3"},
+        "stopped": {"FAKE_ENGINE_SIM_SLEEP_S": "1"},
+    }[how]
+    models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "sleep_timeout_s": 1.5,
+                    "env": env}}  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    host = proxy.manager.ctx.host
+    host._read = lambda: 1_000_000  # plenty: level 1 is chosen and promised
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    nap = a.sleep("test")
+    assert nap is not None
+    assert set(host.promised) == {a.id}
+    if how == "stopped":
+        await wait_for(lambda: a._owns_devices, what="the /sleep call under way")
+        await a.stop()
+    await nap
+    assert host.promised == {}
+    await wait_for(lambda: a.state is State.STOPPED, what="a stopped")
+    memory = proxy.manager.memory
+    assert memory is not None and not memory.claims
+    await wait_for(lambda: not engine_pids(ledger), what="a's memory given back")
+    assert ledger.pinned_mb() == 0
+
+
+async def test_victims_put_to_sleep_together_do_not_count_the_same_host_ram(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Room in host RAM for one level-1 sleep: of two victims of one admission, one sleeps at
+    level 1 and the other at level 2; both wake correctly later (the level-2 one reloads)."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1},
+        "b": {"model": "x", "memory_mb": 8_000, "sleep": L1},
+        "c": {"model": "x", "memory_mb": 16_000},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    proxy.manager.ctx.host._read = lambda: 12_000  # one budget plus margin, not two
+    assert (await chat(proxy, "a"))[0] == 200
+    assert (await chat(proxy, "b"))[0] == 200
+    a, b = proxy.instance("a"), proxy.instance("b")
+    await measured_settled(proxy, ledger)
+    status, text = await chat(proxy, "c")
+    assert status == 200, text
+    assert a.asleep and b.asleep
+    assert sorted([a.sleep_level, b.sleep_level]) == [1, 2]
+    assert proxy.manager.ctx.host.promised == {}
+    await proxy.model("c").unload(5)
+    for name in ("a", "b"):
+        status, text = await chat(proxy, name)
+        assert status == 200 and "<garbage>" not in text, text
+    assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
+    assert_clean_logs(proxy, "a", "b", "c")
+    assert_no_free_while_profiling(ledger)
+    assert_no_alloc_while_sleeping(ledger)
+
+
+# -- level-2 cycles and budgets ----------------------------------------------------------------
+
+
+async def test_two_level_2_sleepers_swap_many_times_within_their_claims(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Two level-2 models that do not fit awake together swap by sleep and wake 6 times: one
+    engine each, every wake in vLLM's order and within its claim (reload buffer included), the
+    budget never changes, and no sleep or wake sees a neighbour's allocation."""
+    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "300"}
+    models = {
+        "a": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
+        "b": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    memory = proxy.manager.memory
+    assert memory is not None
+    budgets = {n: memory.budget(n) for n in models}
+    for _ in range(6):
+        for name in ("a", "b"):
+            status, text = await chat(proxy, name)
+            assert status == 200 and "<garbage>" not in text, text
+            check_claims(proxy, ledger)
+            assert {n: memory.budget(n) for n in models} == budgets
+            await measured_settled(proxy, ledger)
+    assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
+    assert len(set(utils_started(proxy, "a") + utils_started(proxy, "b"))) == 1
+    assert_clean_logs(proxy, "a", "b")
+    assert_no_alloc_while_sleeping(ledger)
+    assert ledger.read()[0].used_mb <= 24_000 - memory.reserve_mb
+
+
+async def test_a_reload_that_keeps_the_engine_keeps_its_budget_and_instance(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """A reload that changes nothing the engine is made of keeps the running engine (same pid)
+    and its claim stays within the GPU; the next start after it gets the same budget."""
+    models = {"a": {"model": "x", "memory_mb": 9_000}, "b": {"model": "x", "memory_mb": 16_000}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    assert a.engine is not None
+    pid = a.engine.pid
+    models["a"]["idle_timeout_s"] = 900
+    new = sim_config(tmp_path, ledger, models)
+    memory = proxy.manager.memory
+    assert memory is not None
+    memory.set_specs(new.specs())
+    report = proxy.manager.reload(new.specs(), 5)
+    assert report["kept"] == ["a", "b"]
+    assert proxy.instance("a") is a and a.engine is not None and a.engine.pid == pid
+    check_claims(proxy, ledger)
+    for _ in range(3):  # b evicts a, a evicts b
+        for name in ("b", "a"):
+            status, text = await chat(proxy, name)
+            assert status == 200, text
+    for name in ("a", "b"):
+        assert len(set(utils_started(proxy, name))) == 1, utils_started(proxy, name)
+    assert_clean_logs(proxy, "a", "b")
+
+
+async def test_a_reload_that_removes_an_asleep_and_a_falling_asleep_model_gives_all_back(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """A reload removes `a` (asleep) and `b` (its /sleep call under way, holding the lock): both
+    engines stop, their residues and claims go, host RAM promised to b's sleep is released and
+    nothing stays pinned or on the GPU."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1},
+        "b": {"model": "x", "memory_mb": 8_000, "sleep": L1,
+              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "1.5"}},
+        "c": {"model": "x", "memory_mb": 4_000},
+    }  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    proxy.manager.ctx.host._read = lambda: 1_000_000
+    for name in ("a", "b"):
+        assert (await chat(proxy, name))[0] == 200
+    a, b = proxy.instance("a"), proxy.instance("b")
+    await sleep_now(a)
+    assert b.sleep("test") is not None
+    await wait_for(lambda: b._owns_devices, what="b's /sleep under way")
+    new = sim_config(tmp_path, ledger, {"c": models["c"]})
+    memory = proxy.manager.memory
+    assert memory is not None
+    memory.set_specs(new.specs())
+    report = proxy.manager.reload(new.specs(), 5)
+    assert sorted(report["removed"]) == ["a", "b"]
+    await wait_for(lambda: not proxy.manager.removed, what="removed models gone", timeout=10)
+    assert a.state is b.state is State.STOPPED
+    assert not memory.claims and not memory.asleep
+    assert proxy.manager.ctx.host.promised == {}
+    await wait_for(lambda: not engine_pids(ledger), what="the GPU empty")
+    assert ledger.pinned_mb() == 0
+    assert (await chat(proxy, "c"))[0] == 200
+
+
+# -- several devices ---------------------------------------------------------------------------
+
+
+async def test_tensor_parallel_and_single_gpu_starts_on_two_gpus_do_not_deadlock(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """A tp=2 engine takes both devices' locks while single-GPU engines start on each: every
+    start completes (sorted lock order), no start profiles next to another's change, and each
+    engine holds its claim only on its own devices."""
+    slow = {"FAKE_ENGINE_SIM_PROFILE_S": "0.5"}
+    models = {
+        "tp": {"model": "x", "memory_mb": 6_000, "args": {"tensor_parallel_size": 2}, "env": slow},
+        "x0": {"model": "x", "memory_mb": 6_000, "devices": [0], "env": dict(slow)},
+        "x1": {"model": "x", "memory_mb": 6_000, "devices": [1], "env": dict(slow)},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, devices=[0, 1]))
+    t0 = time.monotonic()
+    results = await asyncio.gather(*(chat(proxy, n) for n in ("x1", "tp", "x0", "tp", "x1")))
+    assert all(status == 200 for status, _ in results), results
+    assert time.monotonic() - t0 < 15
+    assert sorted(proxy.instance("tp").devices) == [0, 1]
+    for name in models:
+        assert proxy.engine_starts(name) == 1
+    for device in (0, 1):
+        assert_no_free_while_profiling(ledger, device)
+        starts = windows(ledger.history(device))
+        for i, (_, s1, e1) in enumerate(starts):  # starts on one device never overlap
+            for _, s2, e2 in starts[i + 1 :]:
+                assert e1 <= s2 or e2 <= s1, starts
+    check_claims(proxy, ledger)
+    assert_clean_logs(proxy, *models)
+
+
+# -- a hostile mix, sampled ----------------------------------------------------------------------
+
+
+async def test_random_load_over_three_models_keeps_every_engine_within_its_claim(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Three models (level 1, level 2, no sleep) of which two fit awake, two clients asking for
+    them in a random order: every request is served, a sampler never sees an engine above its
+    claim, and no engine log shows a start, sleep or wake disturbed by a neighbour."""
+    models = {
+        "a": {"model": "x", "memory_mb": 9_000, "sleep": L1},
+        "b": {"model": "x", "memory_mb": 9_000, "sleep": L2},
+        "c": {"model": "x", "memory_mb": 9_000},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    proxy.manager.ctx.host._read = lambda: 1_000_000
+    rng = random.Random(7)
+    order = [[rng.choice("abc") for _ in range(10)] for _ in range(2)]
+    failures: list[str] = []
+    done = asyncio.Event()
+
+    async def client(names: list[str]) -> None:
+        for name in names:
+            status, text = await chat(proxy, name)
+            if status != 200 or "<garbage>" in text:
+                failures.append(f"{name}: {status} {text}")
+
+    async def sampler() -> int:
+        samples = 0
+        while not done.is_set():
+            check_claims(proxy, ledger)
+            samples += 1
+            await asyncio.sleep(0.03)
+        return samples
+
+    sampling = asyncio.ensure_future(sampler())
+    try:
+        await asyncio.wait_for(asyncio.gather(*(client(o) for o in order)), 18)
+    finally:
+        done.set()
+    assert await sampling > 10
+    assert not failures, failures
+    assert_clean_logs(proxy, *models)
+    assert_no_free_while_profiling(ledger)
+    assert_no_alloc_while_sleeping(ledger)
+    for name in models:
+        assert len(set(utils_started(proxy, name))) == 1
+
+
+# -- more interleavings ------------------------------------------------------------------------
+
+
+async def test_a_victim_whose_stop_waits_for_a_neighbours_start_is_planned_around(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """`c` must evict `a` while `b` profiles on the same GPU: a's stop waits for b's start (the
+    lock), c's admission waits for that stop, and c starts once, after b, with nothing freed in
+    either start's window."""
+    models = {
+        "a": {"model": "x", "memory_mb": 8_200},
+        "b": {"model": "x", "memory_mb": 8_200, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "3"}},
+        "c": {"model": "x", "memory_mb": 8_200},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, free_timeout_s=0.5))
+    assert (await chat(proxy, "a"))[0] == 200
+    a_pids = engine_pids(ledger)
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: profiling(ledger, a_pids), what="b profiling")
+    status, text = await chat(proxy, "c")
+    assert status == 200, text
+    assert (await b_request)[0] == 200
+    assert proxy.instance("a").state is State.STOPPED
+    for name in ("b", "c"):
+        assert proxy.engine_starts(name) == 1
+    assert_no_free_while_profiling(ledger)
+    assert_clean_logs(proxy, "a", "b", "c")
+    check_claims(proxy, ledger)
+
+
+async def test_preloaded_sleepers_that_do_not_fit_awake_together_all_come_up_asleep(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Two preloaded models that do not fit awake together start at boot: the second waits for
+    the first to fall asleep, both end asleep at their residues, and then serve by turns with
+    one engine each."""
+    models = {
+        "a": {"model": "x", "memory_mb": 13_000, "sleep": L1, "preload": True},
+        "b": {"model": "x", "memory_mb": 13_000, "sleep": L2, "preload": True},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    proxy.manager.ctx.host._read = lambda: 1_000_000
+    await wait_for(lambda: not proxy.manager.preloading, what="preloads done")
+    a, b = proxy.instance("a"), proxy.instance("b")
+    assert a.asleep and b.asleep
+    memory = proxy.manager.memory
+    assert memory is not None
+    assert sum(ledger.held(pid).get(0, 0) for pid in engine_pids(ledger)) == (
+        memory.held_mb(a.id) + memory.held_mb(b.id)
+    )
+    for name in ("a", "b", "a", "b"):
+        status, text = await chat(proxy, name)
+        assert status == 200 and "<garbage>" not in text, text
+        check_claims(proxy, ledger)
+        await measured_settled(proxy, ledger)
+    assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
+    assert_clean_logs(proxy, "a", "b")
+    assert_no_free_while_profiling(ledger)
+    assert_no_alloc_while_sleeping(ledger)
+
+
+def tiny_checkpoint(tmp_path: Path) -> str:
+    """A local config.json for the estimate: a small budget (weights from params_b)."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+async def test_a_budget_grown_for_the_kv_cache_stays_grown_and_constant_across_restarts(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """After vLLM found no room for the KV cache the budget grows until the start works; every
+    later start of the same engine (evicted by another model, three times) gets exactly that
+    budget: it neither grows again nor falls back."""
+    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "900", "FAKE_ENGINE_SIM_ACTIVATION_MB": "300"}
+    models = {
+        "a": {"model": tiny_checkpoint(tmp_path), "params_b": 0.05, "env": env},
+        "b": {"model": "x", "memory_mb": 22_000},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    memory = proxy.manager.memory
+    assert memory is not None
+    first = memory.budget("a")
+    assert (await chat(proxy, "a"))[0] == 200
+    budget = memory.budget("a")
+    assert budget > first
+    grown = utils_started(proxy, "a")[-1]  # the engine that started
+    ids = {proxy.instance("a").id}
+    for _ in range(3):
+        for name in ("b", "a"):
+            status, text = await chat(proxy, name)
+            assert status == 200, text
+        ids.add(proxy.instance("a").id)
+        assert utils_started(proxy, "a")[-1] == grown
+    assert len(ids) == 4, "a was started again each time"
+    assert memory.budget("a") == budget
+    assert_no_free_while_profiling(ledger)
+    check_claims(proxy, ledger)
+
+
+async def test_without_per_process_readings_level_2_swaps_stay_within_their_claims(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a container NVML lists no per-process memory: starts are measured by the device delta
+    under the lock and residues by what the device's usage dropped by. Two level-2 models swap
+    four times: no wake falls back to a cold start, no engine exceeds its claim, and a
+    residue is never measured below what the engine really keeps."""
+    path = tmp_path / "gpu.json"
+    ledger = Ledger.create(path, [{"total_mb": 24_000}], per_process=False)
+    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    models = {
+        "a": {"model": "x", "memory_mb": 13_000, "sleep": L2},
+        "b": {"model": "x", "memory_mb": 13_000, "sleep": L2},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    memory = proxy.manager.memory
+    assert memory is not None
+    for _ in range(4):
+        for name in ("a", "b"):
+            status, text = await chat(proxy, name)
+            assert status == 200 and "<garbage>" not in text, text
+            check_claims(proxy, ledger)
+            other = (
+                proxy.model("b" if name == "a" else "a").serving()
+                or proxy.model("b" if name == "a" else "a").sleeper()
+            )
+            if other is not None and other.asleep:
+                assert memory.held_mb(other.id) >= held_by_instance(ledger, other)[0]
+    assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
+    assert_clean_logs(proxy, "a", "b")
+    assert_no_alloc_while_sleeping(ledger)
+
+
+# -- regressions: each failed before its fix -----------------------------------------------
+
+
+async def test_stale_measurement_after_a_wake_stops_instead_of_sleeping(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_SIM_RELOAD_MB_S": "1024"}  # the reload takes 1 s
+    models = {
+        "a": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
+        "b": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, poll_interval_s=1.0))
+    memory = proxy.manager.memory
+    assert memory is not None
+    low = []
+    for _ in range(4):
+        for name in ("a", "b"):
+            status, text = await chat(proxy, name)
+            assert status == 200 and "<garbage>" not in text, text
+            inst = proxy.instance(name)
+            for _ in range(20):  # until the next measurement tick at most
+                measured = memory.measured.get(inst.id)
+                real = held_by_instance(ledger, inst).get(0, 0)
+                if measured is not None and measured < real:
+                    low.append((inst.id, measured, real))
+                await asyncio.sleep(0.05)
+    assert not low, low
+    assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
+
+
+async def test_sleep_timeout_releases_the_lock_while_the_engine_still_sleeps(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "sleep_timeout_s": 1,
+              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "2.5"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
+    }  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    assert a.sleep("test") is not None  # its /sleep takes 2.5 s, the proxy gives up after 1 s
+    await wait_for(lambda: a._owns_devices, what="a's sleep holding the lock")
+    status, text = await chat(proxy, "b")  # b's start queues behind a's sleep
+    assert status == 200, text
+    assert PROFILING_ERROR not in all_logs(proxy, "b")
+    assert proxy.engine_starts("b") == 1
+    assert_no_free_while_profiling(ledger)
+
+
+async def test_wake_timeout_releases_the_lock_while_the_engine_still_wakes(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "wake_timeout_s": 1,
+              "env": {"FAKE_ENGINE_WAKE_DELAY": "2.5"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
+    }  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    await sleep_now(a)
+    a_request = asyncio.ensure_future(chat(proxy, "a"))  # its /wake_up takes 2.5 s; limit 1 s
+    await wait_for(lambda: a.state is State.WAKING and a._owns_devices, what="a waking")
+    status, text = await chat(proxy, "b")
+    assert status == 200, text
+    assert proxy.engine_starts("b") == 1
+    await a_request
+
+
+async def test_shutdown_waits_for_free_timeout(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=15)
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: a.asleep, what="a put to sleep for b")
+    outsider(ledger, 0, 5_000)  # another program: b's memory will not come back
+    t0 = time.monotonic()
+    await proxy.server.shutdown()
+    took = time.monotonic() - t0
+    status, text = await b_request
+    assert took < 5, (took, status, text)
+
+
+async def test_unload_waits_during_wait_free(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=15)
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: a.asleep, what="a put to sleep for b")
+    outsider(ledger, 0, 5_000)
+    t0 = time.monotonic()
+    await proxy.model("b").unload(5)
+    took = time.monotonic() - t0
+    await b_request
+    assert took < 5, took
+
+
+async def test_stop_during_own_sleep_lock_released_before_exit(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1,
+              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "2.5"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
+    }  # fmt: skip
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    assert a.sleep("test") is not None
+    await wait_for(lambda: a._owns_devices, what="a's sleep holding the lock")
+    b_request = asyncio.ensure_future(chat(proxy, "b"))  # queued behind a's sleep
+    await wait_for(lambda: proxy.model("b").instances, what="b admitted")
+    unload = asyncio.ensure_future(proxy.model("a").unload(5))
+    status, text = await b_request
+    await unload
+    assert status == 200, text
+    assert PROFILING_ERROR not in all_logs(proxy, "b")
+    assert proxy.engine_starts("b") == 1
+    assert_no_free_while_profiling(ledger)
+    check_claims(proxy, ledger)
+
+
+async def test_unload_of_a_start_queued_behind_another_start(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "12"}},
+        "b": {"model": "x", "memory_mb": 8_000},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    assert proxy.model("a").ensure_started() is not None
+    await wait_for(lambda: profiling(ledger, set()), what="a profiling")
+    assert proxy.model("b").ensure_started() is not None
+    await wait_for(lambda: proxy.model("b").instances, what="b admitted, queued on the lock")
+    t0 = time.monotonic()
+    await proxy.model("b").unload(5)
+    took = time.monotonic() - t0
+    assert took < 3, took
+
+
+async def test_level1_model_demoted_to_level2_by_host_ram_wakes_on_a_tight_gpu(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "600"}
+    models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": L1, "env": env}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    proxy.manager.ctx.host._read = lambda: 2_000  # no room to pin the weights: level 2
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    await sleep_now(a)
+    assert a.sleep_level == 2
+    memory = proxy.manager.memory
+    assert memory is not None
+    need = memory.wake_need(a.id) + memory.reserve_mb
+    outsider(ledger, 0, ledger.read()[0].free_mb - need)  # exactly what the planner asks for
+    status, text = await chat(proxy, "a")
+    assert status == 200 and "<garbage>" not in text, text
+    assert proxy.engine_starts("a") == 1, "the wake fell back to a cold start"
