@@ -22,6 +22,7 @@ import struct
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -567,31 +568,39 @@ _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST, _NLM_F_DUMP = 20, 0x1, 0x300
 _NLMSG_DONE, _TCP_LISTEN = 3, 10
 
 
-def _listeners(family: int) -> list[tuple[int, int]]:
-    """(local port, inode) of every listening TCP socket of `family`, from NETLINK_SOCK_DIAG."""
-    # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed sockid (48 B).
-    req = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN) + bytes(48)
+def _sock_diag(req: bytes, min_length: int) -> Iterator[tuple[bytes, int, int]]:
+    """Every answer of a NETLINK_SOCK_DIAG dump for `req`: (buffer, offset of the message,
+    its length); OSError when the kernel refuses or answers oddly."""
     head = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY,
                        _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)  # fmt: skip
-    found: list[tuple[int, int]] = []
     with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
         nl.settimeout(2.0)
         nl.sendall(head + req)
         while True:
             data = nl.recv(65536)
+            if not data:
+                return
             offset = 0
             while offset + 16 <= len(data):
                 length, kind = struct.unpack_from("=IH", data, offset)
                 if kind == _NLMSG_DONE:
-                    return found
-                if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + 72:
+                    return
+                if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + min_length:
                     raise OSError("sock_diag refused the request or answered oddly")
-                msg = offset + 16  # struct inet_diag_msg: sport at +4 (big endian), inode at +68
-                sport = struct.unpack_from("!H", data, msg + 4)[0]
-                found.append((sport, struct.unpack_from("=I", data, msg + 68)[0]))
+                yield data, offset, length
                 offset += (length + 3) & ~3
-            if not data:
-                return found
+
+
+def _listeners(family: int) -> list[tuple[int, int]]:
+    """(local port, inode) of every listening TCP socket of `family`, from NETLINK_SOCK_DIAG."""
+    # struct inet_diag_req_v2: family, protocol, ext, pad, states, then a zeroed sockid (48 B).
+    req = struct.pack("=BBBxI", family, socket.IPPROTO_TCP, 0, 1 << _TCP_LISTEN) + bytes(48)
+    found: list[tuple[int, int]] = []
+    for data, offset, _length in _sock_diag(req, 72):
+        msg = offset + 16  # struct inet_diag_msg: sport at +4 (big endian), inode at +68
+        sport = struct.unpack_from("!H", data, msg + 4)[0]
+        found.append((sport, struct.unpack_from("=I", data, msg + 68)[0]))
+    return found
 
 
 def unix_listening_inodes(path: str) -> frozenset[int]:
@@ -614,34 +623,19 @@ def _unix_listeners() -> list[tuple[int, bytes]]:
     # struct unix_diag_req: family, protocol, pad, states, ino, show, cookie[2].
     req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 1 << _TCP_LISTEN, 0, _UDIAG_SHOW_NAME,
                       0, 0)  # fmt: skip
-    head = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY,
-                       _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)  # fmt: skip
     found: list[tuple[int, bytes]] = []
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 4) as nl:  # NETLINK_SOCK_DIAG
-        nl.settimeout(2.0)
-        nl.sendall(head + req)
-        while True:
-            data = nl.recv(65536)
-            offset = 0
-            while offset + 16 <= len(data):
-                length, kind = struct.unpack_from("=IH", data, offset)
-                if kind == _NLMSG_DONE:
-                    return found
-                if kind != _SOCK_DIAG_BY_FAMILY or length < 16 + 16:
-                    raise OSError("sock_diag refused the request or answered oddly")
-                # struct unix_diag_msg (16 B): inode at +4; then attributes (rtattr).
-                inode = struct.unpack_from("=I", data, offset + 20)[0]
-                attr, end = offset + 32, offset + length
-                while attr + 4 <= end:
-                    size, attr_type = struct.unpack_from("=HH", data, attr)
-                    if size < 4:
-                        break
-                    if attr_type == _UNIX_DIAG_NAME:
-                        found.append((inode, data[attr + 4 : attr + size].rstrip(b"\0")))
-                    attr += (size + 3) & ~3
-                offset += (length + 3) & ~3
-            if not data:
-                return found
+    for data, offset, length in _sock_diag(req, 16):
+        # struct unix_diag_msg (16 B): inode at +4; then attributes (rtattr).
+        inode = struct.unpack_from("=I", data, offset + 20)[0]
+        attr, end = offset + 32, offset + length
+        while attr + 4 <= end:
+            size, attr_type = struct.unpack_from("=HH", data, attr)
+            if size < 4:
+                break
+            if attr_type == _UNIX_DIAG_NAME:
+                found.append((inode, data[attr + 4 : attr + size].rstrip(b"\0")))
+            attr += (size + 3) & ~3
+    return found
 
 
 def _unix_listening_inodes_proc(path: str) -> frozenset[int]:
