@@ -17,8 +17,8 @@ proxy puts them to sleep to make room before it stops anything), and for `--seco
   of ``/metrics/engines`` every second (one in five without the metrics key);
 * every few seconds a random running engine is killed (SIGKILL to its group), hung (SIGSTOP;
   the health watcher must kill it) or put to sleep behind the proxy's back (``POST /sleep``
-  straight to its socket under ``<state_dir>/sockets``; the watcher must notice within its
-  health interval).
+  straight to its socket under ``<state_dir>/sockets``; the watcher must notice at its next
+  probe, unless the proxy's own sleep or stop of that instance comes first).
 
 Every request must end in exactly one of: a complete answer (200, a whole stream ending in
 ``[DONE]``), an OpenAI-shaped error with a 4xx/5xx status (never a 500), or a stream that ends
@@ -82,6 +82,8 @@ ACCESS = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO vllm_proxy\.acce
                     r"duration_ms=\d+\.\d")  # fmt: skip
 #: An ERROR record that quotes an engine's log: its next lines are that log's.
 QUOTES = re.compile(r" ERROR .*; last log lines of (?P<path>/.+):$")
+#: The most lines of an engine's log a record quotes (engine.LOG_TAIL_LINES).
+TAIL_LINES = 20
 TOKEN = re.compile(r"[A-Za-z0-9\-._:~+/=]{1,128}")
 
 
@@ -98,6 +100,9 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
     models: dict[str, Any] = {m: {"model": f"fake/{m}", "memory_mb": 450} for m in MODELS}
     for m in SLEEPERS:  # asleep it holds 50 MiB: two sleepers and two engines fit
         models[m].update(sleep={"level": 1, "after_idle_s": 600}, sleep_memory_mb=50)
+    # Requests that reach an engine asleep: c's get a 503 from it (the fake engine's default),
+    # d's wait for a wake (as the newest vLLM does).
+    models["d"]["env"] = {"FAKE_ENGINE_ASLEEP": "park"}
     return {
         "server": {
             "host": "127.0.0.1",
@@ -411,20 +416,22 @@ async def foreign_sleep(http: aiohttp.ClientSession, url: str, tmp: Path, victim
     faults.done["sleep"] += 1
     slept = time.monotonic()
     while time.monotonic() - slept < 5:
+        async with http.get(url + "/admin/models") as resp:
+            view = await resp.json()
+        now = [i["state"] for m in view["models"] for i in m["instances"]
+               if i["id"] == victim["id"]]  # fmt: skip
         if not_ordered(await metrics_text(http, url), model) > before:
             faults.found_in.append(time.monotonic() - slept)
             faults.sleeps["noticed: engine killed, restart counted"] += 1
             return
+        if now != ["running"]:  # the proxy's own sleep or stop came first
+            faults.sleeps["raced: the proxy slept or stopped it itself first"] += 1
+            faults.raced.append(f"{victim['id']} {now[0] if now else 'gone'} after "
+                                f"{time.monotonic() - slept:.2f} s")  # fmt: skip
+            return
         await asyncio.sleep(0.02)
-    async with http.get(url + "/admin/models") as resp:
-        view = await resp.json()
-    now = [i for m in view["models"] for i in m["instances"] if i["id"] == victim["id"]]
-    if not now or now[0]["state"] != "running":  # the proxy's own sleep or stop came first
-        state = now[0]["state"] if now else "gone"
-        faults.sleeps["raced: the proxy slept or stopped it itself first"] += 1
-        faults.raced.append(f"{victim['id']} ({state})")
-    else:
-        faults.sleeps["MISSED: still running asleep after 5 s"] += 1
+    faults.sleeps["MISSED: still running asleep after 5 s"] += 1
+    faults.raced.append(f"MISSED {victim['id']}")
 
 
 async def chaos(url: str, tmp: Path, seed: int, until: float, every_s: float,
@@ -509,32 +516,38 @@ def rss_mib(pid: int) -> tuple[float, float]:
 
 
 def check_log(path: Path, tally: Tally) -> list[tuple[str, bool, str]]:
-    """Every line is a record, or a line of the engine log the record before it quotes; one
-    well-formed access line per request, under the request id its client was answered with."""
+    """Every line is a record, or one of the (at most `TAIL_LINES`) lines of the engine log the
+    record before it quotes, found in that log where it is still kept (the proxy keeps the
+    last few instances' logs); one well-formed access line per request, under the request id
+    its client was answered with."""
     stray: list[str] = []
     access: list[str] = []
     malformed: list[str] = []
-    quoted = ""  # the engine log the current record quotes, while its lines follow
+    quoted, left, checked, unchecked = "", 0, 0, 0
     lines = path.read_bytes().decode("utf-8", "replace").splitlines()
     for line in lines:
         if RECORD.match(line):
             match = QUOTES.search(line)
-            quoted = engine_log(Path(match["path"])) if match else ""
+            quoted, left = (engine_log(Path(match["path"])), TAIL_LINES) if match else ("", 0)
             if " INFO vllm_proxy.access: " in line:
                 m = ACCESS.fullmatch(line)
                 if m:
                     access.append(m["rid"])
                 else:
                     malformed.append(line)
-        elif not (quoted and line in quoted):
+        elif left > 0 and (line in quoted or not quoted):
+            left -= 1
+            checked, unchecked = (checked + 1, unchecked) if quoted else (checked, unchecked + 1)
+        else:
             stray.append(line)
     given = collections.Counter(tally.rids)
     logged = collections.Counter(access)
     wrong = [r for r in given if not r or given[r] != 1 or logged[r] != 1]
     return [
         ("every log line is a record (or a line of the engine log it quotes)", not stray,
-         f"{len(lines)} lines" + (f"; {len(stray)} stray, first {stray[0][:120]!r}"
-                                  if stray else "")),
+         f"{len(lines)} lines, {checked + unchecked} quoted from engine logs ({unchecked} from "
+         "logs since pruned)" + (f"; {len(stray)} stray, first {stray[0][:120]!r}"
+                                 if stray else "")),
         ("one well-formed access line per request, under its answer's request id",
          not malformed and not wrong and len(access) == tally.sent,
          f"{len(access)} access lines for {tally.sent} requests; {len(malformed)} malformed"

@@ -606,3 +606,32 @@ def test_structure_too_deep_for_the_bulk_checks_is_refused_as_it_comes() -> None
     assert fed < len(doc) // 4, f"refused only after {fed:,} of {len(doc):,} bytes"
     ok = b'{"model": "m", "x": [' + deep * 50 + b"0]}"  # a little of it is read, and taken
     assert scan(ok) is not None and scan(ok).model == "m"  # type: ignore[union-attr]
+
+
+def test_a_refused_body_is_not_kept_alive_by_its_error() -> None:
+    """Regression: the scan kept its refusal as an exception and raised it; the traceback held
+    the frames that held the scan and the body, a cycle only the garbage collector frees (a
+    30 MiB refused body stayed resident until a full collection)."""
+    import gc
+    import tracemalloc
+
+    from vllm_proxy.errors import BadRequest
+
+    body = b'{"model": "m", "x": [' + b"{}," * 300_000 + b"{}"  # never closes: refused
+    enabled = gc.isenabled()
+    gc.disable()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(3):
+            try:
+                model_of(bytes(bytearray(body)))
+            except BadRequest as err:
+                assert "ends too soon" in err.message
+            else:
+                raise AssertionError("the body was not refused")
+        assert tracemalloc.get_traced_memory()[0] - base < len(body) // 4
+    finally:
+        tracemalloc.stop()
+        if enabled:
+            gc.enable()

@@ -316,14 +316,16 @@ class Scan:
         self._done = False
         self._answered = False
         self._found: Found | None = None
-        self._error: BadRequest | None = None
+        #: Why the body is refused (kept as text: an exception kept here and raised would hold,
+        #: through its traceback, the frames that hold this scan and the whole body).
+        self._error: str | None = None
         self._gen = _scanner(self._win, self._longs, whole is None)
         next(self._gen)  # runs to its first wait for data
 
     @property
     def error(self) -> BadRequest | None:
-        """Why the body is refused, once it is (the client's 400)."""
-        return self._error
+        """Why the body is refused, once it is (the client's 400): a new exception each time."""
+        return BadRequest(self._error) if self._error is not None else None
 
     @property
     def skipping(self) -> bool:
@@ -428,7 +430,7 @@ class Scan:
     def _refuse(self, refused: _Refused) -> None:
         self._done = True
         where = "" if refused.at is None else f" (at byte {self._abs(self._base + refused.at)})"
-        self._error = BadRequest(refused.message + where)
+        self._error = refused.message + where
 
     def _close(self, piece: bytes, start: int, stop: int) -> int:
         """Where the skipped string's closing quote is in ``piece[start:stop]`` (-1: not in
