@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import gc
-import hmac
 import logging
 import os
 import resource
@@ -28,12 +27,12 @@ from .admin import Admin, add_admin_routes
 from .config import Config, ModelSpec, ServerConfig, load_for_reload, state_dir
 from .connection import Listener, Runner, Site, listen
 from .engine import PortAllocator
-from .errors import BadRequest, ConfigError, Forbidden, ProxyError, Unauthorized
+from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .instance import EngineContext
 from .manager import Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
-from .proxy import Proxy, add_routes
+from .proxy import Proxy, add_routes, check_key
 from .registry import EngineRegistry, StateDirBusy, StateLock
 from .upstream import UpstreamPool
 
@@ -148,7 +147,7 @@ class Gate:
             if request.method not in SAFE_METHODS:
                 _check_origin(request)
         elif self.metrics_keys and path in METRICS_PATHS:
-            _check_metrics_key(request, self.metrics_keys)
+            check_key(request, self.metrics_keys, METRICS_REFUSAL)
         return await handler(request)
 
     def _check_host(self, header: str) -> None:
@@ -227,18 +226,11 @@ def _same_origin(origin: str, host: str) -> bool:
     return (name.rstrip("."), port or default) == (own[0], own[1] or default)
 
 
-def _check_metrics_key(request: web.Request, keys: list[bytes]) -> None:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")
-    ok = False
-    for key in keys:  # compare with every key: no early exit on a match
-        ok |= hmac.compare_digest(given, key)
-    if scheme.lower() != "bearer" or not ok:
-        raise Unauthorized(
-            "missing or invalid metrics key (expected 'Authorization: Bearer KEY' with a key "
-            "of server.metrics_api_keys)"
-        )
-
+#: Why a metrics route refused a request.
+METRICS_REFUSAL = (
+    "missing or invalid metrics key (expected 'Authorization: Bearer KEY' with a key of"
+    " server.metrics_api_keys)"
+)
 
 RUNTIME = web.AppKey("runtime", Runtime)
 

@@ -481,7 +481,7 @@ class EngineProcess:
     async def warmup(self, session: aiohttp.ClientSession) -> None:
         """One 1-token completion (one embedding for a pooling model, which has no completion
         route); it must come back with a choice (an embedding)."""
-        key = self.spec.engine_api_key()
+        key = self.spec.api_key
         headers = {"Authorization": f"Bearer {key}"} if key else None
         if self.spec.pooling:
             body: dict[str, object] = {"model": self.spec.name, "input": "Hello"}

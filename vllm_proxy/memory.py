@@ -542,25 +542,17 @@ class Memory:
         recorded as the owner's measured footprint, unless per-process readings give one: no
         other start can have run on those devices in between.
         """
-        locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
-        async with contextlib.AsyncExitStack() as stack:
-            for lock in locks:
-                await stack.enter_async_context(lock)
-            before = await self._used(devices)
-            if before:
-                self.baseline[owner] = before
+        async with self.device_lock(devices):
+            before = await self.usage(None, devices)
+            if before is not None and before.used:
+                self.baseline[owner] = before.used
             yield
-            after = await self._used(devices)
-            if before and after and owner not in self.by_process:
-                delta = max(after[d] - before[d] for d in devices)
+            after = await self.usage(None, devices)
+            if before and after and before.used and owner not in self.by_process:
+                grown = [after.used[d] - before.used[d] for d in before.used if d in after.used]
+                delta = max(grown, default=0)
                 if delta > 0:
                     self._set_measured(owner, delta)
-
-    async def _used(self, devices: tuple[int, ...]) -> dict[int, int] | None:
-        if not isinstance(self.source, NvmlMonitor) or not devices:
-            return None
-        snaps = {s.id: s.used_mb for s in await asyncio.to_thread(self.source.read)}
-        return {d: snaps[d] for d in devices if d in snaps} if snaps else None
 
     def _set_measured(self, instance_id: str, mb: int) -> None:
         """Record what a running instance holds (accounting), and the overhead outside its

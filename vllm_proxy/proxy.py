@@ -284,7 +284,7 @@ class Proxy:
             if path.startswith("/admin"):
                 self._check_admin(request)
             elif guarded and self.api_keys:
-                _check_key(request, self.api_keys)
+                check_key(request, self.api_keys)
             resp = await handler(request)
             if not resp.prepared:
                 resp.headers["X-Request-ID"] = rid
@@ -333,7 +333,7 @@ class Proxy:
 
     def _check_admin(self, request: web.Request) -> None:
         if self.admin_keys:
-            _check_key(request, self.admin_keys)
+            check_key(request, self.admin_keys)
         elif not self.admin_open:
             raise Forbidden(
                 "the admin API is disabled: set server.admin_api_keys (or server.admin_open: true)"
@@ -712,7 +712,13 @@ class Proxy:
         return resp
 
 
-def _check_key(request: web.Request, keys: list[bytes]) -> None:
+def check_key(
+    request: web.Request,
+    keys: list[bytes],
+    refusal: str = "missing or invalid API key (expected 'Authorization: Bearer KEY')",
+) -> None:
+    """`Unauthorized` (with `refusal`) unless the request's bearer token is one of `keys`,
+    compared in constant time with every key."""
     auth = request.headers.get("Authorization", "")
     scheme, _, token = auth.partition(" ")
     given = token.strip().encode("utf-8", "surrogateescape")  # any bytes a client sent
@@ -720,7 +726,7 @@ def _check_key(request: web.Request, keys: list[bytes]) -> None:
     for key in keys:  # compare with every key: no early exit on a match
         ok |= hmac.compare_digest(given, key)
     if scheme.lower() != "bearer" or not ok:
-        raise Unauthorized("missing or invalid API key (expected 'Authorization: Bearer KEY')")
+        raise Unauthorized(refusal)
 
 
 def _sse_response(request: web.Request) -> web.StreamResponse:
