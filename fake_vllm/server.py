@@ -169,6 +169,13 @@ class FakeServer:
     def _reply(self, request: web.Request, body: dict[str, Any], chat: bool) -> Reply:
         prompts = chat_prompt_tokens(body) if chat else completion_prompt_tokens(body)
         self._check_model(body)
+        priority = body.get("priority", 0)
+        if type(priority) is not int:
+            msg = "Input should be a valid integer"
+            raise validation("int_type", ("body", "priority"), msg, priority)
+        if priority != 0 and self.settings.scheduling_policy != "priority":
+            message = f"Got priority {priority} but Priority scheduling is not enabled."
+            raise error(400, message, "BadRequestError", "priority")
         limit_name = (
             "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens"
         )

@@ -59,6 +59,8 @@ class Settings:
     uds: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 256
+    #: ``--scheduling-policy``: with fcfs a request's non-zero ``priority`` is refused (vLLM).
+    scheduling_policy: str = "fcfs"
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     prefill_context_parallel_size: int = 1
@@ -142,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key", nargs="+", default=None)
     parser.add_argument("--enable-sleep-mode", action=argparse.BooleanOptionalAction)
     parser.add_argument("--runner", default="auto")
+    parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--convert", default="auto")
     return parser
 
@@ -245,6 +248,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         uds=args.uds or None,
         max_model_len=args.max_model_len,
         max_num_seqs=max(1, args.max_num_seqs),
+        scheduling_policy=args.scheduling_policy,
         tensor_parallel_size=max(1, args.tensor_parallel_size),
         pipeline_parallel_size=max(1, args.pipeline_parallel_size),
         prefill_context_parallel_size=max(1, args.prefill_context_parallel_size),

@@ -237,7 +237,9 @@ async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
         "d": {"model": "x", "memory_mb": 400},
         "e": {"model": "x", "memory_mb": 150},
     }
-    proxy = await start_proxy(config(tmp_path, models, budget_mb=1000, sleep_memory_mb=100))
+    # No minimum residency: a and b are idle for d at once (the order is what is tested).
+    cfg = config(tmp_path, models, budget_mb=1000, sleep_memory_mb=100, min_resident_s=0)
+    proxy = await start_proxy(cfg)
     for name in ("a", "b"):
         assert (await chat(proxy, name))[0] == 200
     stream = await proxy.chat("busy", stream=True)
@@ -433,11 +435,12 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
         registry = EngineRegistry(tmp_path / "engines.json")
         ctx = EngineContext(session, PortAllocator(), registry, metrics)
         manager = Manager(specs, ctx, memory)
+        assert manager.admission is not None
         placed = []
         for name in "ab":
             inst = manager.models[name]._new_instance()
             inst.state = State.STARTING
-            decision = manager.plan_for(inst)
+            decision = manager.admission.plan_for(inst)
             assert isinstance(decision, Plan) and decision.evict == ()
             memory.occupy(inst.id, memory.placement(inst.spec, decision.devices))
             inst.state = State.RUNNING  # ready; the device reading has not caught up
@@ -447,7 +450,7 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
         await memory.read_fresh()
         c = manager.models["c"]._new_instance()
         c.state = State.STARTING
-        decision = manager.plan_for(c)
+        decision = manager.admission.plan_for(c)
         assert isinstance(decision, Plan)
         assert decision.evict == (placed[0].id,), "the LRU engine makes room: no overcommit"
         # A starting instance is not counted twice: what it has allocated since its start
@@ -456,7 +459,7 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
         memory.baseline[placed[1].id] = {0: 31 * 1024}  # the reading when its start began
         nvml.used = 62 * 1024
         await memory.read_fresh()
-        _, pending = manager._views()
+        _, pending = manager.admission._views()
         assert pending == {0: 0}, "its allocation so far is already in the reading"
         (dev,) = memory.device_views(pending)
         assert dev.used_mb + dev.pending_mb == 62 * 1024

@@ -24,7 +24,7 @@ import aiohttp
 from aiohttp import web
 
 from .admin import Admin, add_admin_routes
-from .config import Config, ModelSpec, ServerConfig, load_for_reload, state_dir
+from .config import AdmissionConfig, Config, ModelSpec, ServerConfig, load_for_reload, state_dir
 from .connection import Listener, Runner, Site, listen
 from .engine import PortAllocator
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
@@ -33,6 +33,7 @@ from .manager import Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
 from .proxy import Proxy, add_routes, check_key
+from .queueing import Rules
 from .registry import EngineRegistry, StateDirBusy, StateLock
 from .upstream import UpstreamPool
 
@@ -70,8 +71,8 @@ class Runtime:
         except ConfigError as err:
             log.error("reload rejected, keeping the running config: %s", err)
             raise BadRequest(f"reload rejected: {err}", code="invalid_config") from None
-        self.manager.queue_timeout_s = new.admission.queue_timeout_s
         self.manager.max_queue = new.admission.max_queue
+        self.manager.queue.rules = admission_rules(new.admission)
         report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
         self.proxy.configure(new.server)
         self.gate.configure(new.server, hosts)
@@ -84,6 +85,11 @@ class Runtime:
             )
         self.config = new
         return report
+
+
+def admission_rules(adm: AdmissionConfig) -> Rules:
+    """The admission queue's rules from the ``admission`` section."""
+    return Rules(adm.max_reorder_s, adm.idle_grace_s, adm.queue_timeout_s)
 
 
 def _restart_only(old: Config, new: Config) -> list[str]:
@@ -277,7 +283,7 @@ async def create_app(
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
     ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
     adm = config.admission
-    manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue)
+    manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
     manager.start()
     upstream = UpstreamPool(
         config.server.max_upstream_connections, slot_wait_s=config.server.connection_wait_s

@@ -226,10 +226,10 @@ class _Refused(Exception):
 
 class Found:
     """What `scan` found: the top-level ``model`` (its last occurrence; None with a span: it
-    is not a string), where its value is, where the object opens, and whether its top-level
-    ``stream`` is ``true``."""
+    is not a string), where its value is, where the object opens, whether its top-level
+    ``stream`` is ``true``, and its top-level integer ``priority`` (vLLM's field), if any."""
 
-    __slots__ = ("brace", "empty", "model", "span", "stream")
+    __slots__ = ("brace", "empty", "model", "priority", "span", "stream")
 
     def __init__(
         self,
@@ -238,12 +238,14 @@ class Found:
         brace: int,
         empty: bool,
         stream: bool = False,
+        priority: int | None = None,
     ) -> None:
         self.model = model
         self.span = span
         self.brace = brace
         self.empty = empty
         self.stream = stream
+        self.priority = priority
 
     def with_model(self, body: Body, name: str) -> Body:
         """`body` with its top-level model set to `name` (the same bytes when it already is)."""
@@ -473,6 +475,28 @@ class Scan:
         return found
 
 
+#: Request priorities the queue takes (vLLM's field is an int; anything else is the engine's
+#: to refuse, and ranks as 0 here).
+PRIORITY_RANGE = 2**31
+
+
+def _integer(token: bytes | bytearray) -> int | None:
+    """A JSON integer literal in `PRIORITY_RANGE`, else None."""
+    try:
+        value = int(token)
+    except ValueError:
+        return None
+    return value if -PRIORITY_RANGE < value < PRIORITY_RANGE else None
+
+
+def priority_of(data: dict[str, Any]) -> int | None:
+    """The parsed body's integer ``priority`` (booleans are not integers here), else None."""
+    value = data.get("priority")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if -PRIORITY_RANGE < value < PRIORITY_RANGE else None
+    return None
+
+
 def _too_long(number: bytes) -> bool:
     return any(len(part) > _DIGITS_MAX for part in _NUMBER_PARTS.findall(number))
 
@@ -546,6 +570,8 @@ def _scanner(
     is_model = False  # the value being read belongs to the top-level key "model"
     is_stream = False  # ... to the top-level key "stream"
     stream = False
+    is_priority = False  # ... to the top-level key "priority"
+    priority: int | None = None
     tokens = 0
     while True:
         depth = len(stack)
@@ -638,6 +664,8 @@ def _scanner(
                     model, span = None, (base + m.start(3), base + pos)
                 if is_stream:
                     stream = m.group(3) == b"true"
+                if is_priority:
+                    priority = _integer(m.group(3))
             elif c == _LBRACE or c == _LBRACK:
                 if len(stack) >= MAX_DEPTH:
                     raise _Refused(
@@ -653,7 +681,9 @@ def _scanner(
                 state = _COMMA_OR_END
             if is_stream and kind != 3:
                 stream = False  # the last "stream" wins, and only a literal true streams
-            is_model = is_stream = False
+            if is_priority and kind != 3:
+                priority = None
+            is_model = is_stream = is_priority = False
         elif state == _KEY or state == _KEY_OR_END:
             if kind != 2:
                 raise _Refused(_INVALID, m.start(kind))
@@ -661,8 +691,9 @@ def _scanner(
                 key = _decode(b, start, pos)  # checked at every depth
                 top = len(stack) == 1
                 is_model, is_stream = top and key == "model", top and key == "stream"
-            else:
-                is_model = is_stream = False  # a long key: only its bounds are checked
+                is_priority = top and key == "priority"
+            else:  # a long key: only its bounds are checked
+                is_model = is_stream = is_priority = False
             if len(stack) == 1:
                 empty = False
             state = _COLON_NEXT
@@ -678,7 +709,7 @@ def _scanner(
         pos, base = pos - cut, base + cut
     if _END.match(b, pos, avail) is None:
         raise _Refused(f"{_INVALID}: more follows the object", pos)
-    return Found(model, span, brace, empty, stream)
+    return Found(model, span, brace, empty, stream, priority)
 
 
 class Parsed:
@@ -686,7 +717,7 @@ class Parsed:
     body for a canonical name. A parsed document is kept only until `body_for`: a request
     holds its bytes, not the objects they make."""
 
-    __slots__ = ("_data", "_found", "body", "model", "stream")
+    __slots__ = ("_data", "_found", "body", "model", "priority", "stream")
 
     def __init__(
         self,
@@ -695,6 +726,7 @@ class Parsed:
         data: dict[str, Any] | None,
         found: Found | None,
         stream: bool = False,
+        priority: int | None = None,
     ) -> None:
         self.body = body
         self.model = model
@@ -702,6 +734,8 @@ class Parsed:
         self._found = found
         #: The request asks for a stream (a top-level ``"stream": true``).
         self.stream = stream
+        #: Its top-level integer ``priority`` (vLLM's; lower is served first), if any.
+        self.priority = priority
 
     def body_for(self, name: str) -> Body:
         """The bytes to send when the model's canonical name is `name`: the body as received
@@ -732,11 +766,11 @@ def model_of(body: Body, forced: str | None = None, scanned: Scan | None = None)
             raise scanned.error or BadRequest(_INVALID)
         model: Any = forced or found.model
         _check_model(model)
-        return Parsed(body, model, None, found, found.stream)
+        return Parsed(body, model, None, found, found.stream, found.priority)
     data = _parse(bytes(body) if isinstance(body, Pieces) else body)
     model = forced or data.get("model")
     _check_model(model)
-    return Parsed(body, model, data, None, data.get("stream") is True)
+    return Parsed(body, model, data, None, data.get("stream") is True, priority_of(data))
 
 
 def _check_model(model: Any) -> None:

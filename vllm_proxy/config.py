@@ -135,6 +135,9 @@ class _EngineKeys(_Strict):
     startup_timeout_s: float | None = Field(None, gt=0)
     stop_timeout_s: float | None = Field(None, ge=0)
     idle_timeout_s: float | None = Field(None, ge=0)
+    #: After a start or a wake the engine is not put to sleep or stopped for another model for
+    #: this long while it is in use (see `admission`), unless a waiter's reorder window ends.
+    min_resident_s: float | None = Field(None, ge=0)
     #: uds: the engine serves on ``<state_dir>/sockets/<model>.<n>.sock`` (``--uds``) in a
     #: directory of mode 0700, so no other user of the host can reach it; tcp: on a loopback
     #: port from `port_range` (``--host 127.0.0.1 --port N``), for engines without ``--uds``.
@@ -212,6 +215,7 @@ class EngineConfig(_EngineKeys):
     transport: Transport = "uds"
     stop_timeout_s: float = Field(30, ge=0)
     idle_timeout_s: float = Field(600, ge=0)
+    min_resident_s: float = Field(30, ge=0)
     port_range: tuple[int, int] = (8001, 8999)
     read_timeout_s: float = Field(600, gt=0)
     health_interval_s: float = Field(5, ge=0)
@@ -233,6 +237,10 @@ class ModelConfig(_EngineKeys):
     memory_mb: int | None = Field(None, gt=0)
     #: Never evicted to make room for another model.
     pinned: bool = False
+    #: Lower values are served first from the queue and evicted last (vLLM's rule for its
+    #: request ``priority``, which ranks next where the engine runs --scheduling-policy
+    #: priority).
+    priority: int = 0
     #: Restrict placement to these GPU ids (tensor_parallel_size of them are used).
     devices: list[int] | None = None
     #: Parameter count in billions, for the estimate when the weights are not on local disk.
@@ -285,6 +293,13 @@ class AdmissionConfig(_Strict):
     queue_timeout_s: float = Field(30, ge=0)
     #: Requests that may wait for one model's admission; more get 503 at once.
     max_queue: int = Field(1024, ge=1)
+    #: Requests that came later may be served ahead of a waiting one (its model's engine
+    #: already serving them, or its start grouping them) for at most this long; then they queue
+    #: behind it. 0: strict first come, first served.
+    max_reorder_s: float = Field(5, ge=0)
+    #: An engine with no request in flight or queued for this long counts as idle (its
+    #: minimum residency no longer keeps it).
+    idle_grace_s: float = Field(2, ge=0)
 
 
 class Config(_Strict):
@@ -357,6 +372,8 @@ class ModelSpec:
     #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
     transport: Transport = "uds"
     pinned: bool = False
+    priority: int = 0
+    min_resident_s: float = 0.0
     devices: tuple[int, ...] | None = None
     params_b: float | None = None
     sleep: SleepPolicy | None = None
@@ -403,6 +420,13 @@ class ModelSpec:
         if key:
             return str(key)
         return dict(self.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
+
+    @property
+    def request_priorities(self) -> bool:
+        """The engine orders requests by their ``priority`` (``scheduling_policy: priority``):
+        the queue ranks them by it too (others refuse a non-zero one)."""
+        args = {_arg_name(k): v for k, v in self.args}
+        return args.get("scheduling_policy") == "priority"
 
     @property
     def pooling(self) -> bool:
@@ -556,6 +580,8 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         socket_dir=os.path.abspath(state / "sockets"),
         transport=pick("transport"),
         pinned=m.pinned,
+        priority=m.priority,
+        min_resident_s=pick("min_resident_s"),
         devices=tuple(m.devices) if m.devices is not None else None,
         params_b=m.params_b,
         # `sleep: null` on a model turns off a sleep policy set under `engine`.

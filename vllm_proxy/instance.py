@@ -52,6 +52,7 @@ from .memory import (
     Usage,
 )
 from .metrics import Metrics
+from .queueing import Queue, Rank
 from .registry import EngineRegistry
 
 log = logging.getLogger(__name__)
@@ -174,6 +175,15 @@ class EngineContext:
     grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
     #: Host RAM promised to level-1 sleeps in flight.
     host: HostRam = field(default_factory=HostRam)
+    #: The admission queue: every request that waits holds a ticket in it.
+    queue: Queue = field(default_factory=Queue)
+    #: Whether a request of this rank, arrived then (monotonic), for a serving instance must
+    #: queue behind a waiter before it whose reorder window has run out and whose plan takes
+    #: that instance (see `admission`).
+    hold: Callable[[Instance, Rank, float], bool] = lambda _inst, _rank, _arrived: False
+    #: Seconds a start or a wake ("start", "wake") of a model took: the planner's price of
+    #: putting it to sleep or stopping it.
+    timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -241,8 +251,11 @@ class Instance:
         self._awaiting_devices = False
         #: Its wake failed and it is being stopped for that (not by someone else).
         self._woken_in_vain = False
-        #: When it last became RUNNING (monotonic): readings older than this are not of it.
+        #: When it last became RUNNING (monotonic): readings older than this are not of it,
+        #: and its minimum residency counts from it.
         self.running_since = 0.0
+        #: When its last request ended, or it became RUNNING (monotonic): the idle grace.
+        self.used_at = 0.0
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
         self._policy = policy
@@ -281,7 +294,7 @@ class Instance:
     def _set_state(self, new: State) -> None:
         old = self.state
         if new is State.RUNNING:
-            self.running_since = time.monotonic()
+            self.running_since = self.used_at = time.monotonic()
         if new not in TRANSITIONS[old]:
             raise InvalidTransition(f"{self.id}: {old.name} -> {new.name} is not allowed")
         self.state = new
@@ -318,6 +331,7 @@ class Instance:
         """Give a lease back; arms the idle timer at zero."""
         self.leases -= 1
         self.last_used = time.time()
+        self.used_at = time.monotonic()
         if self._released is not None:
             self._released.set()
             self._released = None
@@ -456,6 +470,7 @@ class Instance:
             self._raise_if_stopped()
             seconds = time.monotonic() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
+        self.ctx.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = time.monotonic()
@@ -869,6 +884,7 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = time.monotonic() - started
         self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
+        self.ctx.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
         self.sleep_level = 0

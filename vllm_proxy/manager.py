@@ -1,8 +1,9 @@
 """The set of models: names and aliases, admission by GPU memory, reload, drain and shutdown.
 
 The `Manager` maps names and aliases to `Model`s (each the owner of its instances), decides
-admission with the pure `scheduler.plan()` over every live instance, and asks instances to
-evict themselves; it never changes an instance's state directly. Admin and proxy read
+admission to `Admission` (the one queue, the pure `scheduler.plan()` over every live instance,
+turns, reorder windows, minimum residency), which asks instances to evict themselves; neither
+changes an instance's state directly. Admin and proxy read
 `snapshot()`, never Memory's or an instance's internals.
 """
 
@@ -10,20 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
+from .admission import Admission
 from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
 from .footprint import footprint_for_spec
-from .instance import EngineContext, Instance, State, Stopped, retrieve
-from .memory import Memory, Placement
+from .instance import EngineContext, Instance, State, retrieve
+from .memory import Memory
 from .model import Model
-from .scheduler import Demand, ModelView, NoFit, Plan, plan
+from .queueing import Queue, Rules
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +39,17 @@ class Lease:
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("inst", "model", "session")
+    __slots__ = ("inst", "model", "priority", "session")
 
-    def __init__(self, model: Model, session: str | None = None) -> None:
+    def __init__(
+        self, model: Model, session: str | None = None, priority: int | None = None
+    ) -> None:
         self.model = model
         self.session = session
+        self.priority = priority
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire(self.session)
+        self.inst, engine = await self.model.acquire(self.session, self.priority)
         return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
@@ -61,15 +66,23 @@ class Manager:
         memory: Memory | None = None,
         queue_timeout_s: float = 30.0,
         max_queue: int = 1024,
+        rules: Rules | None = None,
     ) -> None:
         self.ctx = ctx
         self.memory = memory
-        self.queue_timeout_s = queue_timeout_s
         self.max_queue = max_queue
+        #: The one admission queue (shared with every model and instance through `ctx`).
+        self.queue: Queue = ctx.queue
+        self.queue.rules = rules or Rules(queue_timeout_s=queue_timeout_s)
         ctx.on_capacity = self._capacity_changed
+        #: GPU memory admission (None: memory is not managed).
+        self.admission: Admission | None = None
         if memory is not None:
-            ctx.admit = self._admit
-            ctx.readmit = self._readmit
+            self.admission = adm = Admission(ctx, memory, self.all_instances, lambda: self.models)
+            ctx.admit = adm.admit
+            ctx.readmit = adm.readmit
+            ctx.hold = adm.holds
+            ctx.timed = adm.timed
             ctx.memory_lock = memory.starting_on
             ctx.device_lock = memory.device_lock
             ctx.vacate = memory.vacate
@@ -90,8 +103,17 @@ class Manager:
         #: Preloads still running, by model name.
         self.preloading: dict[str, asyncio.Task[None]] = {}
 
+    @property
+    def queue_timeout_s(self) -> float:
+        """How long a start or wake waits for memory (``admission.queue_timeout_s``)."""
+        return self.queue.rules.queue_timeout_s
+
+    @queue_timeout_s.setter
+    def queue_timeout_s(self, value: float) -> None:
+        self.queue.rules = dataclasses.replace(self.queue.rules, queue_timeout_s=value)
+
     def _new_model(self, spec: ModelSpec) -> Model:
-        evict_more = self._evict_more if self.memory is not None else None
+        evict_more = self.admission.evict_more if self.admission is not None else None
         return Model(spec, self.ctx, self.ctx.registry.new_id, self.max_queue, evict_more)
 
     def _index_names(self) -> None:
@@ -151,15 +173,19 @@ class Manager:
             )
         return self.models[name]
 
-    def lease(self, model: str | Model, session: str | None = None) -> Lease:
+    def lease(
+        self, model: str | Model, session: str | None = None, priority: int | None = None
+    ) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
-        `session` is the value of the model's affinity header, if any. Raises `NotFound` for an
-        unknown name and `Unavailable` while shutting down.
+        `session` is the value of the model's affinity header, if any; `priority` the request's
+        own (vLLM's field). Raises `NotFound` for an unknown name and `Unavailable` while
+        shutting down.
         """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        return Lease(self.resolve(model) if isinstance(model, str) else model, session)
+        target = self.resolve(model) if isinstance(model, str) else model
+        return Lease(target, session, priority)
 
     def update_metrics(self) -> None:
         """Refresh the request gauges from the leases (at scrape time: the request path itself
@@ -178,189 +204,7 @@ class Manager:
     def _capacity_changed(self) -> None:
         self._capacity.set()
         self._capacity = asyncio.Event()
-
-    # -- admission -----------------------------------------------------------------------
-
-    def _views(self) -> tuple[list[ModelView], dict[int, int]]:
-        """The planner's view of every placed instance (a model's old and new instance during a
-        handover both count), and memory promised to starting or waking instances that they
-        have not allocated yet."""
-        memory = self.memory
-        assert memory is not None
-        views: list[ModelView] = []
-        pending: dict[int, int] = {}
-        pinned = {m.name: m.pinned for m in self.models.values()}
-        for i in self.all_instances():
-            claim = memory.claims.get(i.id)
-            if claim is None:
-                continue
-            held = memory.held_mb(i.id)
-            state = i.state
-            sleepy = i.spec.sleep is not None and state is State.RUNNING
-            views.append(
-                ModelView(i.id, held, claim.devices, state is State.RUNNING,
-                          i.leases + i.queued(), i.last_used, pinned.get(i.name, False),
-                          starting=state is State.STARTING, stopping=state is State.STOPPING,
-                          sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
-                          asleep=i.asleep, waking=state is State.WAKING,
-                          falling_asleep=state is State.SLEEPING and not i.asleep)
-            )  # fmt: skip
-            # Growth still to come; a wake not yet admitted holds what NVML already shows.
-            roused = state is State.WAKING and i.id not in memory.asleep
-            growing = state is State.STARTING or roused
-            if growing and memory.kind == "nvml":
-                pgid = i.engine.pid if i.engine is not None else None
-                for d in claim.devices:
-                    rest = max(held - memory.allocated_mb(i.id, pgid, d), 0)
-                    pending[d] = pending.get(d, 0) + rest
-        return views, pending
-
-    def plan_for(self, inst: Instance) -> Plan | NoFit:
-        """The scheduler's decision for starting (or waking) `inst` now (pure; no effects)."""
-        memory = self.memory
-        assert memory is not None
-        views, pending = self._views()
-        if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
-            claim = memory.claims[inst.id]
-            need = memory.wake_need(inst.id)
-            demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
-        else:
-            siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
-            avoid = tuple(sorted({d for devs in siblings for d in devs}))
-            demand = memory.demand(inst.spec, inst.id, avoid)
-        return plan(demand, memory.device_views(pending), views)
-
-    async def _admit(self, inst: Instance) -> Placement | None:
-        """Wait until `inst` fits (putting idle instances to sleep or stopping them, LRU
-        first), up to the queue timeout; then its memory is claimed."""
-        memory = self.memory
-        assert memory is not None
-
-        def claim(decision: Plan) -> Placement:
-            placement = memory.placement(inst.spec, decision.devices)
-            memory.occupy(inst.id, placement)
-            return placement
-
-        def unclaim() -> None:
-            memory.vacate(inst.id)
-
-        return await self._reclaim(inst, State.STARTING, claim, unclaim)
-
-    async def _readmit(self, inst: Instance) -> None:
-        """A wake: wait until the instance's whole footprint fits on its devices again (same
-        rules as a start), then claim it."""
-        memory = self.memory
-        assert memory is not None
-
-        asleep_mb = memory.held_mb(inst.id)
-        level = memory.slept_level.get(inst.id)
-
-        def claim(decision: Plan) -> Placement:
-            memory.rouse(inst.id)
-            return memory.claims[inst.id]
-
-        def unclaim() -> None:
-            memory.doze(inst.id, asleep_mb, level)
-
-        await self._reclaim(inst, State.WAKING, claim, unclaim)
-
-    async def _reclaim(
-        self,
-        inst: Instance,
-        state: State,
-        claim: Callable[[Plan], Placement],
-        unclaim: Callable[[], None],
-    ) -> Placement:
-        memory = self.memory
-        assert memory is not None
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        deadline = started + self.queue_timeout_s
-        wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
-        while True:
-            await memory.read_fresh()
-            if inst.state is not state:
-                raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
-            decision = self.plan_for(inst)
-            if isinstance(decision, Plan):
-                need = self._need(inst)
-                # Claim memory and act on the victims before the first await: later plans see
-                # both (an instance counts as awake until its /sleep call has returned).
-                placement = claim(decision)
-                naps = [v.sleep("memory") for v in self._instances(decision.sleep)]
-                stops = [v.evict("memory") for v in self._instances(decision.evict)]
-                if decision.sleep:
-                    log.info("%s: putting %s to sleep to make room", inst.id,
-                             ", ".join(decision.sleep))  # fmt: skip
-                if decision.evict:
-                    log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
-                if decision.sleep or decision.evict:
-                    await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
-                    freed = await self._while_in(inst, state, memory.wait_free(decision.devices,
-                                                                               need))  # fmt: skip
-                    if not freed:
-                        # Less came back than planned (a sleep that kept more, another
-                        # program): plan again on fresh readings rather than fail in vLLM.
-                        unclaim()
-                        if inst.state is state and loop.time() < deadline:
-                            continue
-                        raise Unavailable(
-                            f"model '{inst.name}' cannot start: the GPU memory freed for it did"
-                            f" not come back within {memory.free_timeout_s:g}s",
-                            code="insufficient_gpu_memory",
-                            retry_after_s=max(1, int(self.queue_timeout_s) or 5),
-                        )
-                wait_metric.observe(loop.time() - started)
-                return placement
-            remaining = deadline - loop.time()
-            if remaining <= 0 or not decision.blockers:
-                wait_metric.observe(loop.time() - started)
-                what = "wake" if state is State.WAKING else "start"
-                raise Unavailable(
-                    f"model '{inst.name}' cannot {what}: not enough GPU memory: {decision.reason}",
-                    code="insufficient_gpu_memory",
-                    retry_after_s=max(1, int(self.queue_timeout_s) or 5),
-                )
-            await self._wait_capacity(inst, remaining)
-
-    async def _while_in(self, inst: Instance, state: State, wait: Awaitable[bool]) -> bool:
-        """`wait`'s answer, unless `inst` leaves `state` first (stopped, unloaded, shut down):
-        then `Stopped` at once, not when the wait runs out."""
-        task = asyncio.ensure_future(wait)
-        try:
-            while not task.done():
-                if inst.state is not state:
-                    raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
-                change = asyncio.ensure_future(inst.wait_change())
-                try:
-                    await asyncio.wait({task, change}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    change.cancel()
-            return task.result()
-        finally:
-            task.cancel()
-
-    def _siblings(self, inst: Instance) -> list[Instance]:
-        """The other placed, live replicas of `inst`'s model."""
-        assert self.memory is not None
-        model = self.models.get(inst.name)
-        if model is None:
-            return []
-        return [
-            i for i in model.instances
-            if i is not inst and not i.retired and i.id in self.memory.claims
-        ]  # fmt: skip
-
-    def _instances(self, ids: tuple[str, ...]) -> list[Instance]:
-        return [i for i in map(self.instance, ids) if i is not None]
-
-    def _need(self, inst: Instance) -> int:
-        """What must be free on the devices before the engine allocates: a start's footprint,
-        or what a wake adds to what the sleeping engine still holds (taken before the claim)."""
-        assert self.memory is not None
-        if inst.state is State.WAKING:
-            return self.memory.wake_need(inst.id)
-        return self.memory.footprint(inst.spec.name)
+        self.queue.changed()
 
     def _weights_mb(self, spec: ModelSpec) -> int | None:
         """Host RAM a level-1 sleep of `spec` pins: its weights, all devices together (the
@@ -379,38 +223,6 @@ class Manager:
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
             return fp.budget_mb * fp.gpus
         return None
-
-    async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
-        waits = [
-            asyncio.ensure_future(self._capacity.wait()),
-            asyncio.ensure_future(inst.wait_change()),
-        ]
-        try:
-            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for w in waits:
-                w.cancel()
-
-    async def _evict_more(self, devices: tuple[int, ...]) -> bool:
-        """After an out-of-memory start: stop the least recently used idle instance there."""
-        if not devices or self.memory is None:
-            return False
-        pinned = {m.name for m in self.models.values() if m.pinned}
-        claims = self.memory.claims
-        idle = [
-            i for i in self.all_instances()
-            if i.id in claims and set(devices) & set(claims[i.id].devices)
-            and (i.asleep or (i.state is State.RUNNING and i.leases == 0))
-            and i.name not in pinned
-        ]  # fmt: skip
-        for victim in sorted(idle, key=lambda i: i.last_used):
-            task = victim.evict("out_of_memory")
-            if task is not None:
-                await task
-                need = self.memory.demand_mb(victim.spec)
-                await self.memory.wait_free(devices, need)
-                return True
-        return False
 
     # -- reload --------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from .instance import (
     WakeFailed,
     retrieve,
 )
+from .queueing import Rank
 
 log = logging.getLogger(__name__)
 
@@ -151,13 +152,24 @@ class Model:
                 self._sessions.popitem(last=False)
         return inst
 
-    async def acquire(self, session: str | None = None) -> tuple[Instance, EngineProcess]:
+    def rank(self, priority: int | None = None) -> Rank:
+        """A request's place in the admission queue: the model's priority, then the request's
+        own (vLLM's ``priority``) where the engine orders requests by it."""
+        return (self.spec.priority, (priority or 0) if self.spec.request_priorities else 0)
+
+    async def acquire(
+        self, session: str | None = None, priority: int | None = None
+    ) -> tuple[Instance, EngineProcess]:
         """Wait until an instance serves (starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
-        ``instance.release()`` in ``finally``. `session` is the affinity header's value.
+        ``instance.release()`` in ``finally``. `session` is the affinity header's value,
+        `priority` the request's own. A request for a serving instance is sent at once unless
+        the admission queue holds it behind a waiter that needs that instance's memory.
         """
         starts = 0
+        arrived = time.monotonic()
+        rank = self.rank(priority)
         while True:
             if self.closed:
                 raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
@@ -170,6 +182,9 @@ class Model:
                 )
             inst = self.route(session)
             if inst is not None and not self.draining:
+                if self.ctx.hold(inst, rank, arrived) and not self._hold_ran_out(arrived):
+                    await self._held(rank, arrived)
+                    continue
                 # No await between finding it RUNNING and the lease.
                 engine = inst.acquire()
                 if self._scaled:
@@ -187,7 +202,7 @@ class Model:
                 self._bringup.add_done_callback(self._bringup_done)
             drains = self._drains_begun
             try:
-                await self._wait_bringup(self._bringup)
+                await self._wait_bringup(self._bringup, rank, arrived)
             except Stopped:
                 if self.draining or self.removed or self.closed or drains != self._drains_begun:
                     continue  # the loop answers for the unload, removal or shutdown
@@ -333,7 +348,7 @@ class Model:
             self._bringing = None
         retrieve(task)
 
-    async def _wait_bringup(self, task: asyncio.Task[None]) -> None:
+    async def _wait_bringup(self, task: asyncio.Task[None], rank: Rank, arrived: float) -> None:
         if self.waiting >= self.max_queue:
             raise Unavailable(
                 f"model '{self.name}': {self.waiting} requests already wait for it to start",
@@ -341,11 +356,33 @@ class Model:
             )
         self.waiting += 1
         self._queue_gauge.set(self.waiting)
+        ticket = self.ctx.queue.enter(self.name, rank, arrived)
         try:
             await asyncio.shield(task)
         finally:
+            self.ctx.queue.leave(ticket)
             self.waiting -= 1
             self._queue_gauge.set(self.waiting)
+
+    def _hold_ran_out(self, arrived: float) -> bool:
+        """A held request is sent anyway once it has waited the queue's timeout (the waiter it
+        let pass has given up by then, or is stuck behind requests that do not end)."""
+        return time.monotonic() - arrived >= self.ctx.queue.timeout_s
+
+    async def _held(self, rank: Rank, arrived: float) -> None:
+        """Wait, queued behind the waiter that takes this model's engine, until something in
+        the queue changes (the caller looks again), the model changes, or the hold runs out."""
+        queue = self.ctx.queue
+        ticket = queue.enter(self.name, rank, arrived, held=True)
+        remaining = arrived + queue.timeout_s - time.monotonic()
+        waits = [asyncio.ensure_future(queue.wait(remaining)),
+                 asyncio.ensure_future(self._changed.wait())]  # fmt: skip
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            queue.leave(ticket)
 
     def sleeper(self) -> Instance | None:
         """The newest sleeping (or waking) instance that is not retired: woken before any

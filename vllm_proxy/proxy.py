@@ -377,9 +377,12 @@ class Proxy:
             session = request.headers.get(affinity) if affinity else None
             try:
                 if parsed.stream and model.serving() is None:
-                    resp = await self._forward_loading(request, path, body, model, session, tap)
+                    resp = await self._forward_loading(
+                        request, path, body, model, session, tap, parsed.priority
+                    )
                 else:
-                    async with self.manager.lease(model, session) as (inst, engine):
+                    lease = self.manager.lease(model, session, parsed.priority)
+                    async with lease as (inst, engine):
                         tap.instance = inst.id
                         resp = await self._relay(request, path, body, inst, engine, tap)
                 status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
@@ -403,6 +406,7 @@ class Proxy:
         model: Model,
         session: str | None,
         tap: Tap,
+        priority: int | None = None,
     ) -> web.StreamResponse:
         """A stream for a model with no serving instance (it starts or wakes): if no instance
         serves within ``keepalive_s``, answer 200 with ``text/event-stream`` and send an SSE
@@ -410,7 +414,7 @@ class Proxy:
         keep the connection; with ``loading_progress`` a chat stream gets visible progress
         (``reasoning_content`` chunks) instead. Then the engine's stream follows byte for byte;
         a failure after the 200 is an SSE error event and ``data: [DONE]``."""
-        lease = self.manager.lease(model, session)
+        lease = self.manager.lease(model, session, priority)
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")

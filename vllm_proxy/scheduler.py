@@ -15,14 +15,23 @@ Reclaim policy (sleep before stop, never a busy engine):
 * only idle instances (RUNNING with no lease and nothing queued, or asleep), not pinned, may be
   touched; starting, waking, stopping and falling-asleep ones hold memory that comes back (or
   is needed) soon, so a demand that needs it waits;
-* first, idle RUNNING instances with a sleep policy are put to sleep, least recently used first,
-  each freeing ``footprint - sleep_mb``;
-* then, if memory is still short, instances are stopped least recently used first: asleep ones
-  (freeing what they still hold), RUNNING ones without a sleep policy, and ones chosen to sleep
-  above (stopped instead); an instance is only taken when it frees memory on a device of the set
-  that still lacks some, and a model on several devices frees its memory on each of them;
-* once the demand fits, actions that are not needed after all are undone, the most recently
-  used first (a stop becomes a sleep again where that is enough, then goes);
+* instances inside their minimum residency that are still in use (``protected``: the caller
+  decides, see `admission`) are not touched either;
+* victims are taken cheapest first. The price of a victim is what bringing it back costs per
+  second it has been idle: ``restore_s / idle_s``, where ``restore_s`` is its measured wake time
+  for a sleep and its measured cold start for a stop (the cold start less the wake for one
+  already asleep), so a model that takes a minute to come back is kept over one that wakes in
+  seconds unless it has been idle far longer. Lower priority (a higher ``priority`` value) goes
+  before any price; with no clock given (``now=None``) or nothing measured the order is least
+  recently used first;
+* first, idle RUNNING instances with a sleep policy are put to sleep, cheapest first, each
+  freeing ``footprint - sleep_mb``;
+* then, if memory is still short, instances are stopped cheapest first: asleep ones (freeing
+  what they still hold), RUNNING ones without a sleep policy, and ones chosen to sleep above
+  (stopped instead); an instance is only taken when it frees memory on a device of the set that
+  still lacks some, and a model on several devices frees its memory on each of them;
+* once the demand fits, actions that are not needed after all are undone, the dearest first (a
+  stop becomes a sleep again where that is enough, then goes);
 * among device sets that can be made to fit, the winner is the one that shares the fewest
   devices with the model's other replicas (a replica on a GPU of its own adds compute), then the
   one with the fewest megabytes stopped (an instance counts ``what it holds x number of its
@@ -78,6 +87,15 @@ class ModelView:
     #: Waking, or its /sleep call is in flight: it holds its memory and may not be touched.
     waking: bool = False
     falling_asleep: bool = False
+    #: Lower values matter more (vLLM's rule for request priorities): among the idle, the
+    #: highest value is put to sleep or stopped first.
+    priority: int = 0
+    #: Inside its minimum residency and in use: not put to sleep or stopped for this demand.
+    protected: bool = False
+    #: Measured seconds to bring it back after a stop (a cold start) and after a sleep (a
+    #: wake); None: not measured yet (the defaults below stand in).
+    start_s: float | None = None
+    wake_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +120,7 @@ class Demand:
 @dataclass(frozen=True)
 class Plan:
     """Start on `devices` after putting the instances in `sleep` to sleep and stopping those
-    in `evict` (each in that order, LRU first)."""
+    in `evict` (each in that order, cheapest first)."""
 
     devices: tuple[int, ...]
     evict: tuple[str, ...]
@@ -146,13 +164,25 @@ def never_fits(demand: Demand, devices_total: Mapping[int, int]) -> str | None:
     return None
 
 
+#: Stand-ins for restore times not measured yet (equal for every model: the order stays LRU).
+DEFAULT_START_S = 60.0
+DEFAULT_WAKE_S = 5.0
+#: Idle time below this counts as this much (a model used a moment ago is not infinitely dear).
+MIN_IDLE_S = 1.0
+
+
 def plan(
-    demand: Demand, devices: Sequence[DeviceView], models: Sequence[ModelView]
+    demand: Demand,
+    devices: Sequence[DeviceView],
+    models: Sequence[ModelView],
+    now: float | None = None,
 ) -> Plan | NoFit:
     """Choose devices for `demand`, evicting idle models if needed (see the module docstring).
 
-    Returns a `Plan`, or a `NoFit` whose reason says what is missing and whose blockers name the
-    busy, pinned, starting or stopping models that hold memory on the allowed devices.
+    `now` (the clock of ``last_used``) turns on the price order of victims; without it they are
+    taken least recently used first. Returns a `Plan`, or a `NoFit` whose reason says what is
+    missing and whose blockers name the busy, pinned, protected, starting or stopping models
+    that hold memory on the allowed devices.
     """
     by_id = {d.id: d for d in devices}
     reason = never_fits(demand, {d.id: d.total_mb for d in devices})
@@ -160,9 +190,10 @@ def plan(
         return NoFit(reason, ())
     free = {i: _free(d, demand.reserve_mb) for i, d in by_id.items()}
     evictable = _evictable(demand, models)
+    prices = _Prices(now)
     best: tuple[tuple[int, int, int, int, int, tuple[int, ...]], Plan] | None = None
     for ids in combinations(_allowed(demand, by_id), demand.tp):
-        chosen = _reclaim(demand.footprint_mb, {i: free[i] for i in ids}, evictable)
+        chosen = _reclaim(demand.footprint_mb, {i: free[i] for i in ids}, evictable, prices)
         if chosen is None:
             continue
         slept, stopped = chosen
@@ -189,15 +220,42 @@ def _free(device: DeviceView, reserve_mb: int) -> int:
 
 def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
     """Instances that may be put to sleep or stopped, least recently used first (name breaks
-    ties): idle RUNNING ones and asleep ones, never pinned ones or the demand itself."""
+    ties): idle RUNNING ones and asleep ones, never pinned or protected ones or the demand
+    itself."""
     ok = [
         m
         for m in models
         if ((m.running and m.leases == 0) or m.asleep)
-        and not (m.pinned or m.starting or m.waking or m.falling_asleep or m.stopping)
+        and not (m.pinned or m.protected or m.starting or m.waking or m.falling_asleep)
+        and not m.stopping
         and m.name != demand.name
     ]
     return sorted(ok, key=lambda m: (m.last_used, m.name))
+
+
+class _Prices:
+    """The order victims are taken in: lower priority first, then the lower price (restore
+    seconds per idle second), then least recently used."""
+
+    def __init__(self, now: float | None) -> None:
+        self.now = now
+
+    def key(self, m: ModelView, stop: bool) -> tuple[int, float, float, str]:
+        if self.now is None:
+            return (-m.priority, 0.0, m.last_used, m.name)
+        wake = m.wake_s if m.wake_s is not None else DEFAULT_WAKE_S
+        start = m.start_s if m.start_s is not None else DEFAULT_START_S
+        if not stop:
+            restore = wake
+        elif m.asleep:
+            restore = max(start - wake, 0.0)  # it would have needed a wake anyway
+        else:
+            restore = start
+        idle = max(self.now - m.last_used, MIN_IDLE_S)
+        return (-m.priority, restore / idle, m.last_used, m.name)
+
+    def order(self, models: Iterable[ModelView], stop: bool) -> list[ModelView]:
+        return sorted(models, key=lambda m: self.key(m, stop))
 
 
 def _sleep_gain(m: ModelView) -> int:
@@ -210,7 +268,9 @@ def _sleep_gain(m: ModelView) -> int:
 Reclaim = tuple[tuple[ModelView, ...], tuple[ModelView, ...]]
 
 
-def _reclaim(footprint: int, free: dict[int, int], evictable: list[ModelView]) -> Reclaim | None:
+def _reclaim(
+    footprint: int, free: dict[int, int], evictable: list[ModelView], prices: _Prices
+) -> Reclaim | None:
     """(to sleep, to stop) so that `footprint` fits on every device of `free`, or None."""
     deficit = {i: footprint - f for i, f in free.items()}
 
@@ -226,14 +286,14 @@ def _reclaim(footprint: int, free: dict[int, int], evictable: list[ModelView]) -
                 deficit[i] -= mb
 
     slept: list[ModelView] = []
-    for m in evictable:  # first: sleep, least recently used first
+    for m in prices.order(evictable, stop=False):  # first: sleep, cheapest first
         if not short():
             break
         if _sleep_gain(m) > 0 and touches(m):
             slept.append(m)
             gain(m, _sleep_gain(m))
     stopped: list[ModelView] = []
-    for m in evictable:  # then: stop, least recently used first
+    for m in prices.order(evictable, stop=True):  # then: stop, cheapest first
         if not short():
             break
         if not touches(m):
@@ -246,26 +306,30 @@ def _reclaim(footprint: int, free: dict[int, int], evictable: list[ModelView]) -
         stopped.append(m)
     if short():
         return None
-    return _prune(footprint, free, slept, stopped)
+    return _prune(footprint, free, slept, stopped, prices)
 
 
 def _prune(
-    footprint: int, free: dict[int, int], slept: list[ModelView], stopped: list[ModelView]
+    footprint: int,
+    free: dict[int, int],
+    slept: list[ModelView],
+    stopped: list[ModelView],
+    prices: _Prices,
 ) -> Reclaim:
-    """Undo actions the plan does not need, sparing the most recently used first: a stop
-    becomes a sleep where that is enough, or goes; then sleeps go."""
+    """Undo actions the plan does not need, sparing the dearest first: a stop becomes a sleep
+    where that is enough, or goes; then sleeps go."""
     sleep, stop = list(slept), list(stopped)
-    for m in sorted(stopped, key=lambda m: (m.last_used, m.name), reverse=True):
+    for m in reversed(prices.order(stopped, stop=True)):
         rest = [k for k in stop if k is not m]
         if _fits_after(footprint, free, sleep, rest):
             stop = rest
         elif _sleep_gain(m) > 0 and _fits_after(footprint, free, [*sleep, m], rest):
             stop, sleep = rest, [*sleep, m]
-    for m in sorted(sleep, key=lambda m: (m.last_used, m.name), reverse=True):
+    for m in reversed(prices.order(sleep, stop=False)):
         rest = [k for k in sleep if k is not m]
         if _fits_after(footprint, free, rest, stop):
             sleep = rest
-    order = {id(m): n for n, m in enumerate(sorted(slept + stopped, key=lambda m: m.last_used))}
+    order = {id(m): n for n, m in enumerate(prices.order(slept + stopped, stop=True))}
     return (tuple(sorted(sleep, key=lambda m: order[id(m)])),
             tuple(sorted(stop, key=lambda m: order[id(m)])))  # fmt: skip
 
@@ -344,6 +408,8 @@ def _why_held(m: ModelView) -> str:
         why = "stopping"
     elif m.leases:
         why = f"{m.leases} request(s) in flight"
+    elif m.protected:
+        why = "inside its minimum residency"
     else:
         why = "pinned"
     return f"'{m.name}' ({m.footprint_mb} MiB on {_device_list(m.devices)}, {why})"

@@ -1,0 +1,373 @@
+"""The admission queue: its pure rules, and each rule on the proxy with fake engines.
+
+One GPU slot (a static budget that holds one model) makes every rule visible: which request
+is served first, which engine is put to sleep or stopped, how long a waiter can be passed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RunningProxy, StartProxy, make_config, wait_for
+
+from vllm_proxy.config import GpuDevice
+from vllm_proxy.instance import State
+from vllm_proxy.queueing import (
+    Queue,
+    Rules,
+    Waiter,
+    holds,
+    in_use,
+    next_deadline,
+    order,
+    overdue,
+    protected,
+)
+from vllm_proxy.scheduler import Demand, DeviceView, ModelView, Plan, plan
+
+# -- pure rules -------------------------------------------------------------------------------
+
+RULES = Rules(max_reorder_s=5.0, idle_grace_s=2.0, queue_timeout_s=30.0)
+
+
+def test_queue_order_is_rank_then_arrival() -> None:
+    a = Waiter("a", (0, 0), since=10.0, seq=1)
+    b = Waiter("b", (0, 0), since=5.0, seq=2)
+    c = Waiter("c", (-1, 0), since=20.0, seq=3)  # a lower value ranks first
+    d = Waiter("d", (0, -5), since=30.0, seq=4)  # then the request's own priority
+    assert [w.model for w in order([a, b, c, d])] == ["c", "d", "b", "a"]
+
+
+def test_window_is_capped_by_half_the_queue_timeout() -> None:
+    w = Waiter("b", (0, 0), since=100.0)
+    assert not overdue(w, 104.9, RULES) and overdue(w, 105.0, RULES)
+    short = Rules(max_reorder_s=5.0, queue_timeout_s=4.0)
+    assert short.window_s == 2.0 and overdue(w, 102.0, short)
+    assert overdue(w, 100.0, Rules(max_reorder_s=0.0))  # strict FIFO: no window
+
+
+def test_in_use_counts_the_idle_grace() -> None:
+    assert in_use(1, 0, 0.0, 100.0, RULES)
+    assert in_use(0, 1, 0.0, 100.0, RULES)
+    assert in_use(0, 0, 98.5, 100.0, RULES)
+    assert not in_use(0, 0, 98.0, 100.0, RULES)
+
+
+@pytest.mark.parametrize(
+    ("since", "minimum", "busy", "waiter_since", "expected"),
+    [
+        (90.0, 30.0, True, 99.0, True),  # inside residency, in use, window open
+        (60.0, 30.0, True, 99.0, False),  # residency over
+        (90.0, 30.0, False, 99.0, False),  # idle: nothing to protect
+        (90.0, 30.0, True, 90.0, False),  # the waiter's window has run out
+        (90.0, 0.0, True, 99.0, False),  # no minimum residency
+    ],
+)
+def test_protected(
+    since: float, minimum: float, busy: bool, waiter_since: float, expected: bool
+) -> None:
+    waiter = Waiter("b", (0, 0), waiter_since)
+    assert protected(since, minimum, busy, 100.0, waiter, RULES) is expected
+
+
+def test_holds_needs_an_overdue_waiter_before_the_request_that_takes_the_engine() -> None:
+    w = Waiter("b", (0, 0), since=90.0)
+    assert holds(w, (0, 0), 99.0, ["a#1"], "a#1", 100.0, RULES)
+    assert not holds(w, (0, 0), 99.0, ["c#1"], "a#1", 100.0, RULES)  # it does not need a#1
+    assert not holds(w, (-1, 0), 99.0, ["a#1"], "a#1", 100.0, RULES)  # the request ranks higher
+    assert not holds(w, (0, 0), 80.0, ["a#1"], "a#1", 100.0, RULES)  # the request came first
+    assert holds(w, (1, 0), 80.0, ["a#1"], "a#1", 100.0, RULES)  # ... but ranks lower
+    young = Waiter("b", (0, 0), since=97.0)
+    assert not holds(young, (0, 0), 99.0, ["a#1"], "a#1", 100.0, RULES)  # window still open
+
+
+def test_next_deadline_is_the_earliest_future_change() -> None:
+    waiters = [Waiter("b", (0, 0), since=98.0)]
+    residents = [(90.0, 30.0, 99.5)]  # residency ends at 120, the grace at 101.5
+    assert next_deadline(waiters, residents, 100.0, RULES) == 101.5
+    assert next_deadline([], [(90.0, 0.0, 99.5)], 100.0, RULES) is None
+
+
+async def test_queue_groups_tickets_by_model_and_skips_held_ones() -> None:
+    queue = Queue(RULES)
+    queue.enter("a", (0, 0), since=5.0)
+    queue.enter("b", (0, 0), since=3.0)
+    later_a = queue.enter("a", (0, 0), since=1.0)
+    queue.enter("c", (0, 0), since=0.0, held=True)
+    assert [(w.model, w.since) for w in queue.waiters()] == [("a", 1.0), ("b", 3.0)]
+    assert queue.waiting("a") == 2 and queue.waiting("c") == 0
+    queue.leave(later_a)
+    assert [w.model for w in queue.waiters()] == ["b", "a"]
+    assert [w.model for w in queue.waiters(bringing=["a"])] == ["a"]
+
+
+def view(name: str, last: float, **kw: Any) -> ModelView:
+    return ModelView(name, 400, (0,), True, 0, last, False, **kw)
+
+
+def test_the_victim_is_the_cheapest_to_bring_back_not_the_least_recently_used() -> None:
+    devices = [DeviceView(0, 1000, 800)]
+    demand = Demand("z#1", 400, 1, None, 0)
+    slow = view("slow#1", last=90.0, start_s=60.0)  # least recently used, a minute to return
+    fast = view("fast#1", last=95.0, start_s=2.0)
+    assert plan(demand, devices, [slow, fast]) == Plan((0,), ("slow#1",))  # no clock: LRU
+    assert plan(demand, devices, [slow, fast], now=100.0) == Plan((0,), ("fast#1",))
+    # Idle far longer, the dear one goes after all: 60 s / 3000 s idle < 2 s / 5 s idle.
+    old = view("slow#1", last=-2900.0, start_s=60.0)
+    assert plan(demand, devices, [old, fast], now=100.0) == Plan((0,), ("slow#1",))
+
+
+def test_priority_goes_before_price_and_protected_engines_are_never_taken() -> None:
+    devices = [DeviceView(0, 1000, 800)]
+    demand = Demand("z#1", 400, 1, None, 0)
+    keep = view("keep#1", last=0.0, start_s=1.0, priority=-1)
+    spare = view("spare#1", last=99.0, start_s=60.0, priority=0)
+    assert plan(demand, devices, [keep, spare], now=100.0) == Plan((0,), ("spare#1",))
+    guarded = view("spare#1", last=99.0, protected=True)
+    decision = plan(demand, devices, [guarded], now=100.0)
+    assert not isinstance(decision, Plan)
+    assert decision.blockers == ("spare#1",) and "minimum residency" in decision.reason
+
+
+# -- the proxy with fake engines --------------------------------------------------------------
+
+#: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
+SLOW = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.03"}
+
+
+def one_slot(
+    tmp_path: Path,
+    models: dict[str, dict[str, Any]],
+    admission: dict[str, Any] | None = None,
+    **engine: Any,
+) -> Any:
+    """Models of 600 MiB on a 1000 MiB budget: one at a time."""
+    specs = {n: {"model": "x", "memory_mb": 600, "env": dict(SLOW), **m} for n, m in models.items()}
+    cfg = make_config(tmp_path, specs, engine={"health_interval_s": 0, **engine})
+    gpu = cfg.gpu.model_copy(
+        update={"monitor": "static", "devices": [GpuDevice(id=0, memory_mb=1000)]}
+    )
+    adm = cfg.admission.model_copy(update=admission or {})
+    return cfg.model_copy(update={"gpu": gpu, "admission": adm})
+
+
+def busy(proxy: RunningProxy, name: str) -> bool:
+    """The model serves and has a request in flight."""
+    inst = proxy.model(name).serving()
+    return inst is not None and inst.leases > 0
+
+
+class Served:
+    """Requests sent in the background, and the order their answers arrived in."""
+
+    def __init__(self, proxy: RunningProxy) -> None:
+        self.proxy = proxy
+        self.order: list[str] = []
+        self.tasks: list[asyncio.Task[int]] = []
+
+    def send(self, label: str, model: str, tokens: int = 2, **extra: Any) -> asyncio.Task[int]:
+        async def one() -> int:
+            resp = await self.proxy.chat(model, max_tokens=tokens, **extra)
+            await resp.read()
+            self.order.append(label)
+            return resp.status
+
+        task = asyncio.ensure_future(one())
+        self.tasks.append(task)
+        return task
+
+    async def statuses(self) -> list[int]:
+        return list(await asyncio.gather(*self.tasks))
+
+
+async def test_a_burst_a_b_a_a_c_is_served_a_a_a_b_c(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A serves; B (a swap) waits; more A requests are not held behind B's swap while B's
+    window is open, and C, which came after B, waits behind it."""
+    cfg = one_slot(
+        tmp_path, {"a": {}, "b": {}, "c": {}}, {"max_reorder_s": 5, "idle_grace_s": 1.5},
+        min_resident_s=30,
+    )  # fmt: skip
+    proxy = await start_proxy(cfg)
+    served = Served(proxy)
+    served.send("a1", "a", tokens=30)  # ~1 s on A
+    await wait_for(lambda: busy(proxy, "a"), what="a1 in flight")
+    served.send("b", "b")
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    await wait_for(lambda: "a1" in served.order, what="a1 answered")
+    # a1 has ended: A is idle, but in use within its grace; B may not take it yet.
+    served.send("a2", "a")
+    served.send("a3", "a")
+    await wait_for(lambda: {"a2", "a3"} <= set(served.order), what="a2, a3 answered")
+    served.send("c", "c")
+    assert await served.statuses() == [200] * 5
+    assert served.order == ["a1", "a2", "a3", "b", "c"]
+    assert proxy.engine_starts("a") == 1, "A was never swapped out and back in"
+
+
+async def test_strict_fifo_holds_the_resident_model_behind_a_waiter(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """max_reorder_s 0: a request for A that comes after B waits for B's turn."""
+    cfg = one_slot(tmp_path, {"a": {}, "b": {}}, {"max_reorder_s": 0}, min_resident_s=30)
+    proxy = await start_proxy(cfg)
+    served = Served(proxy)
+    served.send("a1", "a", tokens=30)
+    await wait_for(lambda: busy(proxy, "a"), what="a1 in flight")
+    served.send("b", "b")
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    served.send("a2", "a")
+    await wait_for(
+        lambda: any(t.held for t in proxy.manager.queue.tickets.values()), what="a2 held"
+    )
+    assert await served.statuses() == [200] * 3
+    assert served.order == ["a1", "b", "a2"]
+
+
+async def test_back_to_back_clients_of_two_models_do_not_thrash(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Two clients, one model each, one slot: each side keeps the GPU for its window instead
+    of a swap after every answer (without the rules: a swap per request pair)."""
+    window = 1.5
+    cfg = one_slot(
+        tmp_path, {"a": {}, "b": {}}, {"max_reorder_s": window, "idle_grace_s": 1},
+        min_resident_s=30,
+    )  # fmt: skip
+    proxy = await start_proxy(cfg)
+    stop_at = time.monotonic() + 6.0
+    waits: list[float] = []
+
+    async def client(model: str) -> int:
+        answered = 0
+        while time.monotonic() < stop_at:
+            sent = time.monotonic()
+            resp = await proxy.chat(model, max_tokens=3)
+            await resp.read()
+            assert resp.status == 200
+            waits.append(time.monotonic() - sent)
+            answered += 1
+        return answered
+
+    answers = await asyncio.gather(client("a"), client("b"))
+    starts = proxy.engine_starts("a") + proxy.engine_starts("b")
+    assert min(answers) >= 2, "neither side starves"
+    # Each turn lasts about a window plus a start: far fewer starts than answers.
+    assert starts <= 3 + 6.0 / window, (starts, answers)
+    assert sum(answers) >= 2 * starts, (starts, answers)
+
+
+async def test_a_model_inside_its_minimum_residency_is_not_taken_while_in_use(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    cfg = one_slot(
+        tmp_path, {"a": {}, "b": {}}, {"max_reorder_s": 3, "idle_grace_s": 1},
+        min_resident_s=30,
+    )  # fmt: skip
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("a", max_tokens=2)).status == 200
+    a = proxy.instance("a")
+    served = Served(proxy)
+    served.send("b", "b")
+    sent = time.monotonic()
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    # Keep A in use (gaps shorter than the grace) until B's window runs out.
+    while a.state is State.RUNNING and time.monotonic() - sent < 2.5:
+        resp = await proxy.chat("a", max_tokens=2)
+        await resp.read()
+        assert resp.status == 200
+    assert a.state is State.RUNNING, "evicted inside its minimum residency while in use"
+    assert await served.statuses() == [200]
+    assert a.state in (State.STOPPED, State.STOPPING)
+
+
+async def test_an_idle_model_is_taken_at_once_despite_its_minimum_residency(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    cfg = one_slot(
+        tmp_path, {"a": {}, "b": {}}, {"max_reorder_s": 20, "idle_grace_s": 0.2},
+        min_resident_s=60,
+    )  # fmt: skip
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("a", max_tokens=2)).status == 200
+    a = proxy.instance("a")
+    await wait_for(lambda: time.monotonic() - a.used_at > 0.2, what="a idle past its grace")
+    sent = time.monotonic()
+    assert (await proxy.chat("b", max_tokens=2)).status == 200
+    assert time.monotonic() - sent < 10, "b did not wait for a's residency or its window"
+
+
+async def test_the_cheap_to_bring_back_victim_is_chosen(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """slow (a 2.5 s start) was used before fast (0.3 s): LRU would stop slow; the price
+    (restore seconds per idle second) stops fast."""
+    models = {
+        "slow": {"memory_mb": 400, "env": {"FAKE_ENGINE_STARTUP_DELAY": "2.5"}},
+        "fast": {"memory_mb": 400},
+        "z": {"memory_mb": 400},
+    }
+    cfg = one_slot(tmp_path, models, min_resident_s=0)
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("slow", max_tokens=1)).status == 200
+    assert (await proxy.chat("fast", max_tokens=1)).status == 200
+    slow, fast = proxy.instance("slow"), proxy.instance("fast")
+    assert (await proxy.chat("z", max_tokens=1)).status == 200
+    assert slow.state is State.RUNNING
+    assert fast.state in (State.STOPPED, State.STOPPING)
+    timings = proxy.manager.admission.timings
+    measured = {name: kinds["start"] for (name, _), kinds in timings.items()}
+    assert measured["slow"] > 2.0 > measured["fast"]
+
+
+async def test_priorities_order_the_queue(tmp_path: Path, start_proxy: StartProxy) -> None:
+    """low (priority 5) asks first, high (priority -1) second: high is served first. Between
+    models of equal priority whose engines rank requests, the request's priority decides."""
+    ranked = {"args": {"scheduling_policy": "priority"}}
+    models = {"a": {}, "low": {"priority": 5}, "high": {"priority": -1}, "r1": ranked, "r2": ranked}
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 0}, min_resident_s=0)
+    proxy = await start_proxy(cfg)
+    served = Served(proxy)
+    served.send("a", "a", tokens=40)
+    await wait_for(lambda: busy(proxy, "a"), what="a in flight")
+    served.send("low", "low")
+    await wait_for(lambda: proxy.manager.queue.waiting("low") > 0, what="low queued")
+    served.send("high", "high")
+    await wait_for(lambda: proxy.manager.queue.waiting("high") > 0, what="high queued")
+    served.send("r1", "r1", priority=10)
+    await wait_for(lambda: proxy.manager.queue.waiting("r1") > 0, what="r1 queued")
+    served.send("r2", "r2", priority=-3)
+    await wait_for(lambda: proxy.manager.queue.waiting("r2") > 0, what="r2 queued")
+    assert await served.statuses() == [200] * 5
+    assert served.order == ["a", "high", "r2", "r1", "low"]
+
+
+async def test_a_stuck_queue_is_bounded_by_its_timeout(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A never drains (a long stream): B gives up after queue_timeout_s with a 503 naming the
+    cause, and the A request held behind B is then served, not failed."""
+    cfg = one_slot(
+        tmp_path, {"a": {}, "b": {}}, {"max_reorder_s": 0, "queue_timeout_s": 1.5},
+        min_resident_s=0,
+    )  # fmt: skip
+    proxy = await start_proxy(cfg)
+    stream = await proxy.chat("a", max_tokens=100, stream=True)  # 3 s
+    await stream.content.readany()
+    sent = time.monotonic()
+    b = asyncio.ensure_future(proxy.chat("b", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    a2 = asyncio.ensure_future(proxy.chat("a", max_tokens=1))
+    resp = await b
+    assert resp.status == 503
+    err = (await resp.json())["error"]
+    assert err["code"] == "insufficient_gpu_memory" and "'a#1'" in err["message"]
+    assert time.monotonic() - sent < 1.5 + 1.0
+    assert (await a2).status == 200
+    assert not proxy.manager.queue.tickets
+    await stream.read()

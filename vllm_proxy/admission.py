@@ -1,0 +1,401 @@
+"""Admission: when a start or a wake may take GPU memory, and which requests wait for it.
+
+`Admission` owns the one wait queue (`queueing.Queue`) and decides, on the live instances,
+with the pure `scheduler.plan()` and the pure queue rules of `queueing`:
+
+* a start or a wake (`admit`, `readmit`) waits in the queue for its turn and for memory, then
+  claims its placement and asks the victims of its plan to sleep or stop (it never changes
+  their state itself), waits for their memory to come back, and returns;
+* a request for a serving instance asks `holds` whether a waiter before it needs that
+  instance's memory and has used up its reorder window;
+* starts and wakes report their measured seconds (`timed`): the planner's prices.
+
+The manager keeps the names, reload and shutdown; it builds this and passes it its views of
+the models.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from . import queueing
+from .config import ModelSpec
+from .errors import Unavailable
+from .instance import EngineContext, Instance, State, Stopped
+from .memory import Memory, Placement
+from .model import Model
+from .queueing import Queue, Rank, Waiter
+from .scheduler import Demand, ModelView, NoFit, Plan, plan
+
+log = logging.getLogger(__name__)
+
+
+class Admission:
+    """GPU memory admission for every instance, through one queue (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: EngineContext,
+        memory: Memory,
+        instances: Callable[[], list[Instance]],
+        models: Callable[[], Mapping[str, Model]],
+    ) -> None:
+        self.ctx = ctx
+        self.memory = memory
+        self.queue: Queue = ctx.queue
+        self._all = instances
+        self._models = models
+        #: Starts and wakes waiting for memory now, by instance id: whose turn it is.
+        self._reclaiming: dict[str, Instance] = {}
+        #: Measured seconds of starts and wakes, by model and engine (the planner's prices).
+        self.timings: dict[tuple[str, tuple[Any, ...]], dict[str, float]] = {}
+
+    @property
+    def queue_timeout_s(self) -> float:
+        return self.queue.rules.queue_timeout_s
+
+    def _instance(self, iid: str) -> Instance | None:
+        return next((i for i in self._all() if i.id == iid), None)
+
+    def timed(self, spec: ModelSpec, kind: str, seconds: float) -> None:
+        """A start or a wake of `spec` took `seconds` (the mean with the previous one counts)."""
+        seen = self.timings.setdefault((spec.name, spec.engine_key()), {})
+        old = seen.get(kind)
+        seen[kind] = seconds if old is None else (old + seconds) / 2
+
+    def _timing(self, spec: ModelSpec, kind: str) -> float | None:
+        return self.timings.get((spec.name, spec.engine_key()), {}).get(kind)
+
+    def rank(self, spec: ModelSpec, priority: int | None = None) -> Rank:
+        """A request's place in the queue: the model's priority, then the request's own where
+        the engine orders requests by it."""
+        return (spec.priority, (priority or 0) if spec.request_priorities else 0)
+
+    def _views(
+        self, waiter: Waiter | None = None, drained: bool = False
+    ) -> tuple[list[ModelView], dict[int, int]]:
+        """The planner's view of every placed instance (a model's old and new instance during a
+        handover both count), and memory promised to starting or waking instances that they
+        have not allocated yet. Minimum residencies are weighed against `waiter`; `drained`:
+        as if every request in flight had ended (what a waiter's turn would take)."""
+        memory = self.memory
+        assert memory is not None
+        views: list[ModelView] = []
+        pending: dict[int, int] = {}
+        pinned = {m.name: m.pinned for m in self._models().values()}
+        rules = self.queue.rules
+        now = time.monotonic()
+        for i in self._all():
+            claim = memory.claims.get(i.id)
+            if claim is None:
+                continue
+            held = memory.held_mb(i.id)
+            state = i.state
+            sleepy = i.spec.sleep is not None and state is State.RUNNING
+            load = 0 if drained else i.leases + i.queued()
+            kept = (
+                not drained
+                and state is State.RUNNING
+                and queueing.protected(
+                    i.running_since, i.spec.min_resident_s,
+                    queueing.in_use(i.leases, i.queued(), i.used_at, now, rules),
+                    now, waiter, rules,
+                )
+            )  # fmt: skip
+            views.append(
+                ModelView(i.id, held, claim.devices, state is State.RUNNING,
+                          load, i.last_used, pinned.get(i.name, False),
+                          starting=state is State.STARTING, stopping=state is State.STOPPING,
+                          sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
+                          asleep=i.asleep, waking=state is State.WAKING,
+                          falling_asleep=state is State.SLEEPING and not i.asleep,
+                          priority=i.spec.priority, protected=kept,
+                          start_s=self._timing(i.spec, "start"),
+                          wake_s=self._timing(i.spec, "wake"))
+            )  # fmt: skip
+            # Growth still to come; a wake not yet admitted holds what NVML already shows.
+            roused = state is State.WAKING and i.id not in memory.asleep
+            growing = state is State.STARTING or roused
+            if growing and memory.kind == "nvml":
+                pgid = i.engine.pid if i.engine is not None else None
+                for d in claim.devices:
+                    rest = max(held - memory.allocated_mb(i.id, pgid, d), 0)
+                    pending[d] = pending.get(d, 0) + rest
+        return views, pending
+
+    def plan_for(self, inst: Instance, drained: bool = False) -> Plan | NoFit:
+        """The scheduler's decision for starting (or waking) `inst` now (pure; no effects);
+        `drained`: as if every request in flight had ended."""
+        memory = self.memory
+        assert memory is not None
+        views, pending = self._views(self._waiter(inst.name), drained)
+        if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
+            claim = memory.claims[inst.id]
+            need = memory.wake_need(inst.id)
+            demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
+        else:
+            siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
+            avoid = tuple(sorted({d for devs in siblings for d in devs}))
+            demand = memory.demand(inst.spec, inst.id, avoid)
+        return plan(demand, memory.device_views(pending), views, time.time())
+
+    def _waiter(self, model: str) -> Waiter | None:
+        """`model` as the queue sees it (None: nothing of it waits)."""
+        return next((w for w in self.queue.waiters() if w.model == model), None)
+
+    def _turns(self) -> list[tuple[Waiter, Instance]]:
+        """Starts and wakes waiting for memory, in the queue's order."""
+        by_model: dict[str, Instance] = {}
+        for inst in self._reclaiming.values():
+            by_model.setdefault(inst.name, inst)
+        waiters = self.queue.waiters(bringing=by_model)
+        return [(w, by_model[w.model]) for w in waiters]
+
+    def holds(self, inst: Instance, rank: Rank, arrived: float) -> bool:
+        """Whether a request (of `rank`, arrived at `arrived`) for the serving `inst` queues
+        behind a waiter: one before it in the queue's order whose reorder window has run out
+        and whose plan once busy engines drain takes `inst` (see `admission.holds`)."""
+        if not self._reclaiming:
+            return False
+        now = time.monotonic()
+        rules = self.queue.rules
+        for waiter, other in self._turns():
+            if other.name == inst.name or not queueing.overdue(waiter, now, rules):
+                continue
+            if (waiter.rank, waiter.since) > (rank, arrived):
+                continue
+            decision = self.plan_for(other, drained=True)
+            if isinstance(decision, Plan) and queueing.holds(
+                waiter, rank, arrived, (*decision.evict, *decision.sleep), inst.id, now, rules
+            ):
+                return True
+        return False
+
+    def _take(
+        self,
+        inst: Instance,
+        decision: Plan,
+        claim: Callable[[Plan], Placement],
+        unclaim: Callable[[], None],
+    ) -> Placement | None:
+        """Claim `decision`'s memory if it is `inst`'s turn (None: not yet): it is first in the
+        queue among those waiting for memory, or its plan touches nobody and leaves the first
+        one's plan (once busy engines drain) intact."""
+        turns = self._turns()
+        if not turns or turns[0][1].name == inst.name:
+            return claim(decision)
+        if decision.sleep or decision.evict:
+            return None
+        head = turns[0][1]
+        if not isinstance(self.plan_for(head, drained=True), Plan):
+            return claim(decision)  # the first cannot be placed even so: not for lack of this
+        placement = claim(decision)
+        if isinstance(self.plan_for(head, drained=True), Plan):
+            return placement
+        unclaim()
+        return None
+
+    def _next_change(self) -> float | None:
+        """Seconds until a window, residency or idle grace runs out (None: none pending)."""
+        now = time.monotonic()
+        residents = [
+            (i.running_since, i.spec.min_resident_s, i.used_at)
+            for i in self._all()
+            if i.state is State.RUNNING
+        ]
+        at = queueing.next_deadline(self.queue.waiters(), residents, now, self.queue.rules)
+        return None if at is None else at - now
+
+    async def admit(self, inst: Instance) -> Placement | None:
+        """Wait until `inst` fits (putting idle instances to sleep or stopping them, LRU
+        first), up to the queue timeout; then its memory is claimed."""
+        memory = self.memory
+        assert memory is not None
+
+        def claim(decision: Plan) -> Placement:
+            placement = memory.placement(inst.spec, decision.devices)
+            memory.occupy(inst.id, placement)
+            return placement
+
+        def unclaim() -> None:
+            memory.vacate(inst.id)
+
+        return await self._reclaim(inst, State.STARTING, claim, unclaim)
+
+    async def readmit(self, inst: Instance) -> None:
+        """A wake: wait until the instance's whole footprint fits on its devices again (same
+        rules as a start), then claim it."""
+        memory = self.memory
+        assert memory is not None
+
+        asleep_mb = memory.held_mb(inst.id)
+        level = memory.slept_level.get(inst.id)
+
+        def claim(decision: Plan) -> Placement:
+            memory.rouse(inst.id)
+            return memory.claims[inst.id]
+
+        def unclaim() -> None:
+            memory.doze(inst.id, asleep_mb, level)
+
+        await self._reclaim(inst, State.WAKING, claim, unclaim)
+
+    async def _reclaim(
+        self,
+        inst: Instance,
+        state: State,
+        claim: Callable[[Plan], Placement],
+        unclaim: Callable[[], None],
+    ) -> Placement:
+        ticket = self.queue.enter(inst.name, self.rank(inst.spec), instance=inst.id)
+        self._reclaiming[inst.id] = inst
+        try:
+            return await self._take_turn(inst, state, claim, unclaim)
+        finally:
+            del self._reclaiming[inst.id]
+            self.queue.leave(ticket)
+
+    async def _take_turn(
+        self,
+        inst: Instance,
+        state: State,
+        claim: Callable[[Plan], Placement],
+        unclaim: Callable[[], None],
+    ) -> Placement:
+        """Plan, wait for the turn, claim and make room (see `_reclaim`)."""
+        memory = self.memory
+        assert memory is not None
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        deadline = started + self.queue_timeout_s
+        wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
+        while True:
+            await memory.read_fresh()
+            if inst.state is not state:
+                raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
+            decision = self.plan_for(inst)
+            need = self._need(inst)  # taken before the claim (a wake's)
+            placement = None
+            if isinstance(decision, Plan):
+                placement = self._take(inst, decision, claim, unclaim)
+            if isinstance(decision, Plan) and placement is not None:
+                # Memory is claimed; act on the victims before the first await: later plans
+                # see both (an instance counts as awake until its /sleep call has returned).
+                self.queue.changed()
+                naps = [v.sleep("memory") for v in self._instances(decision.sleep)]
+                stops = [v.evict("memory") for v in self._instances(decision.evict)]
+                if decision.sleep:
+                    log.info("%s: putting %s to sleep to make room", inst.id,
+                             ", ".join(decision.sleep))  # fmt: skip
+                if decision.evict:
+                    log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
+                if decision.sleep or decision.evict:
+                    await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
+                    freed = await self._while_in(inst, state, memory.wait_free(decision.devices,
+                                                                               need))  # fmt: skip
+                    if not freed:
+                        # Less came back than planned (a sleep that kept more, another
+                        # program): plan again on fresh readings rather than fail in vLLM.
+                        unclaim()
+                        if inst.state is state and loop.time() < deadline:
+                            continue
+                        raise Unavailable(
+                            f"model '{inst.name}' cannot start: the GPU memory freed for it did"
+                            f" not come back within {memory.free_timeout_s:g}s",
+                            code="insufficient_gpu_memory",
+                            retry_after_s=max(1, int(self.queue_timeout_s) or 5),
+                        )
+                wait_metric.observe(loop.time() - started)
+                return placement
+            remaining = deadline - loop.time()
+            if remaining <= 0 or (isinstance(decision, NoFit) and not decision.blockers):
+                wait_metric.observe(loop.time() - started)
+                what = "wake" if state is State.WAKING else "start"
+                why = (
+                    f"{what}: not enough GPU memory: {decision.reason}"
+                    if isinstance(decision, NoFit)
+                    else f"{what} within {self.queue_timeout_s:g}s: models queued before it"
+                    " still wait for the memory it needs"
+                )
+                raise Unavailable(
+                    f"model '{inst.name}' cannot {why}",
+                    code="insufficient_gpu_memory",
+                    retry_after_s=max(1, int(self.queue_timeout_s) or 5),
+                )
+            change = self._next_change()
+            await self._wait_capacity(inst, remaining if change is None else min(change, remaining))
+
+    async def _while_in(self, inst: Instance, state: State, wait: Awaitable[bool]) -> bool:
+        """`wait`'s answer, unless `inst` leaves `state` first (stopped, unloaded, shut down):
+        then `Stopped` at once, not when the wait runs out."""
+        task = asyncio.ensure_future(wait)
+        try:
+            while not task.done():
+                if inst.state is not state:
+                    raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
+                change = asyncio.ensure_future(inst.wait_change())
+                try:
+                    await asyncio.wait({task, change}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    change.cancel()
+            return task.result()
+        finally:
+            task.cancel()
+
+    def _siblings(self, inst: Instance) -> list[Instance]:
+        """The other placed, live replicas of `inst`'s model."""
+        assert self.memory is not None
+        model = self._models().get(inst.name)
+        if model is None:
+            return []
+        return [
+            i for i in model.instances
+            if i is not inst and not i.retired and i.id in self.memory.claims
+        ]  # fmt: skip
+
+    def _instances(self, ids: tuple[str, ...]) -> list[Instance]:
+        return [i for i in map(self._instance, ids) if i is not None]
+
+    def _need(self, inst: Instance) -> int:
+        """What must be free on the devices before the engine allocates: a start's footprint,
+        or what a wake adds to what the sleeping engine still holds (taken before the claim)."""
+        assert self.memory is not None
+        if inst.state is State.WAKING:
+            return self.memory.wake_need(inst.id)
+        return self.memory.footprint(inst.spec.name)
+
+    async def _wait_capacity(self, inst: Instance, timeout: float) -> None:
+        waits = [
+            asyncio.ensure_future(self.queue.wait(timeout)),
+            asyncio.ensure_future(inst.wait_change()),
+        ]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def evict_more(self, devices: tuple[int, ...]) -> bool:
+        """After an out-of-memory start: stop the least recently used idle instance there."""
+        if not devices or self.memory is None:
+            return False
+        pinned = {m.name for m in self._models().values() if m.pinned}
+        claims = self.memory.claims
+        idle = [
+            i for i in self._all()
+            if i.id in claims and set(devices) & set(claims[i.id].devices)
+            and (i.asleep or (i.state is State.RUNNING and i.leases == 0))
+            and i.name not in pinned
+        ]  # fmt: skip
+        for victim in sorted(idle, key=lambda i: i.last_used):
+            task = victim.evict("out_of_memory")
+            if task is not None:
+                await task
+                need = self.memory.demand_mb(victim.spec)
+                await self.memory.wait_free(devices, need)
+                return True
+        return False

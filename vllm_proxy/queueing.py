@@ -1,0 +1,219 @@
+"""The admission queue: its tickets and its rules, as pure functions (no clock of their own).
+
+`admission.Admission` applies these rules to the live instances; the density benchmark
+(`benchmarks/density.py`) applies the same functions to simulated ones. A request whose model
+serves at once never waits here. Every other request holds a `Ticket` from the moment it has
+to wait (for a start, a wake, GPU memory, or a swap it must let go first) until it is served
+or gives up, and every start or wake that waits for memory holds one for its instance. The
+rules:
+
+* **Order.** Models waiting to be brought up are served by ``(priority, arrival of their
+  oldest waiting request)``: FIFO among equals. Lower priority values go first (vLLM's rule for
+  its own ``priority`` field): the model's ``priority``, then the request's where the engine
+  runs ``--scheduling-policy priority``. A model's requests are grouped: all of them ride on
+  its one start or wake, whatever came in between.
+* **No needless waits.** A request for a model that serves is sent at once, ahead of swaps it
+  does not need: unless a waiter before it in that order needs this very engine's memory and
+  has used up its reorder window (``max_reorder_s`` after it arrived, at most half the queue
+  timeout). From then on requests for that engine are held (they queue behind the waiter);
+  the engine drains, and the waiter takes its place. So no request is passed by requests that
+  came after it for longer than ``max_reorder_s``, and neither side starves.
+* **Minimum residency.** An engine that started or woke less than ``min_resident_s`` ago and is
+  in use (a request in flight or queued for it, or one ended within ``idle_grace_s``) is not
+  put to sleep or stopped for a waiter whose window is still open: the gaps between a client's
+  back-to-back requests do not hand the GPU to another model after each answer.
+* **Turns.** Among starts and wakes waiting for memory, only the first in order may put engines
+  to sleep or stop them; one behind it may start meanwhile only where the memory it takes
+  leaves the first one's plan intact (it fits without touching anyone, and the first still fits
+  once the busy engines drain).
+
+The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
+second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
+memory and for a held request, by the model's start and wake timeouts for the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Awaitable, Iterable
+from dataclasses import dataclass, field
+
+#: A ticket's rank: (model priority, request priority); lower goes first.
+Rank = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The admission settings (config ``admission`` and each model's ``min_resident_s``)."""
+
+    #: How long requests that came later may be served ahead of a waiter (0: strict FIFO).
+    max_reorder_s: float = 0.0
+    #: An engine with nothing in flight or queued for this long counts as idle.
+    idle_grace_s: float = 2.0
+    #: ``admission.queue_timeout_s``: a waiter's window is at most half of it, so that a
+    #: waiter always has its turn before it gives up (0: no window at all).
+    queue_timeout_s: float = 30.0
+
+    @property
+    def window_s(self) -> float:
+        """The reorder window in force."""
+        return min(self.max_reorder_s, self.queue_timeout_s / 2)
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """One model as the queue sees it: its best rank and its oldest waiting request."""
+
+    model: str
+    rank: Rank
+    #: Monotonic time its oldest waiting request arrived (or its bring-up began).
+    since: float
+    seq: int = 0
+
+
+def order(waiters: Iterable[Waiter]) -> list[Waiter]:
+    """The queue in serving order: rank, then arrival, then ticket number."""
+    return sorted(waiters, key=lambda w: (w.rank, w.since, w.seq))
+
+
+def overdue(w: Waiter, now: float, rules: Rules) -> bool:
+    """Whether `w`'s reorder window is used up: nothing that came later goes ahead of it now."""
+    return now - w.since >= rules.window_s
+
+
+def in_use(leases: int, queued: int, used_at: float, now: float, rules: Rules) -> bool:
+    """A request in flight or queued, or one that ended within the idle grace."""
+    return leases > 0 or queued > 0 or now - used_at < rules.idle_grace_s
+
+
+def protected(
+    resident_since: float,
+    min_resident_s: float,
+    busy: bool,
+    now: float,
+    waiter: Waiter | None,
+    rules: Rules,
+) -> bool:
+    """Whether an engine is kept from `waiter` by its minimum residency: it came up less than
+    `min_resident_s` ago, it is in use (`busy`, see `in_use`) and the waiter's window is open."""
+    if min_resident_s <= 0 or not busy or now - resident_since >= min_resident_s:
+        return False
+    return waiter is None or not overdue(waiter, now, rules)
+
+
+def next_deadline(
+    waiters: Iterable[Waiter],
+    residents: Iterable[tuple[float, float, float]],
+    now: float,
+    rules: Rules,
+) -> float | None:
+    """The next moment a decision may change with nothing else happening: a waiter's window
+    ending, or a resident's (``resident_since``, ``min_resident_s``, ``used_at``) residency or
+    idle grace running out."""
+    times = [w.since + rules.window_s for w in waiters]
+    for since, minimum, used_at in residents:
+        if minimum > 0:
+            times += [since + minimum, used_at + rules.idle_grace_s]
+    later = [t for t in times if t > now]
+    return min(later) if later else None
+
+
+def holds(waiter: Waiter, rank: Rank, arrived: float, victims: Iterable[str], instance: str,
+          now: float, rules: Rules) -> bool:  # fmt: skip
+    """Whether a request (of `rank`, arrived at `arrived`) for the serving `instance` waits
+    behind `waiter`: the waiter goes before it in the queue's order (a better rank, or the same
+    rank and here first), its window is used up, and its plan (with busy engines drained) takes
+    that instance's memory (`victims`)."""
+    first = (waiter.rank, waiter.since) <= (rank, arrived)
+    return first and overdue(waiter, now, rules) and instance in victims
+
+
+@dataclass(eq=False)
+class Ticket:
+    """One waiting request (or a start or wake waiting for memory)."""
+
+    model: str
+    rank: Rank
+    since: float
+    seq: int
+    #: Held behind a swap (its model serves, but must give way), not waiting for a bring-up.
+    held: bool = False
+    instance: str | None = field(default=None)
+
+
+class Queue:
+    """The tickets of everything that waits, and the wake-up call for those waiting on it.
+
+    The queue owns only the tickets; what each waiter waits for (a bring-up, memory, a swap)
+    is decided by the manager with the functions above. `changed()` is called on every event
+    that may change a decision (a ticket in or out, capacity back, a state change); waiters
+    block in `wait()` until then or until the next deadline.
+    """
+
+    def __init__(self, rules: Rules | None = None) -> None:
+        self.rules = rules or Rules()
+        self.tickets: dict[int, Ticket] = {}
+        self._seq = itertools.count(1)
+        self._event = asyncio.Event()
+
+    @property
+    def timeout_s(self) -> float:
+        """``admission.queue_timeout_s``: the bound on a wait for memory and on a hold."""
+        return self.rules.queue_timeout_s
+
+    def enter(self, model: str, rank: Rank, since: float | None = None, *, held: bool = False,
+              instance: str | None = None) -> Ticket:  # fmt: skip
+        """A ticket for a request of `model` that arrived at `since` (monotonic; now if None)."""
+        seq = next(self._seq)
+        when = time.monotonic() if since is None else since
+        ticket = Ticket(model, rank, when, seq, held, instance)
+        self.tickets[seq] = ticket
+        if not held:  # held tickets change no decision
+            self.changed()
+        return ticket
+
+    def leave(self, ticket: Ticket) -> None:
+        if self.tickets.pop(ticket.seq, None) is not None and not ticket.held:
+            self.changed()
+
+    def waiters(self, *, bringing: Iterable[str] | None = None) -> list[Waiter]:
+        """The models that wait to be brought up (each with its best rank and oldest
+        ticket), in order; `bringing` limits them to those models."""
+        keep = set(bringing) if bringing is not None else None
+        best: dict[str, Waiter] = {}
+        for t in self.tickets.values():
+            if t.held or (keep is not None and t.model not in keep):
+                continue
+            cur = best.get(t.model)
+            w = Waiter(t.model, t.rank, t.since, t.seq)
+            if cur is None:
+                best[t.model] = w
+            else:
+                best[t.model] = Waiter(t.model, min(cur.rank, w.rank), min(cur.since, w.since),
+                                       min(cur.seq, w.seq))  # fmt: skip
+        return order(best.values())
+
+    def waiting(self, model: str) -> int:
+        """Tickets of `model` waiting for a bring-up (held ones not counted)."""
+        return sum(1 for t in self.tickets.values() if t.model == model and not t.held)
+
+    def changed(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+    def wait(self, timeout: float) -> Awaitable[None]:
+        """Until the next change after this call, at most `timeout` seconds (the change is
+        bound now, not when the awaitable first runs)."""
+        return _wait(self._event, timeout)
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> None:
+    if timeout <= 0:
+        return
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass
