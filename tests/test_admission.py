@@ -371,3 +371,29 @@ async def test_a_stuck_queue_is_bounded_by_its_timeout(
     assert (await a2).status == 200
     assert not proxy.manager.queue.tickets
     await stream.read()
+
+
+async def test_a_head_that_waits_for_something_else_blocks_nobody(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """big needs what the pinned model holds, so it cannot be placed however long it waits;
+    small, behind it, may still stop the idle x and start."""
+    models = {
+        "pinned": {"memory_mb": 500, "pinned": True},
+        "x": {"memory_mb": 300},
+        "big": {"memory_mb": 800},
+        "small": {"memory_mb": 400},
+    }
+    cfg = one_slot(tmp_path, models, {"queue_timeout_s": 4}, min_resident_s=0)
+    proxy = await start_proxy(cfg)
+    for name in ("pinned", "x"):
+        assert (await proxy.chat(name, max_tokens=1)).status == 200
+    big = asyncio.ensure_future(proxy.chat("big", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("big") > 0, what="big queued")
+    sent = time.monotonic()
+    assert (await proxy.chat("small", max_tokens=1)).status == 200
+    assert time.monotonic() - sent < 3, "small waited for big's turn"
+    assert proxy.instance("x").state in (State.STOPPED, State.STOPPING)
+    resp = await big
+    assert resp.status == 503
+    assert "'pinned#1'" in (await resp.json())["error"]["message"]

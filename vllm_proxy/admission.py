@@ -76,7 +76,7 @@ class Admission:
         return (spec.priority, (priority or 0) if spec.request_priorities else 0)
 
     def _views(
-        self, waiter: Waiter | None = None, drained: bool = False
+        self, waiter: Waiter | None = None, drained: bool = False, protect: bool = True
     ) -> tuple[list[ModelView], dict[int, int]]:
         """The planner's view of every placed instance (a model's old and new instance during a
         handover both count), and memory promised to starting or waking instances that they
@@ -98,7 +98,8 @@ class Admission:
             sleepy = i.spec.sleep is not None and state is State.RUNNING
             load = 0 if drained else i.leases + i.queued()
             kept = (
-                not drained
+                protect
+                and not drained
                 and state is State.RUNNING
                 and queueing.protected(
                     i.running_since, i.spec.min_resident_s,
@@ -127,12 +128,13 @@ class Admission:
                     pending[d] = pending.get(d, 0) + rest
         return views, pending
 
-    def plan_for(self, inst: Instance, drained: bool = False) -> Plan | NoFit:
+    def plan_for(self, inst: Instance, drained: bool = False, protect: bool = True) -> Plan | NoFit:
         """The scheduler's decision for starting (or waking) `inst` now (pure; no effects);
-        `drained`: as if every request in flight had ended."""
+        `drained`: as if every request in flight had ended; `protect`: minimum residencies
+        count."""
         memory = self.memory
         assert memory is not None
-        views, pending = self._views(self._waiter(inst.name), drained)
+        views, pending = self._views(self._waiter(inst.name), drained, protect)
         if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
             claim = memory.claims[inst.id]
             need = memory.wake_need(inst.id)
@@ -141,7 +143,21 @@ class Admission:
             siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
             avoid = tuple(sorted({d for devs in siblings for d in devs}))
             demand = memory.demand(inst.spec, inst.id, avoid)
-        return plan(demand, memory.device_views(pending), views, time.time())
+        decision = plan(demand, memory.device_views(pending), views, time.time())
+        if protect and isinstance(decision, Plan):
+            # A plan that went around protected engines: wait for them (until they are idle
+            # or the waiter's window ends) when without the protection it would be another,
+            # cheaper one (it would have taken them), rather than stop what is at hand.
+            bare = plan(demand, memory.device_views(pending), self._views(None, drained,
+                        protect=False)[0], time.time())  # fmt: skip
+            kept = tuple(v.name for v in views if v.protected)
+            if bare != decision and kept:
+                return NoFit(
+                    f"model '{inst.name}' waits for {', '.join(kept)} (inside the minimum"
+                    " residency and in use)",
+                    kept,
+                )
+        return decision
 
     def _waiter(self, model: str) -> Waiter | None:
         """`model` as the queue sees it (None: nothing of it waits)."""
@@ -183,16 +199,19 @@ class Admission:
         unclaim: Callable[[], None],
     ) -> Placement | None:
         """Claim `decision`'s memory if it is `inst`'s turn (None: not yet): it is first in the
-        queue among those waiting for memory, or its plan touches nobody and leaves the first
-        one's plan (once busy engines drain) intact."""
+        queue among those waiting for memory, or the first cannot be placed even once busy
+        engines drain, or its plan touches nobody and leaves the first one's plan (once busy
+        engines drain) intact."""
         turns = self._turns()
         if not turns or turns[0][1].name == inst.name:
             return claim(decision)
-        if decision.sleep or decision.evict:
-            return None
         head = turns[0][1]
         if not isinstance(self.plan_for(head, drained=True), Plan):
-            return claim(decision)  # the first cannot be placed even so: not for lack of this
+            # The first cannot be placed even once busy engines drain (pinned or starting
+            # engines hold what it needs): it is not waiting for what this one takes.
+            return claim(decision)
+        if decision.sleep or decision.evict:
+            return None
         placement = claim(decision)
         if isinstance(self.plan_for(head, drained=True), Plan):
             return placement

@@ -196,7 +196,7 @@ class Metrics:
         )
         self.queue_wait = Histogram(
             "vllm_proxy_admission_wait_seconds",
-            "Time a start waited for GPU memory",
+            "Time a start or a wake waited for its turn and for GPU memory",
             ["model_id"],
             buckets=LATENCY_BUCKETS,
             registry=r,

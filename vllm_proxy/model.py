@@ -708,6 +708,9 @@ class Model:
             "state": self.state().value,
             "leases": sum(i.leases for i in self.instances),
             "queue": self.waiting,
+            "held": sum(
+                1 for t in self.ctx.queue.tickets.values() if t.held and t.model == self.name
+            ),
             "restarts": self.restarts,
             "failures_in_a_row": self.failures,
             "last_error": self.last_error,

@@ -376,7 +376,9 @@ class Proxy:
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
             try:
-                if parsed.stream and model.serving() is None:
+                # A stream that may wait (no engine serves, or the queue may hold it behind
+                # a swap) gets keep-alives while it waits.
+                if parsed.stream and (model.serving() is None or self.manager.queue.tickets):
                     resp = await self._forward_loading(
                         request, path, body, model, session, tap, parsed.priority
                     )
@@ -408,11 +410,12 @@ class Proxy:
         tap: Tap,
         priority: int | None = None,
     ) -> web.StreamResponse:
-        """A stream for a model with no serving instance (it starts or wakes): if no instance
-        serves within ``keepalive_s``, answer 200 with ``text/event-stream`` and send an SSE
-        comment (``: loading <model>``) every ``keepalive_s`` so balancers and clients in between
-        keep the connection; with ``loading_progress`` a chat stream gets visible progress
-        (``reasoning_content`` chunks) instead. Then the engine's stream follows byte for byte;
+        """A stream that may wait (no serving instance: it starts or wakes; or the admission
+        queue holds it behind a swap): if no instance serves within ``keepalive_s``, answer 200
+        with ``text/event-stream`` and send an SSE comment (``: loading <model>``) every
+        ``keepalive_s`` so balancers and clients in between keep the connection; with
+        ``loading_progress`` a chat stream gets visible progress (``reasoning_content``
+        chunks) instead. Then the engine's stream follows byte for byte;
         a failure after the 200 is an SSE error event and ``data: [DONE]``."""
         lease = self.manager.lease(model, session, priority)
         acquiring = asyncio.ensure_future(lease.__aenter__())

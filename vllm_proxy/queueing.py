@@ -23,9 +23,9 @@ rules:
   put to sleep or stopped for a waiter whose window is still open: the gaps between a client's
   back-to-back requests do not hand the GPU to another model after each answer.
 * **Turns.** Among starts and wakes waiting for memory, only the first in order may put engines
-  to sleep or stop them; one behind it may start meanwhile only where the memory it takes
-  leaves the first one's plan intact (it fits without touching anyone, and the first still fits
-  once the busy engines drain).
+  to sleep or stop them; one behind it may start meanwhile where the memory it takes leaves the
+  first one's plan intact (it fits without touching anyone, and the first still fits once the
+  busy engines drain), or where the first cannot be placed even then.
 
 The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
