@@ -16,7 +16,11 @@ also reads ``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-si
 ``--gpu-memory-utilization`` (default 0.9), ``--kv-cache-memory-bytes`` and
 ``--sleep-mode-offload-cudagraph``. ``--runner pooling`` or ``--convert embed|classify`` makes a
 pooling model, without the completion routes (as vLLM registers them only for generating
-models). Flags may be spelled with ``_`` or ``-``; every other flag is accepted and ignored.
+models). ``--enable-lora``, ``--max-loras``, ``--max-lora-rank`` and ``--max-cpu-loras`` with
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serve LoRA adapters loaded at run time (see
+``fake_vllm.lora``; knobs ``FAKE_ENGINE_LORA_FAIL=name,...`` and
+``FAKE_ENGINE_LORA_LOAD_DELAY``). Flags may be spelled with ``_`` or ``-``; every other flag is
+accepted and ignored.
 
 It mimics the newest vLLM server: the port (or socket) is bound only when the "engine" is ready
 (connections are refused before), ``Errno 98`` and exit 1 when the port is taken, nested OpenAI
@@ -24,7 +28,10 @@ error bodies, ``{"detail": ...}`` for unknown routes, vLLM's exact JSON and SSE 
 Prometheus ``/metrics`` with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting
 in-flight requests (``finish_reason: "abort"``) before exiting 0. Replies are the words
 ``tok0 tok1 ...``; prompt tokens are counted as words. ``/v1/embeddings`` returns deterministic
-unit vectors of dimension 8. Nothing is logged per request.
+unit vectors of dimension 8. Nothing is logged per request. vLLM's other routes that name a
+model (Anthropic ``/v1/messages``, the pooling, scoring and ``/v2/embed`` routes of a pooling
+model, the speech-to-text uploads and the ``/v1/realtime`` WebSocket) are in
+``fake_vllm.routes_extra`` (``FAKE_ENGINE_UPLOAD_LOG=PATH`` records each upload's bytes).
 
 Sleep mode, as in vLLM 0.33: ``VLLM_SERVER_DEV_MODE=1`` registers ``/collective_rpc``,
 ``/reset_prefix_cache``, ``/sleep``, ``/wake_up`` and ``/is_sleeping``. Without the

@@ -12,6 +12,7 @@ from aiohttp.typedefs import Middleware
 
 from .gpu import DeviceMemory
 from .log import log
+from .lora import Lora
 from .protocol import (
     ApiError,
     Reply,
@@ -33,6 +34,7 @@ from .protocol import (
     stream_flags,
     validation,
 )
+from .routes_extra import ExtraRoutes
 from .settings import (
     CLIENT_MAX_SIZE,
     DONE,
@@ -54,6 +56,7 @@ class FakeServer:
     def __init__(self, settings: Settings, gpu: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.engine = Engine(settings, gpu)
+        self.lora = Lora(settings, self.engine.metrics.labels)
         self.calls: list[dict[str, Any]] = []
         self.model = settings.served_names[0]
         self.names = frozenset(settings.served_names)
@@ -78,10 +81,13 @@ class FakeServer:
         add("GET", "/load", self.load)
         add("GET", "/metrics", self.metrics)
         add("GET", "/v1/models", self.models)
+        self.lora.add_routes(app)
         if not self.settings.pooling:
             add("POST", "/v1/chat/completions", self.chat_completions)
             add("POST", "/v1/completions", self.completions)
         add("POST", "/v1/embeddings", self.embeddings)
+        extra = ExtraRoutes(self.engine, self.names, self.model, self.settings.tokens)
+        extra.add(app, self.settings.pooling)
         if self.settings.dev_mode:
             add("POST", "/collective_rpc", self.collective_rpc)
             add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
@@ -120,7 +126,7 @@ class FakeServer:
         return json_response({"server_load": 0})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        body = self.engine.render_metrics().encode()
+        body = (self.engine.render_metrics() + self.lora.render_metrics()).encode()
         return web.Response(body=body, headers={"Content-Type": PROMETHEUS_TYPE})
 
     def _model_card(self, name: str, created: int) -> dict[str, Any]:
@@ -152,6 +158,7 @@ class FakeServer:
     async def models(self, request: web.Request) -> web.Response:
         created = int(time.time())
         cards = [self._model_card(name, created) for name in self.settings.served_names]
+        cards += self.lora.cards(created, self._model_card)
         return json_response({"object": "list", "data": cards})
 
     def _check_model(self, body: dict[str, Any]) -> None:
@@ -162,7 +169,7 @@ class FakeServer:
             raise validation(
                 "string_type", ("body", "model"), "Input should be a valid string", name
             )
-        if name not in self.names:
+        if name not in self.names and not self.lora.serves(name):
             message = f"The model `{name}` does not exist."
             raise error(404, message, "NotFoundError", "model")
 
@@ -204,7 +211,7 @@ class FakeServer:
         return Reply(
             chat=chat,
             rid=prefix + request_id(request, body),
-            model=self.model,
+            model=self.lora.reply_model(body, self.model),
             created=int(time.time()),
             stream=stream,
             choices=n * len(prompts),
@@ -292,6 +299,9 @@ class FakeServer:
         reason = await self._run_all_tokens(reply, epoch)
         if reply.garbage:
             text = GARBAGE_WORD * reply.produced
+        elif reply.model != self.model:  # a LoRA adapter's own words
+            text, offsets, _ = self.lora.words(reply.model, reply.tokens)
+            text = text[: offsets[reply.produced]]
         else:
             text = self.text[: self.offsets[reply.produced]]
         self._record(reply, reason)
@@ -339,6 +349,9 @@ class FakeServer:
         engine = self.engine
         delay = self.settings.token_delay
         crash_at = min(2, reply.tokens - 1) if reply.crash else -1
+        words = self.token_json
+        if reply.model != self.model:  # a LoRA adapter's own words
+            words = self.lora.words(reply.model, reply.tokens)[2]
         for t in range(reply.tokens):
             if delay > 0:
                 await engine.pause(delay)
@@ -350,7 +363,7 @@ class FakeServer:
             finish = reply.finish if t + 1 == reply.tokens else None
             usage = "," + sse.usage(t + 1) if reply.continuous_usage else ""
             chunk = sse.token
-            word = self.garbage_json if reply.garbage else self.token_json[t]
+            word = self.garbage_json if reply.garbage else words[t]
             for index in range(reply.choices):
                 await response.write(chunk(index, word, finish, usage))
             if t == 0:
@@ -427,6 +440,8 @@ class FakeServer:
             raise validation("literal_error", ("query", "mode"), msg, mode)
         with self._recorded({"call": "sleep", "level": level}):
             await self.engine.sleep(level, mode)
+        if self.engine.weights_lost:
+            self.lora.weights_lost()
         return json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:

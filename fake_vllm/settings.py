@@ -93,6 +93,15 @@ class Settings:
     gpu_mb: int = 0
     gpu_device: str = "cuda:0"
     sim: SimKnobs | None = None
+    #: LoRA (see ``fake_vllm.lora``): ``--enable-lora``, its bounds, the runtime routes
+    #: (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) and the knobs.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    runtime_lora: bool = False
+    lora_fail: frozenset[str] = frozenset()
+    lora_load_delay: float = 0.0
 
     @property
     def world_size(self) -> int:
@@ -146,6 +155,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--runner", default="auto")
     parser.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs")
     parser.add_argument("--convert", default="auto")
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction)
+    parser.add_argument("--max-loras", type=int, default=1)
+    parser.add_argument("--max-lora-rank", type=int, default=16)
+    parser.add_argument("--max-cpu-loras", type=int, default=None)
     return parser
 
 
@@ -279,4 +292,14 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         gpu_mb=gpu_mb,
         gpu_device=environ.get("FAKE_ENGINE_GPU_DEVICE", "").strip() or "cuda:0",
         sim=sim,
+        enable_lora=bool(args.enable_lora),
+        max_loras=max(1, args.max_loras),
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        runtime_lora=environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "0").strip().lower()
+        in ("1", "true"),
+        lora_fail=frozenset(
+            n.strip() for n in environ.get("FAKE_ENGINE_LORA_FAIL", "").split(",") if n.strip()
+        ),
+        lora_load_delay=_env_number(environ, "FAKE_ENGINE_LORA_LOAD_DELAY", 0.0),
     )

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from conftest import RunningProxy, StartProxy, make_config, wait_for
 
+from vllm_proxy.body import model_of
 from vllm_proxy.config import GpuDevice
 from vllm_proxy.instance import State
 from vllm_proxy.queueing import (
@@ -116,7 +117,7 @@ def test_the_victim_is_the_cheapest_to_bring_back_not_the_least_recently_used() 
     fast = view("fast#1", last=95.0, start_s=2.0)
     assert plan(demand, devices, [slow, fast]) == Plan((0,), ("slow#1",))  # no clock: LRU
     assert plan(demand, devices, [slow, fast], now=100.0) == Plan((0,), ("fast#1",))
-    # Idle far longer, the dear one goes after all: 60 s / 3000 s idle < 2 s / 5 s idle.
+    # Idle far longer, the dear one goes after all: 64 s / 3000 s idle < 4 s / 5 s idle.
     old = view("slow#1", last=-2900.0, start_s=60.0)
     assert plan(demand, devices, [old, fast], now=100.0) == Plan((0,), ("slow#1",))
 
@@ -305,10 +306,10 @@ async def test_an_idle_model_is_taken_at_once_despite_its_minimum_residency(
 async def test_the_cheap_to_bring_back_victim_is_chosen(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    """slow (a 2.5 s start) was used before fast (0.3 s): LRU would stop slow; the price
-    (restore seconds per idle second) stops fast."""
+    """slow (a 6 s start) was used before fast (under a second): LRU would stop slow; the
+    price (restore seconds per idle second; below 4 s all starts count alike) stops fast."""
     models = {
-        "slow": {"memory_mb": 400, "env": {"FAKE_ENGINE_STARTUP_DELAY": "2.5"}},
+        "slow": {"memory_mb": 400, "env": {"FAKE_ENGINE_STARTUP_DELAY": "6"}},
         "fast": {"memory_mb": 400},
         "z": {"memory_mb": 400},
     }
@@ -322,7 +323,7 @@ async def test_the_cheap_to_bring_back_victim_is_chosen(
     assert fast.state in (State.STOPPED, State.STOPPING)
     timings = proxy.manager.admission.timings
     measured = {name: kinds["start"] for (name, _), kinds in timings.items()}
-    assert measured["slow"] > 2.0 > measured["fast"]
+    assert measured["slow"] > 6.0 > measured["fast"]
 
 
 async def test_priorities_order_the_queue(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -397,3 +398,27 @@ async def test_a_head_that_waits_for_something_else_blocks_nobody(
     resp = await big
     assert resp.status == 503
     assert "'pinned#1'" in (await resp.json())["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("body", "expected"),
+    [
+        (b'{"model": "m", "priority": -3}', -3),
+        (b'{"priority": 7, "model": "m"}', 7),
+        (b'{"model": "m", "priority": 1.5}', None),
+        (b'{"model": "m", "priority": true}', None),
+        (b'{"model": "m", "priority": "1"}', None),
+        (b'{"model": "m", "priority": 3, "priority": null}', None),  # the last one wins
+        (b'{"model": "m", "extra": {"priority": 4}}', None),  # only the top level
+        (b'{"model": "m", "priority": 99999999999}', None),  # out of range
+        (b'{"model": "m"}', None),
+    ],
+)
+def test_the_request_priority_is_read_from_parsed_and_scanned_bodies(
+    body: bytes, expected: int | None
+) -> None:
+    """vLLM's own field, found both where a small body is parsed and where a large one is
+    scanned as it arrives (padded past the scan threshold here)."""
+    assert model_of(body).priority == expected
+    padded = body[:-1] + b', "pad": "' + b"x" * 300_000 + b'"}'
+    assert model_of(padded).priority == expected

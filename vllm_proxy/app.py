@@ -32,7 +32,7 @@ from .instance import EngineContext
 from .manager import Manager
 from .memory import Memory, make_source
 from .metrics import Metrics
-from .proxy import Proxy, add_routes, check_key
+from .proxy import Proxy, add_routes, check_key, opens_to_pages
 from .queueing import Rules
 from .registry import EngineRegistry, StateDirBusy, StateLock
 from .upstream import UpstreamPool
@@ -130,6 +130,8 @@ class Gate:
     * Admin changes from a browser page of another origin get 403: a cross-site form POST needs
       no preflight, and with ``admin_open`` it needs no key either. The page's browser names it
       in ``Origin`` (or, without one, ``Sec-Fetch-Site``); curl and scripts send neither.
+      So do form uploads and WebSockets on the model routes (`proxy.opens_to_pages`): a page
+      may send either to any site without a preflight.
     * ``server.metrics_api_keys``: ``/metrics`` and ``/metrics/engines`` need one when set.
 
     It runs inside `Proxy.middleware`, which turns its refusals into OpenAI-shaped errors with
@@ -152,6 +154,8 @@ class Gate:
         if path.startswith("/admin"):
             if request.method not in SAFE_METHODS:
                 _check_origin(request)
+        elif opens_to_pages(path):  # a form upload or a WebSocket: no CORS preflight
+            _check_origin(request, "uploads and WebSockets")
         elif self.metrics_keys and path in METRICS_PATHS:
             check_key(request, self.metrics_keys, METRICS_REFUSAL)
         return await handler(request)
@@ -195,19 +199,17 @@ def _host_port(value: str) -> tuple[str, int | None] | None:
     return (name.rstrip("."), port) if name else None
 
 
-def _check_origin(request: web.Request) -> None:
-    """Refuse a change from a page of another origin than the proxy's own (its Host)."""
+def _check_origin(request: web.Request, what: str = "admin changes") -> None:
+    """Refuse `what` from a page of another origin than the proxy's own (its Host)."""
     origin = request.headers.get("Origin")
     if origin is None:
         # Browsers send Origin with every POST today; Sec-Fetch-Site covers older ones.
         if request.headers.get("Sec-Fetch-Site", "").lower() in ("cross-site", "same-site"):
-            raise Forbidden(
-                "admin changes from another site's page are refused", code="cross_origin"
-            )
+            raise Forbidden(f"{what} from another site's page are refused", code="cross_origin")
         return
     if not _same_origin(origin, request.headers.get("Host", "")):
         raise Forbidden(
-            f"admin changes from another origin ({origin[:200]!r}) are refused",
+            f"{what} from another origin ({origin[:200]!r}) are refused",
             code="cross_origin",
         )
 
@@ -411,6 +413,7 @@ class Server:
             self._unclaim()
             return
         manager = self.runtime.manager
+        self.runtime.proxy.sessions.end_all()  # realtime sessions never end by themselves
         drained = await manager.drain(self.config.server.drain_timeout_s)
         if not drained:
             log.warning("drain timeout: %d request(s) still in flight", manager.active_leases())

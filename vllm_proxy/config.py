@@ -11,16 +11,42 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import json
+import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from .adapters import (
+    DEFAULT_MAX_ADAPTERS,
+    DEFAULT_RANK,
+    VLLM_RANKS,
+    AdapterSpec,
+    is_local,
+    largest_rank,
+    list_folder,
+    local_path,
+    rank_of,
+    vllm_rank,
+)
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Flags the proxy sets itself on every engine command line.
 RESERVED_ARGS = {"host", "port", "uds", "served_model_name", "model"}
@@ -46,10 +72,108 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+#: Characters that make an entry of an API key's ``models`` a glob rather than a name.
+GLOB_CHARS = frozenset("*?[")
+#: A ``key_file`` larger than this holds no key (a wrong path, a device).
+KEY_FILE_MAX = 64 * 1024
+
+
+class ApiKey(_Strict):
+    """One entry of ``server.api_keys``: the key inline (`key`) or read from `key_file` at every
+    load and reload (the config file then holds no secret), the models it may use, and whether
+    it opens the admin API too. A plain string in the list is ``{key: <string>}``: every
+    model, no admin API."""
+
+    key: str | None = None
+    key_file: str | None = None
+    #: Model names, aliases or shell-style globs (``qwen-*``), each matched against every
+    #: model's name and aliases; a model matched by one is usable under all its names.
+    #: None: every model.
+    models: list[str] | None = None
+    #: The key opens /admin/* too, besides server.admin_api_keys (`models` does not narrow it).
+    admin: bool = False
+    _secret: str = PrivateAttr("")
+
+    @property
+    def secret(self) -> str:
+        """The key: `key`, or what `key_file` held when the config was loaded."""
+        return self._secret
+
+    @field_validator("models")
+    @classmethod
+    def _models_ok(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and not v:
+            raise ValueError(
+                "empty: the key could use no model; leave models out for every model (an"
+                " admin-only key belongs in server.admin_api_keys)"
+            )
+        for i, pattern in enumerate(v or ()):
+            if not pattern.strip():
+                raise ValueError(f"@{i}: empty")
+        return v
+
+    @model_validator(mode="after")
+    def _read_secret(self, info: ValidationInfo) -> ApiKey:
+        if self.key is None and self.key_file is None:
+            raise ValueError("key or key_file is required")
+        if self.key is not None and self.key_file is not None:
+            raise ValueError("set either key or key_file, not both")
+        if self.key is not None:
+            problem = _key_problem(self.key)
+            if problem:
+                raise ValueError(f"@key: {problem}")
+            self._secret = self.key
+        else:
+            assert self.key_file is not None
+            self._secret = _read_key_file(self.key_file, (info.context or {}).get("config_dir"))
+        return self
+
+
+def _key_problem(key: str) -> str | None:
+    """Why an inline key cannot work (None when it can); a key never appears in the message."""
+    if not key.strip():
+        return "empty key"
+    if key != key.strip():  # a client's token is read without it: it could never match
+        return "the key has surrounding whitespace"
+    return None
+
+
+def _read_key_file(name: str, config_dir: str | None) -> str:
+    """The key a ``key_file`` holds, surrounding whitespace stripped; a relative path is taken
+    from the config file's directory. Unreadable, empty, oversized or multi-line files are
+    refused; a file that every user may read is only warned about, since container runtimes
+    mount secrets 0644 or 0444 by default."""
+    path = Path(name).expanduser()
+    if config_dir is not None and not path.is_absolute():
+        path = Path(config_dir) / path
+    try:
+        info = path.stat()
+        if not stat.S_ISREG(info.st_mode):  # a FIFO would block the load, a device never end
+            raise ValueError(f"@key_file: {path} is not a regular file")
+        with path.open("rb") as f:
+            data = f.read(KEY_FILE_MAX + 1)
+    except OSError as err:
+        raise ValueError(f"@key_file: cannot read {path}: {err.strerror or err}") from None
+    if len(data) > KEY_FILE_MAX:
+        raise ValueError(f"@key_file: {path} is larger than {KEY_FILE_MAX} bytes: not one key")
+    try:
+        key = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"@key_file: {path} is not UTF-8 text") from None
+    if not key:
+        raise ValueError(f"@key_file: {path} is empty")
+    if "\n" in key or "\r" in key:
+        raise ValueError(f"@key_file: {path} has more than one line; it must hold one key")
+    if info.st_mode & stat.S_IROTH:
+        log.warning("server.api_keys: key_file %s can be read by every user of the host", path)
+    return key
+
+
 class ServerConfig(_Strict):
     host: str = "0.0.0.0"
     port: int = Field(8080, ge=0, le=65535)
-    api_keys: list[str] = []
+    #: Keys for the model routes: plain strings (every model) or `ApiKey` mappings.
+    api_keys: list[ApiKey] = []
     max_body_mb: float = Field(32, gt=0)
     #: SIGTERM: how long in-flight requests may take to finish before engines are stopped.
     drain_timeout_s: float = Field(30, ge=0)
@@ -84,6 +208,41 @@ class ServerConfig(_Strict):
     allowed_hosts: list[str] = []
     #: /metrics/engines reads at most this much of each engine's page.
     engine_metrics_max_mb: float = Field(4, gt=0)
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _plain_keys(cls, v: Any) -> Any:
+        """A plain string is a key for every model, without the admin API."""
+        if not isinstance(v, list):
+            return v
+        out = []
+        for i, entry in enumerate(v):
+            if isinstance(entry, str):
+                problem = _key_problem(entry)
+                if problem:
+                    raise ValueError(f"@{i}: {problem}")
+                entry = {"key": entry}
+            elif not isinstance(entry, dict | ApiKey):
+                raise ValueError(
+                    f"@{i}: a key is a string (quote one made of digits) or a mapping with key"
+                    " or key_file"
+                )
+            out.append(entry)
+        return out
+
+    @model_validator(mode="after")
+    def _keys_unique(self) -> ServerConfig:
+        first: dict[str, int] = {}
+        problems = []
+        for i, entry in enumerate(self.api_keys):
+            if entry.secret in first:  # (which key is never said)
+                problems.append(
+                    f"@api_keys.{i}: the same key as server.api_keys.{first[entry.secret]}"
+                )
+            first.setdefault(entry.secret, i)
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _bodies_fit(self) -> ServerConfig:
@@ -230,6 +389,14 @@ class EngineConfig(_EngineKeys):
     loading_progress: bool = False
 
 
+class AdapterConfig(_Strict):
+    """One LoRA adapter of a model: the folder vLLM loads it from (or a Hugging Face repo id)
+    and other names that reach it."""
+
+    path: str = Field(min_length=1)
+    aliases: list[str] = []
+
+
 class ModelConfig(_EngineKeys):
     model: str = Field(min_length=1)
     aliases: list[str] = []
@@ -252,11 +419,45 @@ class ModelConfig(_EngineKeys):
     #: Requests with the same value of this header go to the same replica while it is healthy
     #: (prefix-cache reuse), e.g. X-Session-ID.
     affinity_header: str | None = Field(None, min_length=1)
+    #: LoRA adapters served as models of their own on this model's engines: name -> path, or
+    #: name -> {path, aliases} ...
+    adapters: dict[str, AdapterConfig] = {}
+    #: ... and/or a folder whose sub-folders with an adapter_config.json are adapters named
+    #: after the folder, found when first asked for (new ones need no reload).
+    adapters_dir: str | None = None
+    #: Adapters one engine keeps registered; the least recently used idle one is unloaded
+    #: for another. Unset: args.max_loras, else 4. Also --max-loras unless args give it.
+    max_adapters: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _one_scaling(self) -> ModelConfig:
         if self.replicas is not None and self.autoscale is not None:
             raise ValueError("set either replicas or autoscale, not both")
+        return self
+
+    @field_validator("adapters", mode="before")
+    @classmethod
+    def _adapter_forms(cls, v: Any) -> Any:
+        """``name: path`` is ``name: {path: path}``."""
+        if isinstance(v, dict):
+            return {k: {"path": p} if isinstance(p, str) else p for k, p in v.items()}
+        return v
+
+    @model_validator(mode="after")
+    def _adapters_ok(self) -> ModelConfig:
+        problems = []
+        for name, a in self.adapters.items():
+            if not name.strip() or name != name.strip():
+                problems.append(f"@adapters.{name}: an adapter name must not be empty or padded")
+            elif is_local(a.path) and not os.path.isdir(local_path(a.path)):
+                problems.append(f"@adapters.{name}.path: {a.path}: no such folder")
+        folder = self.adapters_dir
+        if folder is not None and not os.path.isdir(Path(folder).expanduser()):
+            problems.append(f"@adapters_dir: {folder}: no such folder")
+        if self.max_adapters is not None and not (self.adapters or folder):
+            problems.append("@max_adapters: set without adapters or adapters_dir")
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
 
@@ -321,6 +522,19 @@ class Config(_Strict):
                         f"models.{name}: name or alias {n!r} already used by {seen[n]}"
                     )
                 seen[n] = name
+        problems = []
+        for name, m in self.models.items():
+            for adapter, a in m.adapters.items():
+                for n in (adapter, *a.aliases):
+                    if n in seen:
+                        owner = seen[n]
+                        problems.append(
+                            f"@models.{name}.adapters.{adapter}: name or alias {n!r} already used"
+                            f" by {owner if owner.startswith('adapter ') else 'model ' + owner}"
+                        )
+                    seen[n] = f"adapter {adapter} of {name}"
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
     @model_validator(mode="after")
@@ -331,6 +545,26 @@ class Config(_Strict):
             args = {_arg_name(k): v for k, v in {**self.engine.args, **m.args}.items()}
             sleep = m.sleep if "sleep" in m.model_fields_set else self.engine.sleep
             problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, sleep)]
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _key_models_exist(self) -> Config:
+        """An exact name in an API key's ``models`` that no model or alias has is a typo:
+        refused. A glob that matches nothing may be meant for models still to come: a
+        warning."""
+        names = [n for name, m in self.models.items() for n in (name, *m.aliases)]
+        problems = []
+        for k, entry in enumerate(self.server.api_keys):
+            for i, pattern in enumerate(entry.models or ()):
+                if any(fnmatchcase(n, pattern) for n in names):
+                    continue
+                where = f"server.api_keys.{k}.models.{i}"
+                if GLOB_CHARS.intersection(pattern):
+                    log.warning("%s: %r matches no configured model or alias", where, pattern)
+                else:
+                    problems.append(f"@{where}: no model or alias is named {pattern!r}")
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -388,6 +622,20 @@ class ModelSpec:
     replicas: int | None = None
     autoscale: AutoscaleConfig | None = None
     affinity_header: str | None = None
+    #: Configured LoRA adapters (names, paths made absolute, aliases) ...
+    adapters: tuple[AdapterSpec, ...] = ()
+    #: ... and the folder where more are found by name (absolute).
+    adapters_dir: str | None = None
+    #: Adapters one engine keeps registered (0: no LoRA: the engine is started without it).
+    max_adapters: int = 0
+    #: ``--max-lora-rank``: args' value, else the largest adapter rank known at load (vLLM's
+    #: allowed values), else vLLM's default.
+    max_lora_rank: int = 0
+
+    @property
+    def lora(self) -> bool:
+        """Adapters are served on this model's engines (started with --enable-lora)."""
+        return self.max_adapters > 0
 
     def replica_bounds(self) -> tuple[int, int]:
         """(floor, ceiling) of the model's instance count while it is in use: a fixed
@@ -402,7 +650,7 @@ class ModelSpec:
         """What the engine process is made of; a change here needs a restart on reload."""
         return (
             self.model, self.command, self.args, self.extra_args, self.env, self.sleep_mode,
-            self.transport,
+            self.transport, self.max_adapters, self.max_lora_rank,
         )  # fmt: skip
 
     @functools.cached_property
@@ -466,6 +714,11 @@ class ModelSpec:
                 # reload_weights brings back the target model only: keep the drafter's weights
                 # through the sleep (vLLM 0.33 gpu_worker.py:264-298; "draft.*" may match none).
                 args.setdefault("sleep_preserve_parameter_names", ["draft.*"])
+        if self.lora:  # adapters are loaded at run time: LoRA on, slots and rank from the spec
+            given = {_arg_name(k) for k in args}
+            lora = {"enable_lora": True, "max_loras": self.max_adapters,
+                    "max_lora_rank": self.max_lora_rank}  # fmt: skip
+            args.update({k: v for k, v in lora.items() if k not in given})
         for key, value in args.items():
             argv += _flag(key, value)
         return argv + list(self.extra_args)
@@ -474,8 +727,11 @@ class ModelSpec:
         """The proxy's environment with the configured variables (then `extra`) merged over it.
 
         With a sleep policy, ``VLLM_SERVER_DEV_MODE=1`` (vLLM serves /sleep and /wake_up only
-        then)."""
+        then); with adapters, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (vLLM serves
+        /v1/load_lora_adapter and /v1/unload_lora_adapter only then)."""
         dev = {"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}
+        if self.lora:
+            dev["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return {**os.environ, **dev, **dict(self.env), **(extra or {})}
 
 
@@ -508,6 +764,28 @@ def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | N
             out.append(
                 f"sleep.level: 2 cannot work with load_format {fmt!r}: a level-2 wake reloads"
                 " the weights from the checkpoint, which that loader cannot do; use level 1"
+            )
+    if m.adapters or m.adapters_dir:
+        out += _lora_conflicts(m, args)
+    return out
+
+
+def _lora_conflicts(m: ModelConfig, args: dict[str, ArgValue]) -> list[str]:
+    """A model with adapters whose args rule LoRA out or are too small for an adapter."""
+    if args.get("enable_lora") is False:
+        return ["args.enable_lora: false with adapters; remove it (the proxy sets --enable-lora)"]
+    given = args.get("max_lora_rank")
+    limit = VLLM_RANKS[-1] if given is None else int(str(given))
+    out = []
+    for name, a in m.adapters.items():
+        rank = rank_of(local_path(a.path)) if is_local(a.path) else None
+        if rank is not None and rank > limit and given is None:
+            out.append(f"adapters.{name}: rank {rank} is above vLLM's largest ({limit})")
+        elif rank is not None and rank > limit:
+            out.append(
+                f"adapters.{name}: rank {rank} is above args.max_lora_rank {given} (vLLM refuses"
+                " to load it); raise max_lora_rank or leave it out (the proxy takes the largest"
+                " adapter's)"
             )
     return out
 
@@ -596,7 +874,32 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         replicas=m.replicas,
         autoscale=m.autoscale,
         affinity_header=m.affinity_header,
+        **_lora_fields(m, {_arg_name(k): v for k, v in {**e.args, **m.args}.items()}),
     )
+
+
+def _lora_fields(m: ModelConfig, args: dict[str, ArgValue]) -> dict[str, Any]:
+    """The spec's adapters, adapters folder, bound and rank (none without adapters). The rank
+    is read from the adapters configured and those in the folder now; one added later with a
+    larger rank is refused when asked for (the engine's --max-lora-rank is fixed)."""
+    if not (m.adapters or m.adapters_dir):
+        return {}
+    specs = tuple(
+        AdapterSpec(name, local_path(a.path), tuple(a.aliases)) for name, a in m.adapters.items()
+    )
+    folder = str(Path(m.adapters_dir).expanduser().resolve()) if m.adapters_dir else None
+    given_loras = args.get("max_loras")
+    bound = m.max_adapters or (int(str(given_loras)) if given_loras else DEFAULT_MAX_ADAPTERS)
+    given_rank = args.get("max_lora_rank")
+    if given_rank is not None:
+        rank = int(str(given_rank))
+    else:
+        known = largest_rank([*specs, *(list_folder(folder) if folder else [])])
+        # (A rank above vLLM's largest is refused at load if configured, when asked for if
+        # found in the folder.)
+        rank = vllm_rank(min(known, VLLM_RANKS[-1])) if known is not None else DEFAULT_RANK
+    return {"adapters": specs, "adapters_dir": folder, "max_adapters": bound,
+            "max_lora_rank": rank}  # fmt: skip
 
 
 #: ``convert`` values that make vLLM run a model as a pooling model.
@@ -675,14 +978,15 @@ def _format_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_config(data: Any, source: str = "config") -> Config:
-    """Validate an already-parsed YAML document."""
+def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> Config:
+    """Validate an already-parsed YAML document; relative ``key_file`` paths are taken from
+    `config_dir` (else the working directory)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"config_dir": config_dir})
     except ValidationError as err:
         raise ConfigError(f"{source}: invalid configuration\n{_format_error(err)}") from None
 
@@ -697,7 +1001,7 @@ def load_config(path: str | Path) -> Config:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path}: not valid YAML: {_yaml_problem(err)}") from None
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), os.path.dirname(os.path.abspath(path)))
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:

@@ -20,6 +20,7 @@ much free before it starts one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import struct
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .adapters import largest_sizes_mb, list_folder, slots_mb
 from .config import ModelSpec
 
 MIB = 1024 * 1024
@@ -207,7 +209,7 @@ def footprint_for_spec(
     args = {k.replace("-", "_"): v for k, v in spec.args}
     util = args.get("gpu_memory_utilization", args.get("device_memory_utilization"))
     tp, pp, pcp, dp = parallel_sizes(spec)
-    return estimate_footprint_mb(
+    fp = estimate_footprint_mb(
         memory_mb=spec.memory_mb,
         gpu_memory_utilization=float(str(util)) if util is not None else None,
         device_total_mb=device_total_mb,
@@ -225,6 +227,41 @@ def footprint_for_spec(
         context_mb=context_mb,
         nccl_mb=nccl_mb,
     )
+    return _with_lora(spec, fp, tp) if spec.lora else fp
+
+
+def _with_lora(spec: ModelSpec, fp: Footprint, tp: int) -> Footprint:
+    """A model with LoRA adapters: vLLM preallocates ``--max-loras`` slots of
+    ``--max-lora-rank`` in its budget (`adapters.slots_mb`, from config.json); at least the
+    ``max_adapters`` largest adapters' files must fit there too. An estimate grows by that;
+    a budget given by ``memory_mb`` or ``gpu_memory_utilization`` holds it (vLLM takes it
+    from the KV cache), so only its detail names it."""
+    args = {k.replace("-", "_"): v for k, v in spec.args}
+    slots = _arg_int(args.get("max_loras")) or spec.max_adapters
+    known = [*spec.adapters, *(list_folder(spec.adapters_dir) if spec.adapters_dir else [])]
+    files_mb = math.ceil(largest_sizes_mb(known, spec.max_adapters) / tp)
+    model_dir = _local_dir(spec.model)
+    try:
+        arch = _architecture(None, model_dir)
+        preallocated = slots_mb(arch, slots, spec.max_lora_rank, tp)
+    except (ValueError, OSError):
+        preallocated = 0
+    lora = max(preallocated, files_mb)
+    detail = {**fp.detail, "lora_mb": lora, "lora_slots": slots, "lora_rank": spec.max_lora_rank}
+    grow = lora if fp.source == "estimate" else 0
+    return dataclasses.replace(fp, per_device_mb=fp.per_device_mb + grow, detail=detail)
+
+
+def lora_host_mb(spec: ModelSpec) -> int:
+    """Host RAM vLLM's CPU cache of adapters may take (``--max-cpu-loras``, else
+    ``--max-loras``, of the largest adapter known): the engine fills it as adapters are
+    loaded, also after a level-1 sleep has pinned its weights."""
+    if not spec.lora:
+        return 0
+    args = {k.replace("-", "_"): v for k, v in spec.args}
+    cached = _arg_int(args.get("max_cpu_loras")) or _arg_int(args.get("max_loras"))
+    known = [*spec.adapters, *(list_folder(spec.adapters_dir) if spec.adapters_dir else [])]
+    return largest_sizes_mb(known, 1) * (cached or spec.max_adapters)
 
 
 def reload_buffer_mb(spec: ModelSpec) -> int:

@@ -43,6 +43,7 @@ from .engine import (
 )
 from .errors import EngineFailed, ProxyError, Unavailable
 from .hostmem import HostRam
+from .lora import Registrations
 from .memory import (
     KV_SHORT_MARKERS,
     NOT_SIZED,
@@ -264,6 +265,8 @@ class Instance:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._sleep_timer: asyncio.TimerHandle | None = None
         self._downscale_timer: asyncio.TimerHandle | None = None
+        #: The LoRA adapters this engine holds (a new instance starts with none).
+        self.adapters = Registrations(iid, ctx.metrics, lambda: ctx.queue.timeout_s)
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
 
     @property
@@ -887,6 +890,8 @@ class Instance:
         self.ctx.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
+        if level >= 2:  # the adapters' GPU copies went with the weights: registered again
+            self.adapters.reset()
         self.sleep_level = 0
         self.last_used = time.time()
         self._set_state(State.RUNNING)
@@ -1009,6 +1014,7 @@ class Instance:
             "retired": self.retired,
             "last_error": self.last_error,
             "log": str(self.log_path),
+            "adapters": self.adapters.status(),
         }
 
 

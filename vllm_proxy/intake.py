@@ -56,7 +56,16 @@ def is_json(media: str) -> bool:
     return media == JSON
 
 
-def check_type(request: web.Request, accepts: Callable[[str], bool] = is_json) -> None:
+def is_form(media: str) -> bool:
+    """Whether a media type is what vLLM's speech-to-text routes take: a form upload (FastAPI
+    reads ``Form()`` fields from ``application/x-www-form-urlencoded`` too, but a file cannot
+    come that way)."""
+    return media == "multipart/form-data"
+
+
+def check_type(
+    request: web.Request, accepts: Callable[[str], bool] = is_json, takes: str = JSON
+) -> None:
     """Refuse (415) a body whose ``Content-Type`` the route does not take, before it is read.
 
     The proxy takes what the engine takes, so that a request the engine would refuse starts
@@ -69,21 +78,21 @@ def check_type(request: web.Request, accepts: Callable[[str], bool] = is_json) -
     browser page may POST to any address without a CORS preflight (``text/plain``, forms,
     ``multipart/form-data``, none), so a page cannot start engines or generations here.
 
-    `accepts`: the route's test of a media type. A route whose body is a multipart upload
-    (vLLM's ``/v1/audio/transcriptions``) would pass one that takes ``multipart/form-data``,
-    and read its ``model`` from the form rather than with `read_body`."""
+    `accepts`: the route's test of a media type, `takes` its name for the message. The routes
+    whose body is a form upload (vLLM's ``/v1/audio/transcriptions``) pass `is_form`, and read
+    their ``model`` from the form (`upload`) rather than with `read_body`."""
     value = request.headers.get("Content-Type")
-    if value == JSON:
+    if value == JSON and accepts is is_json:
         return
     if value is None:
         raise BadRequest(
-            f"the request body has no Content-Type: POST {request.path} takes {JSON}",
+            f"the request body has no Content-Type: POST {request.path} takes {takes}",
             status=415,
             code="unsupported_media_type",
         )
     if not accepts(value.partition(";")[0].strip().lower()):
         raise BadRequest(
-            f"unsupported Content-Type {value[:100]!r}: POST {request.path} takes {JSON}",
+            f"unsupported Content-Type {value[:100]!r}: POST {request.path} takes {takes}",
             status=415,
             code="unsupported_media_type",
         )

@@ -15,13 +15,15 @@ import dataclasses
 import logging
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
+from .adapters import AdapterSpec, find_in, list_folder
 from .admission import Admission
 from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
-from .footprint import footprint_for_spec
+from .footprint import footprint_for_spec, lora_host_mb
 from .instance import EngineContext, Instance, State, retrieve
 from .memory import Memory
 from .model import Model
@@ -39,17 +41,22 @@ class Lease:
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("inst", "model", "priority", "session")
+    __slots__ = ("adapter", "inst", "model", "priority", "session")
 
     def __init__(
-        self, model: Model, session: str | None = None, priority: int | None = None
+        self,
+        model: Model,
+        session: str | None = None,
+        priority: int | None = None,
+        adapter: str | None = None,
     ) -> None:
         self.model = model
         self.session = session
         self.priority = priority
+        self.adapter = adapter
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire(self.session, self.priority)
+        self.inst, engine = await self.model.acquire(self.session, self.priority, self.adapter)
         return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
@@ -118,11 +125,17 @@ class Manager:
 
     def _index_names(self) -> None:
         names = {}
+        adapters: dict[str, tuple[str, AdapterSpec]] = {}
         for name, model in self.models.items():
             names[name] = name
             for alias in model.spec.aliases:
                 names[alias] = name
+            for a in model.spec.adapters:
+                for n in (a.name, *a.aliases):
+                    adapters[n] = (name, a)
         self.names = names
+        #: LoRA adapters by name and alias: (the base model's name, the adapter).
+        self.adapter_names = adapters
 
     def all_instances(self) -> list[Instance]:
         """Every live instance, of configured and of removed models."""
@@ -162,30 +175,87 @@ class Manager:
             if i.state is State.RUNNING and i.engine is not None and i.engine.pid is not None
         }
 
-    def resolve(self, requested: str) -> Model:
-        """The model serving `requested` (a model name or alias), or `NotFound`."""
+    def resolve(self, requested: str, visible: Callable[[Model], bool] | None = None) -> Model:
+        """The model serving `requested` (a model name or alias), or `NotFound`. With
+        `visible` (an API key's scope), a model it refuses is not found either, in the same
+        words, and the names listed are only those of the models it accepts."""
         name = self.names.get(requested)
-        if name is None:
+        if name is not None and (visible is None or visible(self.models[name])):
+            return self.models[name]
+        if visible is None:
             valid = ", ".join(sorted(self.names)) or "(none configured)"
-            raise NotFound(
-                f"The model '{requested}' does not exist. Available models: {valid}",
-                param="model",
-            )
-        return self.models[name]
+        else:
+            shown = (n for n, target in self.names.items() if visible(self.models[target]))
+            valid = ", ".join(sorted(shown)) or "(none)"
+        raise NotFound(
+            f"The model '{requested}' does not exist. Available models: {valid}", param="model"
+        )
+
+    def resolve_target(
+        self, requested: str, visible: Callable[[Model], bool] | None = None
+    ) -> tuple[Model, AdapterSpec | None]:
+        """The model serving `requested`, with the LoRA adapter it names (None for a model
+        name or alias; see `find_adapter`). `NotFound` as `resolve()`."""
+        return self.find_adapter(requested, visible) or (self.resolve(requested, visible), None)
+
+    def find_adapter(
+        self, requested: str, visible: Callable[[Model], bool] | None = None
+    ) -> tuple[Model, AdapterSpec] | None:
+        """The LoRA adapter `requested` names and its base model: a configured adapter or
+        alias, else a sub-folder of a model's ``adapters_dir`` with an
+        ``adapter_config.json`` (looked up now, so an adapter copied there is served without
+        a reload). Model names win over adapters; an adapter of a model that `visible` (an
+        API key's scope) refuses is not found."""
+        if requested in self.names:
+            return None
+        found = self.adapter_names.get(requested) or self._discover(requested)
+        if found is None:
+            return None
+        model = self.models[found[0]]
+        return (model, found[1]) if visible is None or visible(model) else None
+
+    def _discover(self, requested: str) -> tuple[str, AdapterSpec] | None:
+        """An adapter named `requested` in a model's ``adapters_dir`` (models in config order)."""
+        for name, model in self.models.items():
+            folder = model.spec.adapters_dir
+            if folder is not None:
+                spec = find_in(folder, requested)
+                if spec is not None:
+                    return name, spec
+        return None
+
+    def adapter_entries(self) -> list[tuple[str, Model, AdapterSpec]]:
+        """Every adapter name and alias clients may use now, with its base model and adapter:
+        configured ones first, then those in the models' folders (as many as
+        `adapters.list_folder` reads; a name a model or another adapter has is not one)."""
+        out = [(n, self.models[base], a) for n, (base, a) in self.adapter_names.items()]
+        taken = set(self.names) | set(self.adapter_names)
+        for model in self.models.values():
+            if model.spec.adapters_dir is not None:
+                for a in list_folder(model.spec.adapters_dir):
+                    if a.name not in taken:
+                        taken.add(a.name)
+                        out.append((a.name, model, a))
+        return out
 
     def lease(
-        self, model: str | Model, session: str | None = None, priority: int | None = None
+        self,
+        model: str | Model,
+        session: str | None = None,
+        priority: int | None = None,
+        adapter: str | None = None,
     ) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
         `session` is the value of the model's affinity header, if any; `priority` the request's
-        own (vLLM's field). Raises `NotFound` for an unknown name and `Unavailable` while
-        shutting down.
+        own (vLLM's field); `adapter` the LoRA adapter the request names (a replica holding it
+        is preferred). Raises `NotFound` for an unknown name and `Unavailable` while shutting
+        down.
         """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         target = self.resolve(model) if isinstance(model, str) else model
-        return Lease(target, session, priority)
+        return Lease(target, session, priority, adapter)
 
     def update_metrics(self) -> None:
         """Refresh the request gauges from the leases (at scrape time: the request path itself
@@ -208,7 +278,8 @@ class Manager:
 
     def _weights_mb(self, spec: ModelSpec) -> int | None:
         """Host RAM a level-1 sleep of `spec` pins: its weights, all devices together (the
-        caller adds the runtime pool)."""
+        caller adds the runtime pool). With LoRA adapters, their preallocated slots too (they
+        sit in vLLM's weights pool) and what its CPU cache of adapters may still take."""
         fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
         if fp is None:
             try:
@@ -216,12 +287,14 @@ class Manager:
             except (ValueError, OSError):
                 fp = None
         weights = fp.detail.get("weights_mb") if fp is not None else None
+        lora = lora_host_mb(spec)
         if fp is not None and isinstance(weights, int | float):
-            return int(weights) * fp.gpus
+            slots = fp.detail.get("lora_mb", 0)
+            return (int(weights) + int(slots)) * fp.gpus + lora
         if spec.params_b is not None:  # 16-bit weights
-            return math.ceil(spec.params_b * 1e9 * 2 / 2**20)
+            return math.ceil(spec.params_b * 1e9 * 2 / 2**20) + lora
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
-            return fp.budget_mb * fp.gpus
+            return fp.budget_mb * fp.gpus + lora
         return None
 
     # -- reload --------------------------------------------------------------------------

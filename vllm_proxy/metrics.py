@@ -213,6 +213,25 @@ class Metrics:
             ["model_id", "instance"],
             registry=r,
         )
+        self.adapter_loads = Counter(
+            "vllm_proxy_adapter_loads_total",
+            "LoRA adapter registrations on an engine (load_lora_adapter calls) by result: ok,"
+            " not_found, refused (the engine's 4xx), failed (5xx, no answer)",
+            ["model_id", "adapter", "result"],
+            registry=r,
+        )
+        self.adapter_unloads = Counter(
+            "vllm_proxy_adapter_unloads_total",
+            "LoRA adapters unregistered from an engine to make room for another (max_adapters)",
+            ["model_id", "adapter"],
+            registry=r,
+        )
+        self.adapter_requests = Counter(
+            "vllm_proxy_adapter_requests_total",
+            "Requests that named a LoRA adapter (by its name or an alias)",
+            ["model_id", "adapter"],
+            registry=r,
+        )
         self.gpu_total = Gauge(
             "vllm_gpu_memory_total_mb", "GPU memory size", ["gpu_id"], registry=r
         )

@@ -135,9 +135,17 @@ class Model:
                     best = inst
         return best
 
-    def route(self, session: str | None) -> Instance | None:
+    def route(self, session: str | None, adapter: str | None = None) -> Instance | None:
         """`serving()`, but a session (the affinity header's value) stays on its replica while
-        that one serves."""
+        that one serves, and a request for a LoRA adapter goes to a replica that holds it."""
+        if adapter is not None and len(self.instances) > 1 and session is None:
+            holder = self._holding(adapter)
+            scale = self.spec.autoscale
+            if holder is not None and (
+                scale is None or holder.leases < scale.target_ongoing_requests
+            ):
+                return holder
+            return self.serving()  # none holds it, or the holders are full: the least loaded
         if session is None or self.spec.affinity_header is None:
             return self.serving()
         sticky = self._sessions.get(session)
@@ -152,19 +160,31 @@ class Model:
                 self._sessions.popitem(last=False)
         return inst
 
+    def _holding(self, adapter: str) -> Instance | None:
+        """Among the serving replicas that hold (or are loading) `adapter`, the least loaded:
+        Ray Serve's multiplexing rule, which saves a load on another replica (unless those
+        are at the autoscaler's target, as Ray Serve falls back when they are full)."""
+        best: Instance | None = None
+        for inst in self.instances:
+            if inst.state is State.RUNNING and not inst.retired and inst.adapters.holds(adapter):
+                if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
+                    best = inst
+        return best
+
     def rank(self, priority: int | None = None) -> Rank:
         """A request's place in the admission queue: the model's priority, then the request's
         own (vLLM's ``priority``) where the engine orders requests by it."""
         return (self.spec.priority, (priority or 0) if self.spec.request_priorities else 0)
 
     async def acquire(
-        self, session: str | None = None, priority: int | None = None
+        self, session: str | None = None, priority: int | None = None, adapter: str | None = None
     ) -> tuple[Instance, EngineProcess]:
         """Wait until an instance serves (starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
         ``instance.release()`` in ``finally``. `session` is the affinity header's value,
-        `priority` the request's own. A request for a serving instance is sent at once unless
+        `priority` the request's own, `adapter` the LoRA adapter it names (a replica that holds
+        it is preferred). A request for a serving instance is sent at once unless
         the admission queue holds it behind a waiter that needs that instance's memory.
         """
         starts = 0
@@ -180,7 +200,7 @@ class Model:
                     code="model_removed",
                     param="model",
                 )
-            inst = self.route(session)
+            inst = self.route(session, adapter)
             if inst is not None and not self.draining:
                 if self.ctx.hold(inst, rank, arrived) and not self._hold_ran_out(arrived):
                     await self._held(rank, arrived)
@@ -721,4 +741,25 @@ class Model:
             or None,
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
+            "adapters": self.adapter_status(),
+            "adapters_dir": self.spec.adapters_dir,
+            "max_adapters": self.spec.max_adapters or None,
         }
+
+    def adapter_status(self) -> list[dict[str, object]]:
+        """The model's LoRA adapters (configured ones, then those found in its folder that an
+        engine holds), each with the instances holding it (``loaded`` or ``loading``)."""
+        held: dict[str, dict[str, str]] = {}
+        paths: dict[str, str] = {}
+        for inst in self.instances:
+            for name, state in inst.adapters.status().items():
+                held.setdefault(name, {})[inst.id] = state
+                paths[name] = inst.adapters.slots[name].adapter.path
+        rows: list[dict[str, object]] = []
+        for a in self.spec.adapters:
+            rows.append({"name": a.name, "aliases": list(a.aliases), "path": a.path,
+                         "source": "config", "instances": held.pop(a.name, {})})  # fmt: skip
+        for name, where in sorted(held.items()):
+            rows.append({"name": name, "aliases": [], "path": paths[name],
+                         "source": "adapters_dir", "instances": where})  # fmt: skip
+        return rows

@@ -23,13 +23,15 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from . import heap
+from . import heap, realtime
+from .adapters import AdapterSpec
 from .body import Body, bulk, model_of
 from .config import ServerConfig
 from .engine import EngineProcess
 from .errors import (
     RETRY_AFTER_S,
     BadRequest,
+    EngineFailed,
     EngineTimeout,
     Forbidden,
     MethodNotAllowed,
@@ -39,12 +41,23 @@ from .errors import (
     Unavailable,
     error_body,
 )
+from .form import MISSING
 from .instance import Instance
 from .intake import MIB, Bodies, read_body, too_large
+from .keys import KeyRing, Scope, bearer
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
-from .upstream import ClientRelay, NoSlot, Tail, UpstreamError, UpstreamPool, UpstreamResponse
+from .upload import open_upload
+from .upstream import (
+    BodySource,
+    ClientRelay,
+    NoSlot,
+    Tail,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +81,8 @@ DROP_REQUEST = HOP_BY_HOP | {
 }  # fmt: skip
 DROP_RESPONSE = HOP_BY_HOP | {"content-length", "server", "date"}
 
-#: POST endpoints routed to an engine by the body's ``model``.
+#: POST endpoints routed to an engine by the body's ``model``: every JSON route of vLLM that
+#: names one (docs/design.md, "Routes that name a model").
 MODEL_ROUTES = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -78,7 +92,32 @@ MODEL_ROUTES = (
     "/v1/rerank",
     "/tokenize",
     "/detokenize",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/batch",
+    "/v2/embed",
+    "/pooling",
+    "/classify",
+    "/score",
+    "/rerank",
+    "/v2/rerank",
+    "/generative_scoring",
+    "/v1/decisions",
+    "/v1/systemone",
+    "/cohere/v2/chat",
+    "/invocations",
+    # vLLM's scale-out routes (``--enable-scale-out``, ``--tokens-only``)
+    "/v1/chat/completions/render",
+    "/v1/completions/render",
+    "/v1/messages/render",
+    "/v1/responses/render",
+    "/cohere/v2/chat/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/inference/v1/generate",
 )
+#: POST endpoints whose body is a form upload, routed by its ``model`` field (`upload`).
+UPLOAD_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 CLIENT_CLOSED = "499"
 #: Bytes queued for a client beyond which a write is timed (``server.send_timeout_s``).
 SEND_BACKLOG = 64 * 1024
@@ -130,7 +169,8 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = ("bytes", "client_gone", "first_byte", "instance", "model", "started", "usage")
+    __slots__ = ("bytes", "client_gone", "ended", "first_byte", "instance", "model", "started",
+                 "usage")  # fmt: skip
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -140,6 +180,9 @@ class Tap:
         self.client_gone = False
         self.model = "-"
         self.instance = "-"
+        #: The status of an exchange that ended before its handler was cancelled: a WebSocket
+        #: closed by its client (aiohttp cancels the handler when the connection then goes).
+        self.ended: int | None = None
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
@@ -161,7 +204,8 @@ class Tap:
         try:
             text = self.usage.text.decode("utf-8", "replace").lstrip()
             usage, _ = _DECODER.raw_decode(text)
-            prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            prompt = usage.get("prompt_tokens", usage.get("input_tokens"))  # (or Anthropic's)
+            completion = usage.get("completion_tokens", usage.get("output_tokens"))
             return min(int(prompt or 0), MAX_TOKENS), min(int(completion or 0), MAX_TOKENS)
         except (ValueError, AttributeError, TypeError, OverflowError):  # 1e999 is inf
             return None
@@ -191,6 +235,10 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 TAP = web.RequestKey("tap", Tap)
+#: The scope of the request's API key when it is limited to some models (`Proxy._resolve`).
+SCOPE = web.RequestKey("key_scope", Scope)
+#: Why a model route refused a request's key.
+KEY_REFUSAL = "missing or invalid API key (expected 'Authorization: Bearer KEY')"
 
 
 def _upstream_headers(request: web.Request, engine_key: str | None) -> list[tuple[str, str]]:
@@ -233,7 +281,10 @@ def _connection_named(values: Iterable[str]) -> frozenset[str]:
 
 
 #: The ``/v1/...`` routes a ``/serve/{model}/v1/{tail}`` path may reach.
-PREFIXED_TAILS = frozenset(r.removeprefix("/v1/") for r in MODEL_ROUTES if r.startswith("/v1/"))
+PREFIXED_TAILS = frozenset(
+    r.removeprefix("/v1/") for r in (*MODEL_ROUTES, *UPLOAD_ROUTES) if r.startswith("/v1/")
+)
+UPLOAD_TAILS = frozenset(r.removeprefix("/v1/") for r in UPLOAD_ROUTES)
 
 
 class Proxy:
@@ -258,11 +309,13 @@ class Proxy:
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
         self._rid_seq = 0
+        #: The realtime WebSocket sessions (closed with 1001 when the proxy shuts down).
+        self.sessions = realtime.Sessions()
 
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
-        self.api_keys = [k.encode() for k in server.api_keys]
-        self.admin_keys = [k.encode() for k in server.admin_api_keys]
+        self.api_keys = KeyRing(server.api_keys)
+        self.admin_keys = [k.encode() for k in server.admin_api_keys] + self.api_keys.admin_keys()
         self.admin_open = server.admin_open
         self.access_log = server.access_log
         self.body_timeout_s = server.body_timeout_s
@@ -284,7 +337,7 @@ class Proxy:
             if path.startswith("/admin"):
                 self._check_admin(request)
             elif guarded and self.api_keys:
-                check_key(request, self.api_keys)
+                self._check_api_key(request)
             resp = await handler(request)
             if not resp.prepared:
                 resp.headers["X-Request-ID"] = rid
@@ -296,7 +349,7 @@ class Proxy:
             resp = error_response(_from_http_exception(exc, request, self.max_body_bytes), rid)
         except (asyncio.CancelledError, ConnectionResetError):
             if guarded and self.access_log:
-                self._access(request, rid, tap, 499)
+                self._access(request, rid, tap, tap.ended or 499)
             raise
         except Exception:
             log.exception("unexpected error while handling %s %s (request %s)",
@@ -339,6 +392,44 @@ class Proxy:
                 "the admin API is disabled: set server.admin_api_keys (or server.admin_open: true)"
             )
 
+    def _check_api_key(self, request: web.Request) -> None:
+        """401 unless the request carries a key of ``server.api_keys``; a key limited to some
+        models leaves its scope on the request, for `_resolve`."""
+        token = bearer(request.headers.get("Authorization", ""))
+        scope = self.api_keys.find(token) if token is not None else None
+        if scope is None:
+            raise Unauthorized(KEY_REFUSAL)
+        if not scope.everything:
+            request[SCOPE] = scope
+
+    def _resolve_target(
+        self, request: web.Request, requested: str
+    ) -> tuple[Model, AdapterSpec | None]:
+        """The LoRA adapter `requested` names with its base model, if the request's key may
+        use that model; else `_resolve` (the model, or 404)."""
+        scope = request.get(SCOPE)
+        visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
+        found = self.manager.find_adapter(requested, visible)
+        if found is not None:
+            return found
+        return self._resolve(request, requested, observe=True), None
+
+    def _resolve(self, request: web.Request, requested: str, observe: bool = False) -> Model:
+        """The model `requested` names, if the request's key may use it. A model outside the
+        key's scope is answered as one that does not exist, listing only the key's models, so
+        a key learns nothing of the others; with `observe` that refusal is counted as a 404
+        of the model. Every route that finds a model by name goes through here."""
+        scope = request.get(SCOPE)
+        if scope is None:
+            return self.manager.resolve(requested)
+        try:
+            return self.manager.resolve(requested, lambda m: scope.allows(m.name, m.spec.aliases))
+        except NotFound:
+            target = self.manager.names.get(requested)
+            if observe and target is not None:
+                self.metrics.series(target).count("404")
+            raise
+
     # -- model routes --------------------------------------------------------------------
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
@@ -357,6 +448,8 @@ class Proxy:
         path = "/v1/" + tail
         if request.query:
             path += "?" + urlencode(list(request.query.items()))  # re-encoded, not raw
+        if tail in UPLOAD_TAILS:
+            return await self._forward_upload(request, path, request.match_info["model"])
         return await self._forward(request, path, request.match_info["model"])
 
     async def _forward(
@@ -369,8 +462,9 @@ class Proxy:
         try:
             body, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s, hold)
             parsed = model_of(body, forced, scanned)
-            model = self.manager.resolve(parsed.model)
-            body = parsed.body_for(model.name)
+            model, adapter = self._resolve_target(request, parsed.model)
+            # An alias goes to the engine as the name it serves (the adapter's, for an adapter).
+            body = parsed.body_for(model.name if adapter is None else adapter.name)
             tap.model = model.name
             status = "error"
             affinity = model.spec.affinity_header
@@ -380,8 +474,15 @@ class Proxy:
                 # a swap) gets keep-alives while it waits.
                 if parsed.stream and (model.serving() is None or self.manager.queue.tickets):
                     resp = await self._forward_loading(
-                        request, path, body, model, session, tap, parsed.priority
+                        request, path, body, model, session, tap, parsed.priority, adapter
                     )
+                elif adapter is not None:
+                    lease = self.manager.lease(model, session, parsed.priority, adapter.name)
+                    async with lease as (inst, engine):
+                        tap.instance = inst.id
+                        resp = await self._relay_adapter(
+                            request, path, body, inst, engine, tap, adapter
+                        )
                 else:
                     lease = self.manager.lease(model, session, parsed.priority)
                     async with lease as (inst, engine):
@@ -400,6 +501,167 @@ class Proxy:
         finally:
             hold.release()
 
+    async def forward_upload(self, request: web.Request) -> web.StreamResponse:
+        """Route a form upload (vLLM's speech-to-text routes) by its ``model`` field."""
+        return await self._forward_upload(request, request.raw_path, None)
+
+    async def _forward_upload(
+        self, request: web.Request, path: str, forced: str | None
+    ) -> web.StreamResponse:
+        """`_forward` for a form: the body goes on while it arrives (`upload`), once its model
+        is known and a lease held. An upload waits for its engine without keep-alives: its
+        client is still sending."""
+        tap = request[TAP]
+        if self.manager.closing:
+            raise Unavailable("the proxy is shutting down", code="shutting_down")
+        # A model in the path is known before anything is read.
+        model = None if forced is None else self._resolve(request, forced, observe=True)
+        hold = self.bodies.hold()  # what is kept in memory before the model is known
+        upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold)
+        try:
+            named = await upload.find_model()  # (with a model in the path: to replace it)
+            if model is None:
+                if not named:
+                    raise BadRequest(MISSING, param="model")
+                model = self._resolve(request, named, observe=True)
+            upload.rename_to(model.name, forced is not None)
+            tap.model = model.name
+            status = "error"
+            affinity = model.spec.affinity_header
+            session = request.headers.get(affinity) if affinity else None
+            try:
+                async with self.manager.lease(model, session) as (inst, engine):
+                    tap.instance = inst.id
+                    resp = await self._relay(request, path, upload, inst, engine, tap)
+                status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
+                return resp
+            except ProxyError as err:
+                status = str(err.status)
+                raise
+            except asyncio.CancelledError:
+                status = CLIENT_CLOSED
+                raise
+            finally:
+                self._observe(model.name, status, tap.started, tap)
+        finally:
+            upload.close()
+            hold.release()
+
+    async def realtime(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's realtime WebSocket (``GET /v1/realtime``, ``/serve/{model}/v1/realtime``),
+        relayed both ways under a lease held for the connection's lifetime; see `realtime`."""
+        tap = request[TAP]
+        if self.manager.closing:
+            raise Unavailable("the proxy is shutting down", code="shutting_down")
+        client = web.WebSocketResponse(max_msg_size=self.max_body_bytes, compress=False)
+        if not client.can_prepare(request).ok:
+            raise BadRequest(
+                f"GET {request.path} takes a WebSocket (Upgrade: websocket)",
+                code="websocket_required",
+            )
+        named = request.match_info.get("model") or request.query.get("model")
+        first: dict[str, Any] | None = None
+        if named:
+            model = self._resolve(request, named, observe=True)
+        else:  # the model comes in the client's first event
+            await client.prepare(request)
+            await client.send_str(realtime.session_created())
+            try:
+                first = await realtime.first_update(client, self.body_timeout_s)
+                model = self._resolve(request, first["model"], observe=True)
+            except ProxyError as err:
+                await realtime.refuse(client, err)
+                return client
+        tap.model = model.name
+        status = "error"
+        affinity = model.spec.affinity_header
+        session = request.headers.get(affinity) if affinity else None
+        try:
+            async with self.manager.lease(model, session) as (inst, engine):
+                tap.instance = inst.id
+                await self._realtime_relay(request, client, model, first, inst, engine, tap)
+            status = str(client.status)
+        except ProxyError as err:
+            status = str(err.status)
+            if not client.prepared:
+                raise
+            await realtime.refuse(client, err)
+        except asyncio.CancelledError:
+            status = str(tap.ended) if tap.ended else CLIENT_CLOSED
+            raise
+        finally:
+            self._observe(model.name, status, tap.started, tap)
+        return client
+
+    async def _realtime_relay(
+        self,
+        request: web.Request,
+        client: web.WebSocketResponse,
+        model: Model,
+        first: dict[str, Any] | None,
+        inst: Instance,
+        engine: EngineProcess,
+        tap: Tap,
+    ) -> None:
+        """Connect to the engine's realtime socket, accept the client's, and relay."""
+        headers = {"X-Request-ID": request[ENGINE_ID]}
+        if inst.spec.api_key:
+            headers["Authorization"] = f"Bearer {inst.spec.api_key}"
+        url = engine.base_url + realtime.PATH
+        wait = self.upstream.connect_timeout_s
+        try:
+            session, up = await realtime.connect(
+                engine.socket_path, url, headers, self.max_body_bytes, wait
+            )
+        except TimeoutError:
+            raise self._read_timeout(inst) from None
+        except aiohttp.WSServerHandshakeError as err:
+            if err.status == 404:
+                raise NotFound(
+                    f"model '{inst.name}' does not serve {realtime.PATH} (vLLM serves it for "
+                    "realtime models only)",
+                    code="unknown_endpoint",
+                ) from None
+            raise EngineFailed(
+                f"model '{inst.name}': the engine refused the WebSocket ({err.status})"
+            ) from None
+        except (aiohttp.ClientError, OSError) as err:
+            raise await inst.upstream_failure_after_exit(engine, UpstreamError(str(err))) from None
+
+        async def inbound(text: str) -> str | None:
+            """A ``session.update`` for an alias gets the canonical name; one for another
+            model is refused."""
+            event = realtime.update_of(text)
+            wanted = event.get("model") if event is not None else None
+            if event is None or not isinstance(wanted, str) or wanted == model.name:
+                return text
+            try:
+                target = self._resolve(request, wanted)
+            except NotFound as err:
+                await client.send_str(realtime.error_event(err.message, "model_not_found"))
+                return None
+            if target is not model:
+                message = f"this session is bound to model '{model.name}'; open another one"
+                await client.send_str(realtime.error_event(message, "model_mismatch"))
+                return None
+            event["model"] = model.name
+            return json.dumps(event)
+
+        counts = realtime.Counts()
+        try:
+            if not client.prepared:
+                await client.prepare(request)
+            if first is not None:
+                first["model"] = model.name
+                await up.send_str(json.dumps(first))
+            going_away = self.sessions.going_away
+            await realtime.relay(client, up, inbound, first is not None, counts, going_away)
+        finally:
+            self.sessions.close_later(up, session, client)
+            tap.bytes, tap.first_byte = counts.bytes, counts.first_at
+            if client.closed:  # the close handshake is done: the session ended as it should
+                tap.ended = client.status
+
     async def _forward_loading(
         self,
         request: web.Request,
@@ -409,6 +671,7 @@ class Proxy:
         session: str | None,
         tap: Tap,
         priority: int | None = None,
+        adapter: AdapterSpec | None = None,
     ) -> web.StreamResponse:
         """A stream that may wait (no serving instance: it starts or wakes; or the admission
         queue holds it behind a swap): if no instance serves within ``keepalive_s``, answer 200
@@ -417,7 +680,7 @@ class Proxy:
         ``loading_progress`` a chat stream gets visible progress (``reasoning_content``
         chunks) instead. Then the engine's stream follows byte for byte;
         a failure after the 200 is an SSE error event and ``data: [DONE]``."""
-        lease = self.manager.lease(model, session, priority)
+        lease = self.manager.lease(model, session, priority, adapter.name if adapter else None)
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")
@@ -450,9 +713,40 @@ class Proxy:
             return resp
         try:
             tap.instance = inst.id
+            if adapter is not None:
+                return await self._relay_adapter(
+                    request, path, body, inst, engine, tap, adapter, resp
+                )
             return await self._relay(request, path, body, inst, engine, tap, resp)
         finally:
             inst.release()
+
+    async def _relay_adapter(
+        self,
+        request: web.Request,
+        path: str,
+        body: Body,
+        inst: Instance,
+        engine: EngineProcess,
+        tap: Tap,
+        adapter: AdapterSpec,
+        prepared: web.StreamResponse | None = None,
+    ) -> web.StreamResponse:
+        """`_relay` for a request that names a LoRA adapter: the engine registers it first
+        (one load per adapter and engine however many requests wait; see `lora`), and it
+        counts as in use, never unloaded for another, until the response has ended."""
+        self.metrics.adapter_requests.labels(inst.name, adapter.name).inc()
+        try:
+            slot = await inst.adapters.use(inst.spec, adapter, engine, inst.ctx.session)
+        except ProxyError as err:
+            if prepared is None:
+                raise
+            await _write_quietly(prepared, sse_error(err.message, err.type_, str(err.code)))
+            return prepared
+        try:
+            return await self._relay(request, path, body, inst, engine, tap, prepared)
+        finally:
+            inst.adapters.done(slot)
 
     def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self.metrics.series(model)
@@ -469,7 +763,7 @@ class Proxy:
         self,
         request: web.Request,
         path: str,
-        body: Body,
+        body: Body | BodySource,
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
@@ -663,20 +957,24 @@ class Proxy:
     # -- proxy's own routes --------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self._cards()})
+        return web.json_response({"object": "list", "data": self._cards(request)})
 
     async def model(self, request: web.Request) -> web.Response:
         wanted = request.match_info["model"]
-        for card in self._cards():
+        for card in self._cards(request):
             if card["id"] == wanted:
                 return web.json_response(card)
-        self.manager.resolve(wanted)  # raises NotFound with the list of valid names
+        self._resolve(request, wanted)  # raises NotFound with the list of valid names
         raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
 
-    def _cards(self) -> list[dict[str, Any]]:
+    def _cards(self, request: web.Request) -> list[dict[str, Any]]:
+        """A card per name and alias of the models the request's key may use."""
+        scope = request.get(SCOPE)
         cards = []
         for name, target in self.manager.names.items():
             model = self.manager.models[target]
+            if scope is not None and not scope.allows(model.name, model.spec.aliases):
+                continue
             cards.append(
                 {
                     "id": name,
@@ -688,11 +986,39 @@ class Proxy:
                     "state": model.state().value,
                 }
             )
+        return cards + self._adapter_cards(request)
+
+    def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
+        """A card per LoRA adapter name and alias (of the models the request's key may use),
+        as vLLM lists adapters: ``parent`` is the base model, ``root`` the adapter's path;
+        ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
+        ``not_loaded``) and ``instances`` which; an alias's card names its ``adapter``."""
+        scope = request.get(SCOPE)
+        cards = []
+        for name, model, adapter in self.manager.adapter_entries():
+            if scope is not None and not scope.allows(model.name, model.spec.aliases):
+                continue
+            held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
+            states = set(held.values())
+            state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
+            card = {
+                "id": name,
+                "object": "model",
+                "created": self.created,
+                "owned_by": "vllm-proxy",
+                "root": adapter.path,
+                "parent": model.name,
+                "state": state or "not_loaded",
+                "instances": sorted(iid for iid, st in held.items() if st is not None),
+            }
+            if name != adapter.name:
+                card["adapter"] = adapter.name
+            cards.append(card)
         return cards
 
     async def prefixed_models(self, request: web.Request) -> web.Response:
-        name = self.manager.resolve(request.match_info["model"]).name
-        cards = [c for c in self._cards() if c["id"] == name]
+        name = self._resolve(request, request.match_info["model"]).name
+        cards = [c for c in self._cards(request) if c["id"] == name]
         return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -719,20 +1045,14 @@ class Proxy:
         return resp
 
 
-def check_key(
-    request: web.Request,
-    keys: list[bytes],
-    refusal: str = "missing or invalid API key (expected 'Authorization: Bearer KEY')",
-) -> None:
+def check_key(request: web.Request, keys: list[bytes], refusal: str = KEY_REFUSAL) -> None:
     """`Unauthorized` (with `refusal`) unless the request's bearer token is one of `keys`,
     compared in constant time with every key."""
-    auth = request.headers.get("Authorization", "")
-    scheme, _, token = auth.partition(" ")
-    given = token.strip().encode("utf-8", "surrogateescape")  # any bytes a client sent
+    given = bearer(request.headers.get("Authorization", ""))
     ok = False
     for key in keys:  # compare with every key: no early exit on a match
-        ok |= hmac.compare_digest(given, key)
-    if scheme.lower() != "bearer" or not ok:
+        ok |= hmac.compare_digest(given or b"", key)
+    if given is None or not ok:
         raise Unauthorized(refusal)
 
 
@@ -781,8 +1101,22 @@ async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
         pass
 
 
+#: The model routes outside ``/v1/``.
+_ROOT_ROUTES = frozenset(r for r in MODEL_ROUTES if not r.startswith("/v1/"))
+#: Routes a page of any site could reach without a CORS preflight and be served (`opens_to_pages`).
+_PAGE_ROUTES = frozenset((*UPLOAD_ROUTES, realtime.PATH))
+_PAGE_TAILS = tuple(r.removeprefix("/v1") for r in _PAGE_ROUTES)
+
+
 def _guarded(path: str) -> bool:
-    return path.startswith(("/v1/", "/serve/")) or path in ("/tokenize", "/detokenize")
+    return path.startswith(("/v1/", "/serve/")) or path in _ROOT_ROUTES
+
+
+def opens_to_pages(path: str) -> bool:
+    """Whether a browser page of any site could make a request to `path` without a CORS
+    preflight, and be served: a form upload or a WebSocket (the JSON routes refuse the types
+    a page may send without one: `intake.check_type`)."""
+    return path in _PAGE_ROUTES or (path.startswith("/serve/") and path.endswith(_PAGE_TAILS))
 
 
 def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: int) -> ProxyError:
@@ -805,6 +1139,10 @@ def _from_http_exception(exc: web.HTTPException, request: web.Request, limit: in
 def add_routes(app: web.Application, proxy: Proxy) -> None:
     for path in MODEL_ROUTES:
         app.router.add_post(path, proxy.forward)
+    for path in UPLOAD_ROUTES:
+        app.router.add_post(path, proxy.forward_upload)
+    app.router.add_get(realtime.PATH, proxy.realtime)
+    app.router.add_get("/serve/{model}" + realtime.PATH, proxy.realtime)
     app.router.add_post("/serve/{model}/v1/{tail:.+}", proxy.forward_prefixed)
     app.router.add_get("/serve/{model}/v1/models", proxy.prefixed_models)
     app.router.add_get("/v1/models", proxy.models)

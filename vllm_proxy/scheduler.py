@@ -20,10 +20,11 @@ Reclaim policy (sleep before stop, never a busy engine):
 * victims are taken cheapest first. The price of a victim is what bringing it back costs per
   second it has been idle: ``restore_s / idle_s``, where ``restore_s`` is its measured wake time
   for a sleep and its measured cold start for a stop (the cold start less the wake for one
-  already asleep), so a model that takes a minute to come back is kept over one that wakes in
-  seconds unless it has been idle far longer. Lower priority (a higher ``priority`` value) goes
-  before any price; with no clock given (``now=None``) or nothing measured the order is least
-  recently used first;
+  already asleep; to the nearest power of two, 4 s at least, so that noise between alike
+  models does not outweigh recency), so a model that takes a minute to come back is kept over
+  one that wakes in seconds unless it has been idle far longer. Lower priority (a higher
+  ``priority`` value) goes before any price; with no clock given (``now=None``) or nothing
+  measured the order is least recently used first;
 * first, idle RUNNING instances with a sleep policy are put to sleep, cheapest first, each
   freeing ``footprint - sleep_mb``;
 * then, if memory is still short, instances are stopped cheapest first: asleep ones (freeing
@@ -46,6 +47,7 @@ shares fewer devices wins even when it takes putting idle instances to sleep or 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -169,6 +171,8 @@ DEFAULT_START_S = 60.0
 DEFAULT_WAKE_S = 5.0
 #: Idle time below this counts as this much (a model used a moment ago is not infinitely dear).
 MIN_IDLE_S = 1.0
+#: Restore times below this count as this much (see `_coarse`).
+MIN_RESTORE_S = 4.0
 
 
 def plan(
@@ -233,6 +237,13 @@ def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
     return sorted(ok, key=lambda m: (m.last_used, m.name))
 
 
+def _coarse(seconds: float) -> float:
+    """A restore time to the nearest power of two, `MIN_RESTORE_S` at least: the noise between
+    two starts of the same model (or of two alike) does not outweigh recency, and a few
+    seconds' wake or start are alike."""
+    return 2.0 ** round(math.log2(max(seconds, MIN_RESTORE_S)))
+
+
 class _Prices:
     """The order victims are taken in: lower priority first, then the lower price (restore
     seconds per idle second), then least recently used."""
@@ -252,7 +263,7 @@ class _Prices:
         else:
             restore = start
         idle = max(self.now - m.last_used, MIN_IDLE_S)
-        return (-m.priority, restore / idle, m.last_used, m.name)
+        return (-m.priority, _coarse(restore) / idle, m.last_used, m.name)
 
     def order(self, models: Iterable[ModelView], stop: bool) -> list[ModelView]:
         return sorted(models, key=lambda m: self.key(m, stop))

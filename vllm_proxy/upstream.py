@@ -3,8 +3,9 @@ socket or loopback port.
 
 Engines are local processes that speak plain HTTP/1.1 (uvicorn), so the proxy does not need a
 general-purpose client on its hottest path. This one writes the request head and body in one
-`write`, parses the response with httptools (the C parser uvicorn uses) and hands body chunks
-over as they arrive, pausing the socket when the client reads slower than the engine writes.
+`write` (a form upload, a `BodySource`, goes after the head as it arrives), parses the
+response with httptools (the C parser uvicorn uses) and hands body chunks over as they
+arrive, pausing the socket when the client reads slower than the engine writes.
 A stream is relayed from the socket's read callback itself (`UpstreamResponse.relay` makes a
 `ClientRelay` the engine transport's protocol): what each read carries is written to the
 client's transport at once, with no task switch, no timer and one Python call per event.
@@ -14,6 +15,7 @@ A response that is not read to its end closes its connection: for vLLM that abor
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import errno
@@ -51,6 +53,64 @@ MAX_HEADERS, MAX_HEADER_BYTES = 128, 64 * 1024
 
 class UpstreamError(Exception):
     """The connection to the engine failed, or broke before the response was complete."""
+
+
+class BodySource(abc.ABC):
+    """A request body passed on while it is still arriving (a form upload, see `upload`):
+    written to the engine by `write_to` after the request head, through a `BodySink`."""
+
+    #: The body's length; None: it is sent chunked.
+    length: int | None = None
+
+    @abc.abstractmethod
+    async def write_to(self, sink: BodySink) -> None:
+        """Write the whole body to `sink`; what this raises ends the request (the engine then
+        has an incomplete body, and the connection is closed)."""
+
+
+class EngineAnswered(Exception):
+    """The engine answered (or closed the connection) before it had the whole body."""
+
+
+class BodySink:
+    """Where a `BodySource` writes: the engine connection, framed as HTTP/1.1 chunks when the
+    length is unknown. `drain` waits while the connection's buffer is full, at most `timeout`
+    (`TimeoutError`: the engine takes nothing)."""
+
+    __slots__ = ("_conn", "_resp", "chunked", "timeout")
+
+    def __init__(self, conn: _Conn, resp: UpstreamResponse, chunked: bool, timeout: float) -> None:
+        self._conn, self._resp = conn, resp
+        self.chunked = chunked
+        self.timeout = timeout
+
+    def write(self, data: bytes) -> None:
+        conn, resp = self._conn, self._resp
+        if conn.closed or resp.status or resp._done or conn.transport is None:
+            raise EngineAnswered
+        if not data:
+            return
+        if self.chunked:
+            conn.transport.writelines((b"%x\r\n" % len(data), data, b"\r\n"))
+        else:
+            conn.transport.write(data)
+
+    async def drain(self) -> None:
+        conn = self._conn
+        while conn.writing_paused and not conn.closed:
+            assert conn.loop is not None
+            conn.drained = waiter = conn.loop.create_future()
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await waiter
+            finally:
+                conn.drained = None
+
+    def finish(self) -> None:
+        if self.chunked:
+            self.write(b"")
+            assert self._conn.transport is not None
+            self._conn.transport.write(b"0\r\n\r\n")
 
 
 class Tail:
@@ -445,8 +505,8 @@ def _expire(fut: asyncio.Future[None]) -> None:
 class _Conn(asyncio.Protocol):
     """One keep-alive connection; parser callbacks feed the current response."""
 
-    __slots__ = ("address", "closed", "deliver", "idle_since", "on_body", "parser", "pieces",
-                 "refused", "resp", "transport")  # fmt: skip
+    __slots__ = ("address", "closed", "deliver", "drained", "idle_since", "loop", "on_body",
+                 "parser", "pieces", "refused", "resp", "transport", "writing_paused")  # fmt: skip
 
     def __init__(self, address: int | str) -> None:
         #: The engine's loopback port, or the path of its Unix socket.
@@ -463,9 +523,14 @@ class _Conn(asyncio.Protocol):
         self.deliver: Callable[[bytes], None] = _unasked
         #: Why a parser callback refused the response.
         self.refused: str | None = None
+        #: The transport's buffer is full (`pause_writing`); a `BodySink` waits on `drained`.
+        self.writing_paused = False
+        self.drained: asyncio.Future[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def start(self, resp: UpstreamResponse) -> None:
         self.resp = resp
+        self.writing_paused = False  # (a pooled connection has nothing left to send)
         self.pieces = resp._pieces
         self.deliver = resp._keep
         # httptools takes its callbacks from the protocol when the parser is made: body
@@ -476,6 +541,17 @@ class _Conn(asyncio.Protocol):
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        self._wake_writer()
+
+    def _wake_writer(self) -> None:
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
         parser = self.parser
@@ -518,6 +594,7 @@ class _Conn(asyncio.Protocol):
 
     def _lost(self, why: str) -> None:
         self.closed = True
+        self._wake_writer()
         resp = self.resp
         if resp is not None and not resp._done:
             if resp.status and resp.until_close:  # a close-delimited body ends here
@@ -638,7 +715,7 @@ class UpstreamPool:
         method: str,
         path: str,
         headers: Iterable[tuple[str, str]],
-        body: Body,
+        body: Body | BodySource,
         timeout: float,
         share: str = "",
     ) -> UpstreamResponse:
@@ -646,20 +723,29 @@ class UpstreamPool:
 
         A request is written once: a pooled connection is used only while it is open, and a
         connection that breaks after the request went out is an error, never a resend (the
-        engine may have started the generation).
+        engine may have started the generation). A `BodySource` is written after the head, as
+        it comes; an engine that answers before it has all of it ends the writing, and the
+        connection is not used again.
         """
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
         host = self._hosts.get(address) or self._host(address)
-        head = _head(method, path, host, headers, len(body))
-        if isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
-            parts: tuple[bytes | bytearray, ...] = (head, *body.parts)
+        source: BodySource | None = None
+        if isinstance(body, BodySource):
+            source = body
+            parts: tuple[bytes | bytearray, ...] = (
+                _head(method, path, host, headers, source.length),
+            )
+        elif isinstance(body, Pieces):  # a large body as it arrived: one writev, no join
+            parts = (_head(method, path, host, headers, len(body)), *body.parts)
         else:
+            head = _head(method, path, host, headers, len(body))
             parts = (head, body) if body else (head,)
         slot = await self._take(share)
         try:
             pooled = self._pooled(address)
             conn = pooled or _Conn(address)
+            conn.loop = self.loop
             resp = UpstreamResponse(conn, self, slot)
             conn.start(resp)  # before a new socket is read: the answer may come at once
             if pooled is None:
@@ -668,7 +754,10 @@ class UpstreamPool:
                 assert conn.transport is not None
                 conn.transport.writelines(parts)
             try:
+                whole = source is None or await _send(conn, resp, source, timeout)
                 await resp.wait_headers(timeout)
+                if not whole:
+                    resp.keep_alive = False
                 return resp
             except BaseException:
                 conn.close()
@@ -794,6 +883,17 @@ class UpstreamPool:
         self._idle.clear()
 
 
+async def _send(conn: _Conn, resp: UpstreamResponse, source: BodySource, timeout: float) -> bool:
+    """Write `source` to the engine; False when the engine answered before it had it all."""
+    sink = BodySink(conn, resp, source.length is None, timeout)
+    try:
+        await source.write_to(sink)
+        sink.finish()
+    except EngineAnswered:
+        return False
+    return True
+
+
 def _connected(sock: socket.socket) -> bool:
     try:
         sock.getpeername()
@@ -815,8 +915,9 @@ def _after(parts: tuple[bytes | bytearray, ...], sent: int) -> list[bytes | byte
 
 
 def _head(
-    method: str, path: str, host: str, headers: Iterable[tuple[str, str]], length: int
+    method: str, path: str, host: str, headers: Iterable[tuple[str, str]], length: int | None
 ) -> bytes:
-    lines = [f"{method} {path} HTTP/1.1", host, f"Content-Length: {length}"]
+    framing = "Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}"
+    lines = [f"{method} {path} HTTP/1.1", host, framing]
     lines += [f"{k}: {v}" for k, v in headers]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogateescape")

@@ -1,0 +1,626 @@
+"""LoRA adapters as models: config, resolution, one load per adapter and engine, max_adapters,
+replicas, re-registration after a restart or a level-2 wake, failures, /v1/models.
+
+The fake engine serves adapters as vLLM does at run time (``fake_vllm.lora``): it answers a
+request for an adapter it holds with words of that adapter (``<name>:tok0 ...``), 404 for one
+it does not, and counts loads, unloads and requests per adapter on its own /metrics, which
+the tests read to prove what the proxy sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import RunningProxy, StartProxy, make_config, wait_for
+
+from vllm_proxy.config import ConfigError, parse_config
+from vllm_proxy.instance import Instance, State
+
+
+def adapter(root: Path, name: str, rank: int = 8, size: int = 0) -> Path:
+    """A PEFT-style adapter folder (only what the proxy and the fake read)."""
+    path = root / name
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps({"r": rank, "peft_type": "LORA"}))
+    (path / "adapter_model.safetensors").write_bytes(b"\0" * size)
+    return path
+
+
+def config(tmp_path: Path, models: dict[str, dict[str, Any]], **engine: Any) -> Any:
+    return make_config(
+        tmp_path,
+        models,
+        server={"admin_open": True},
+        engine={"health_interval_s": 0, **engine},
+    )
+
+
+async def complete(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, Any]:
+    body = {"model": model, "prompt": "hi", "max_tokens": 2, **extra}
+    async with proxy.http.post(proxy.url + "/v1/completions", json=body) as resp:
+        if extra.get("stream"):
+            return resp.status, await resp.text()
+        return resp.status, await resp.json()
+
+
+def text(data: Any) -> str:
+    return str(data["choices"][0]["text"])
+
+
+async def engine_series(proxy: RunningProxy, inst: Instance, name: str) -> dict[str, float]:
+    """A fake-only series of the instance's engine, by ``lora_name``."""
+    assert inst.engine is not None
+    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
+        page = await resp.text()
+    out = {}
+    for line in page.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('lora_name="')[1].split('"')[0]] = float(value)
+    return out
+
+
+async def loads(proxy: RunningProxy, inst: Instance) -> dict[str, float]:
+    return await engine_series(proxy, inst, "fake_engine:lora_loads_total")
+
+
+# -- config -----------------------------------------------------------------------------------
+
+
+def test_adapter_forms_rank_and_engine_flags(tmp_path: Path) -> None:
+    a = adapter(tmp_path / "ad", "a", rank=8)
+    b = adapter(tmp_path / "ad", "b", rank=12)
+    folder = tmp_path / "more"
+    adapter(folder, "c", rank=4)
+    cfg = parse_config(
+        {
+            "models": {
+                "base": {
+                    "model": "x",
+                    "adapters": {"a": str(a), "b": {"path": str(b), "aliases": ["bee"]}},
+                    "adapters_dir": str(folder),
+                },
+                "plain": {"model": "y"},
+            }
+        }
+    )
+    spec = cfg.specs()["base"]
+    assert [(s.name, s.path, s.aliases) for s in spec.adapters] == [
+        ("a", str(a), ()),
+        ("b", str(b), ("bee",)),
+    ]
+    assert spec.adapters_dir == str(folder) and spec.max_adapters == 4
+    assert spec.max_lora_rank == 16  # the largest rank (12) rounded up to vLLM's values
+    argv = spec.engine_argv(9000)
+    assert argv[argv.index("--max-loras") + 1] == "4"
+    assert argv[argv.index("--max-lora-rank") + 1] == "16"
+    assert "--enable-lora" in argv
+    assert spec.engine_env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    plain = cfg.specs()["plain"]
+    assert not plain.lora and "--enable-lora" not in plain.engine_argv(9000)
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in plain.engine_env({}) or (
+        plain.engine_env()["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] != "True"
+    )
+
+
+def test_args_win_over_the_derived_flags(tmp_path: Path) -> None:
+    a = adapter(tmp_path, "a", rank=8)
+    m = {"model": "x", "adapters": {"a": str(a)}, "args": {"max_loras": 2, "max-lora-rank": 64}}
+    spec = parse_config({"models": {"m": m}}).specs()["m"]
+    assert spec.max_adapters == 2 and spec.max_lora_rank == 64
+    argv = spec.engine_argv(9000)
+    assert argv.count("--max-loras") == 1 and argv.count("--max-lora-rank") == 1
+    assert argv[argv.index("--max-lora-rank") + 1] == "64"
+    m = {"model": "x", "adapters": {"a": str(a)}, "max_adapters": 3}
+    spec = parse_config({"models": {"m": m}}).specs()["m"]
+    assert spec.max_adapters == 3 and spec.max_lora_rank == 8
+
+
+@pytest.mark.parametrize(
+    ("models", "error"),
+    [
+        (
+            {"m": {"model": "x", "adapters": {"n": "@A"}}, "n": {"model": "y"}},
+            r"models\.m\.adapters\.n: name or alias 'n' already used by model n",
+        ),
+        (
+            {
+                "m": {
+                    "model": "x",
+                    "aliases": ["al"],
+                    "adapters": {"z": {"path": "@A", "aliases": ["al"]}},
+                }
+            },
+            r"models\.m\.adapters\.z: name or alias 'al' already used by model m",
+        ),
+        (
+            {
+                "m": {"model": "x", "adapters": {"z": "@A"}},
+                "k": {"model": "y", "adapters": {"z": "@A"}},
+            },
+            r"models\.k\.adapters\.z: .*already used by adapter z of m",
+        ),
+        ({"m": {"model": "x", "adapters": {"z": "/nowhere/z"}}}, r"models\.m\.adapters\.z\.path"),
+        ({"m": {"model": "x", "adapters": {"z": ""}}}, r"models\.m\.adapters\.z\.path"),
+        ({"m": {"model": "x", "adapters_dir": "/nowhere"}}, r"models\.m\.adapters_dir"),
+        ({"m": {"model": "x", "max_adapters": 2}}, r"models\.m\.max_adapters: set without"),
+        ({"m": {"model": "x", "adapters": {"z": "@A"}, "max_adapters": 0}}, r"max_adapters"),
+        (
+            {"m": {"model": "x", "adapters": {"z": "@A"}, "args": {"enable_lora": False}}},
+            r"models\.m\.args\.enable_lora",
+        ),
+        (
+            {"m": {"model": "x", "adapters": {"z": "@B"}, "args": {"max_lora_rank": 8}}},
+            r"models\.m\.adapters\.z: rank 32 is above args\.max_lora_rank 8",
+        ),
+        (
+            {"m": {"model": "x", "adapters": {"z": "@C"}}},
+            r"models\.m\.adapters\.z: rank 1024 is above vLLM's largest",
+        ),
+    ],
+)
+def test_config_errors_name_the_key(tmp_path: Path, models: dict[str, Any], error: str) -> None:
+    paths = {
+        f"@{n}": str(adapter(tmp_path, n, rank=r)) for n, r in (("A", 8), ("B", 32), ("C", 1024))
+    }
+    data = json.loads(json.dumps(models))
+    for m in data.values():
+        for name, a in m.get("adapters", {}).items():
+            if isinstance(a, dict):
+                a["path"] = paths.get(a["path"], a["path"])
+            else:
+                m["adapters"][name] = paths.get(a, a)
+    with pytest.raises(ConfigError, match=error):
+        parse_config({"models": data})
+
+
+def test_the_example_config_still_loads() -> None:
+    from vllm_proxy.config import load_config
+
+    root = Path(__file__).resolve().parents[1]
+    spec = load_config(root / "config.example.yaml").specs()
+    assert all(not s.lora for s in spec.values())
+
+
+# -- serving ----------------------------------------------------------------------------------
+
+
+async def test_two_adapters_answer_with_their_own_output_and_aliases_reach_them(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "sql"), adapter(tmp_path, "poet")
+    adapters = {"sql": str(a), "poet": {"path": str(b), "aliases": ["bard"]}}
+    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": adapters}}))
+    status, base = await complete(proxy, "base")
+    assert status == 200 and text(base) == "tok0 tok1 " and base["model"] == "base"
+    status, sql = await complete(proxy, "sql")
+    assert status == 200 and text(sql) == "sql:tok0 sql:tok1 " and sql["model"] == "sql"
+    status, poet = await complete(proxy, "bard")  # an alias: the engine gets the adapter's name
+    assert status == 200 and text(poet) == "poet:tok0 poet:tok1 " and poet["model"] == "poet"
+    status, events = await complete(proxy, "poet", stream=True)
+    assert status == 200 and '"poet:tok0 "' in events and events.endswith("data: [DONE]\n\n")
+    inst = proxy.instance("base")
+    assert inst.id == "base#1" and await loads(proxy, inst) == {"sql": 1, "poet": 1}
+    async with proxy.http.post(
+        proxy.url + "/v1/chat/completions",
+        json={"model": "bard", "messages": [{"role": "user", "content": "x"}], "stream": True},
+    ) as resp:
+        body = await resp.text()
+    assert resp.status == 200 and '"poet:tok0 "' in body and body.endswith("data: [DONE]\n\n")
+    requests = await engine_series(proxy, inst, "fake_engine:lora_requests_total")
+    assert requests == {"sql": 1, "poet": 3}
+    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    assert 'vllm_proxy_adapter_loads_total{adapter="poet",model_id="base",result="ok"} 1.0' in page
+    assert 'vllm_proxy_adapter_requests_total{adapter="poet",model_id="base"} 3.0' in page
+
+
+async def test_fifty_concurrent_requests_for_an_adapter_make_one_load(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a = adapter(tmp_path, "sql")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {
+                "base": {
+                    "model": "x",
+                    "adapters": {"sql": str(a)},
+                    "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.3"},
+                }
+            },
+        )
+    )
+    results = await asyncio.gather(*(complete(proxy, "sql") for _ in range(50)))
+    assert all(s == 200 and text(d) == "sql:tok0 sql:tok1 " for s, d in results)
+    inst = proxy.instance("base")
+    assert await loads(proxy, inst) == {"sql": 1}
+    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    assert 'vllm_proxy_adapter_loads_total{adapter="sql",model_id="base",result="ok"} 1.0' in page
+
+
+async def test_an_adapter_copied_into_adapters_dir_is_served_without_a_reload(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    folder = tmp_path / "adapters"
+    adapter(folder, "first")
+    proxy = await start_proxy(
+        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
+    )
+    status, data = await complete(proxy, "first")
+    assert status == 200 and text(data).startswith("first:tok0")
+    status, data = await complete(proxy, "later")
+    assert status == 404 and "later" in data["error"]["message"]
+    adapter(folder, "later")  # copied in while the proxy runs
+    status, data = await complete(proxy, "later")
+    assert status == 200 and text(data).startswith("later:tok0")
+    (folder / "notes").mkdir()  # a folder without adapter_config.json is no adapter
+    for bad in ("notes", "../adapters/later", ".hidden"):
+        status, data = await complete(proxy, bad)
+        assert status == 404, bad
+    cards = {
+        c["id"]: c for c in (await (await proxy.http.get(proxy.url + "/v1/models")).json())["data"]
+    }
+    assert cards["later"]["parent"] == "base" and cards["later"]["state"] == "loaded"
+    assert "notes" not in cards
+
+
+async def test_a_discovered_adapter_above_the_engines_rank_is_refused(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    folder = tmp_path / "adapters"
+    adapter(folder, "small", rank=8)
+    proxy = await start_proxy(
+        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
+    )
+    assert proxy.model("base").spec.max_lora_rank == 8
+    adapter(folder, "big", rank=64)
+    status, data = await complete(proxy, "big")
+    assert status == 400 and data["error"]["code"] == "adapter_rank_too_large"
+    assert "'big'" in data["error"]["message"] and "max_lora_rank" in data["error"]["message"]
+    status, _ = await complete(proxy, "small")
+    assert status == 200
+
+
+async def test_max_adapters_unloads_the_least_recently_used_and_loads_it_again(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {"base": {"model": "x", "adapters": {"a": str(a), "b": str(b)}, "max_adapters": 1}},
+        )
+    )
+    assert "--max-loras" in (argv := proxy.model("base").spec.engine_argv(1))
+    assert argv[argv.index("--max-loras") + 1] == "1"
+    for name in ("a", "b", "a"):
+        status, data = await complete(proxy, name)
+        assert status == 200 and text(data).startswith(f"{name}:tok0")
+    inst = proxy.instance("base")
+    assert await loads(proxy, inst) == {"a": 2, "b": 1}
+    assert inst.adapters.status() == {"a": "loaded"}
+
+    async def settled() -> bool:  # the last unload runs beside the load that needed its slot
+        unloads = await engine_series(proxy, inst, "fake_engine:lora_unloads_total")
+        return unloads == {"a": 1, "b": 1}
+
+    await wait_for(settled, what="both unloads")
+    assert await engine_series(proxy, inst, "fake_engine:lora_loaded") == {"a": 1.0}
+
+
+async def test_busy_adapters_are_never_unloaded_and_a_new_one_waits_then_gets_503(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
+    cfg = config(
+        tmp_path,
+        {
+            "base": {
+                "model": "x",
+                "adapters": {"a": str(a), "b": str(b)},
+                "max_adapters": 1,
+                "env": {"FAKE_ENGINE_TOKEN_DELAY": "0.4"},
+            }
+        },
+    )
+    cfg = cfg.model_copy(
+        update={"admission": cfg.admission.model_copy(update={"queue_timeout_s": 0.3})}
+    )
+    proxy = await start_proxy(cfg)
+    slow = asyncio.ensure_future(complete(proxy, "a", max_tokens=3))  # holds "a" for ~1.2 s
+    await wait_for(lambda: proxy.model("base").serving() is not None)
+    inst = proxy.instance("base")
+    await wait_for(lambda: inst.adapters.status() == {"a": "loaded"})
+    async with proxy.http.post(
+        proxy.url + "/v1/completions", json={"model": "b", "prompt": "x", "max_tokens": 1}
+    ) as resp:
+        data = await resp.json()
+        assert resp.status == 503 and resp.headers["Retry-After"]
+    assert data["error"]["code"] == "adapters_busy" and "'b'" in data["error"]["message"]
+    status, first = await slow
+    assert status == 200 and text(first).startswith("a:tok0")
+    status, data = await complete(proxy, "b", max_tokens=1)  # "a" is idle now: it makes room
+    assert status == 200 and text(data) == "b:tok0 "
+    assert await loads(proxy, inst) == {"a": 1, "b": 1}
+
+
+async def test_a_failing_adapter_is_isolated(tmp_path: Path, start_proxy: StartProxy) -> None:
+    good, bad, gone = adapter(tmp_path, "good"), adapter(tmp_path, "bad"), adapter(tmp_path, "gone")
+    adapters = {"good": str(good), "bad": str(bad), "gone": str(gone)}
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {
+                "base": {
+                    "model": "x",
+                    "adapters": adapters,
+                    "env": {"FAKE_ENGINE_LORA_FAIL": "bad"},
+                }
+            },
+        )
+    )
+    results = await asyncio.gather(*(complete(proxy, "bad") for _ in range(5)))
+    for status, data in results:
+        assert status == 502 and data["error"]["code"] == "adapter_load_failed"
+        message = data["error"]["message"]
+        assert "adapter 'bad' of model 'base'" in message and "FAKE_ENGINE_LORA_FAIL" in message
+    shutil.rmtree(gone)  # its folder went away after the config was loaded
+    status, data = await complete(proxy, "gone")
+    assert status == 404 and data["error"]["code"] == "adapter_not_found"
+    assert "'gone'" in data["error"]["message"]
+    status, data = await complete(proxy, "good")
+    assert status == 200 and text(data).startswith("good:tok0")
+    status, data = await complete(proxy, "base")
+    assert status == 200 and text(data) == "tok0 tok1 "
+    inst = proxy.instance("base")
+    assert inst.state is State.RUNNING and inst.id == "base#1"
+    assert inst.adapters.status() == {"good": "loaded"}
+    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
+    assert 'vllm_proxy_adapter_loads_total{adapter="bad",model_id="base",result="failed"}' in page
+    assert (
+        'vllm_proxy_adapter_loads_total{adapter="gone",model_id="base",result="not_found"} 1.0'
+        in page
+    )
+
+
+async def test_a_replica_that_holds_the_adapter_is_preferred(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {"base": {"model": "x", "replicas": 2, "adapters": {"a": str(a), "b": str(b)}}},
+        )
+    )
+    status, _ = await complete(proxy, "base")
+    assert status == 200
+    model = proxy.model("base")
+    await wait_for(lambda: len([i for i in model.instances if i.state is State.RUNNING]) == 2)
+    status, _ = await complete(proxy, "a")
+    assert status == 200
+    holder = next(i for i in model.instances if i.adapters.holds("a"))
+    for _ in range(6):  # the other replica is as idle, and more recently used: still "a"'s
+        status, _ = await complete(proxy, "a")
+        assert status == 200
+        assert [i.id for i in model.instances if i.adapters.holds("a")] == [holder.id]
+    status, _ = await complete(proxy, "b")  # loaded where it is least loaded
+    totals: dict[str, float] = {}
+    for inst in model.instances:
+        for name, n in (await loads(proxy, inst)).items():
+            totals[name] = totals.get(name, 0) + n
+    assert totals == {"a": 1, "b": 1}
+    cards = {
+        c["id"]: c for c in (await (await proxy.http.get(proxy.url + "/v1/models")).json())["data"]
+    }
+    assert cards["a"]["instances"] == [holder.id]
+
+
+async def test_adapters_are_registered_again_on_a_restarted_engine(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a = adapter(tmp_path, "a")
+    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}}}))
+    status, _ = await complete(proxy, "a")
+    assert status == 200
+    first = proxy.instance("base")
+    assert first.engine is not None
+    first.engine.kill()
+    await wait_for(lambda: first.state is State.ERROR, what="the engine's death noticed")
+    status, data = await complete(proxy, "a")
+    assert status == 200 and text(data).startswith("a:tok0")
+    second = proxy.instance("base")
+    assert second.id == "base#2" and await loads(proxy, second) == {"a": 1}
+
+
+async def test_a_level_2_wake_registers_adapters_again_and_level_1_keeps_them(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a = adapter(tmp_path, "a")
+    policy = {"level": 1, "after_idle_s": 60}
+    proxy = await start_proxy(
+        config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}, "sleep": policy}})
+    )
+    status, _ = await complete(proxy, "a")
+    assert status == 200
+    inst = proxy.instance("base")
+    for level, expected in ((1, 1), (2, 2)):
+        resp = await proxy.http.post(proxy.url + f"/admin/models/base/sleep?level={level}")
+        assert resp.status == 200, await resp.text()
+        await wait_for(lambda: inst.asleep)
+        if level == 2:
+            assert inst.adapters.status() == {"a": "loaded"}  # the book is reset at the wake
+        status, data = await complete(proxy, "a")
+        assert status == 200 and text(data).startswith("a:tok0"), data
+        assert proxy.instance("base") is inst and await loads(proxy, inst) == {"a": expected}
+
+
+async def test_v1_models_lists_adapters_with_their_parent(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a = adapter(tmp_path, "a")
+    folder = tmp_path / "more"
+    adapter(folder, "c")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {
+                "base": {
+                    "model": "x",
+                    "adapters": {"a": {"path": str(a), "aliases": ["alpha"]}},
+                    "adapters_dir": str(folder),
+                },
+                "other": {"model": "y"},
+            },
+        )
+    )
+    listed = (await (await proxy.http.get(proxy.url + "/v1/models")).json())["data"]
+    cards = {c["id"]: c for c in listed}
+    assert set(cards) == {"base", "other", "a", "alpha", "c"}
+    assert cards["a"] | {"created": 0} == {
+        "id": "a",
+        "object": "model",
+        "created": 0,
+        "owned_by": "vllm-proxy",
+        "root": str(a),
+        "parent": "base",
+        "state": "not_loaded",
+        "instances": [],
+    }
+    assert cards["alpha"]["adapter"] == "a" and cards["alpha"]["parent"] == "base"
+    assert cards["c"]["parent"] == "base" and cards["c"]["root"] == str(folder / "c")
+    status, _ = await complete(proxy, "alpha")
+    assert status == 200
+    card = await (await proxy.http.get(proxy.url + "/v1/models/a")).json()
+    assert card["state"] == "loaded" and card["instances"] == ["base#1"]
+    snapshot = await (await proxy.http.get(proxy.url + "/admin/models")).json()
+    rows = snapshot if isinstance(snapshot, list) else snapshot.get("models", snapshot)
+    base = next(r for r in rows if r["name"] == "base")
+    assert base["adapters"][0] == {
+        "name": "a",
+        "aliases": ["alpha"],
+        "path": str(a),
+        "source": "config",
+        "instances": {"base#1": "loaded"},
+    }
+    assert base["max_adapters"] == 4 and base["adapters_dir"] == str(folder)
+    assert base["instances"][0]["adapters"] == {"a": "loaded"}
+
+
+async def test_a_model_name_wins_over_an_adapter_folder_of_the_same_name(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    folder = tmp_path / "adapters"
+    adapter(folder, "other")
+    proxy = await start_proxy(
+        config(
+            tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}, "other": {"model": "y"}}
+        )
+    )
+    status, data = await complete(proxy, "other")
+    assert status == 200 and data["model"] == "other" and text(data) == "tok0 tok1 "
+    assert all(not i.adapters.slots for i in proxy.model("base").instances)
+
+
+async def test_an_engine_without_runtime_lora_routes_is_a_clear_502(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a = adapter(tmp_path, "a")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {
+                "base": {
+                    "model": "x",
+                    "adapters": {"a": str(a)},
+                    "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"},
+                }
+            },
+        )
+    )
+    status, data = await complete(proxy, "a")
+    assert status == 502 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in data["error"]["message"]
+    status, _ = await complete(proxy, "base")
+    assert status == 200
+
+
+async def test_the_status_page_shows_each_models_adapters(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    from test_status_page import run_chromium
+
+    a, b = adapter(tmp_path, "sql"), adapter(tmp_path, "poet")
+    adapters = {"sql": {"path": str(a), "aliases": ["q"]}, "poet": str(b)}
+    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": adapters}}))
+    status, _ = await complete(proxy, "q")
+    assert status == 200
+    rc, dom, err = await run_chromium(
+        proxy.url + "/", tmp_path / "profile", "--dump-dom", "--virtual-time-budget=5000"
+    )
+    assert rc == 0, err[-2000:]
+    row = dom[dom.index('data-adapters="base"') :].split("</tr>")[0]
+    assert "max 4 per engine" in row
+    assert re.search(r'data-adapter="sql"[^>]*><code>sql</code> on base#1 \(q\)', row), row
+    assert re.search(r'data-adapter="poet"[^>]*><code>poet</code> not loaded', row), row
+
+
+async def test_a_reload_that_adds_an_adapter_keeps_the_engine(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
+    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}}}))
+    status, _ = await complete(proxy, "a")
+    assert status == 200
+    inst = proxy.instance("base")
+    status, _ = await complete(proxy, "b")
+    assert status == 404
+    both = {"a": str(a), "b": {"path": str(b), "aliases": ["bee"]}}
+    report = proxy.manager.reload(
+        config(tmp_path, {"base": {"model": "x", "adapters": both}}).specs(), 5
+    )
+    assert report["kept"] == ["base"]
+    status, data = await complete(proxy, "bee")
+    assert status == 200 and text(data).startswith("b:tok0")
+    assert proxy.instance("base") is inst and await loads(proxy, inst) == {"a": 1, "b": 1}
+    bigger = adapter(tmp_path / "big", "c", rank=64)
+    report = proxy.manager.reload(
+        config(tmp_path, {"base": {"model": "x", "adapters": {**both, "c": str(bigger)}}}).specs(),
+        5,
+    )
+    assert report["restarted"] == ["base"]  # --max-lora-rank 8 -> 64: a new engine
+
+
+async def test_a_client_gone_during_the_load_leaves_no_use_behind(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
+    proxy = await start_proxy(
+        config(
+            tmp_path,
+            {
+                "base": {
+                    "model": "x",
+                    "adapters": {"a": str(a), "b": str(b)},
+                    "max_adapters": 1,
+                    "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.5"},
+                }
+            },
+        )
+    )
+    status, _ = await complete(proxy, "base")
+    assert status == 200
+    inst = proxy.instance("base")
+    gone = asyncio.ensure_future(complete(proxy, "a"))
+    await wait_for(lambda: inst.adapters.status() == {"a": "loading"})
+    gone.cancel()  # the client hangs up while the load is under way
+    await wait_for(lambda: inst.adapters.status() == {"a": "loaded"}, what="the load goes on")
+    await wait_for(lambda: inst.leases == 0, what="the lease released")
+    assert inst.adapters.slots["a"].users == 0
+    status, data = await complete(proxy, "b")  # "a" is idle: it makes room
+    assert status == 200 and text(data).startswith("b:tok0")

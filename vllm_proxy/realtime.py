@@ -1,0 +1,239 @@
+"""vLLM's realtime transcription WebSocket (``/v1/realtime``), relayed both ways.
+
+vLLM 0.33 (``entrypoints/speech_to_text/realtime/api_router.py:17``, ``connection.py``)
+accepts the socket, sends ``session.created``, and takes the model from the client's
+``session.update`` event; its clients wait for ``session.created`` before they send that. The
+proxy needs the model before it can pick (and start) an engine, so it takes it from one of:
+
+* the URL: ``?model=NAME`` (the OpenAI Realtime API's convention) or ``/serve/NAME/v1/realtime``.
+  It is resolved before the upgrade (an unknown model is a JSON 404), the engine is leased
+  and connected, then the client's socket is accepted and everything passes through, the
+  engine's ``session.created`` included;
+* the first event: the proxy accepts the socket, sends ``session.created`` itself and reads
+  the client's first event, which must be a ``session.update`` naming a model (within
+  ``body_timeout_s``); the engine's own ``session.created`` is then not passed on.
+
+A ``session.update`` naming an alias reaches the engine with the canonical name (the engine
+knows only that one); one naming another model than the connection's is answered with an
+``error`` event and not passed on. The lease is held for the connection's lifetime, so an open
+session's engine is neither evicted nor stopped for idleness. After the upgrade the proxy's
+errors are vLLM's ``error`` events (``{"type": "error", "error": MESSAGE, "code": CODE}``),
+then a close (1008 for the client's fault, 1011 for an engine's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+from aiohttp import WSMsgType, web
+
+from .errors import BadRequest, ProxyError
+
+PATH = "/v1/realtime"
+UPDATE = "session.update"
+#: Close codes: the client's fault (policy violation), the server's (internal error), the
+#: server going away.
+CLIENT_FAULT, SERVER_FAULT, GOING_AWAY = 1008, 1011, 1001
+
+
+def session_created() -> str:
+    """vLLM's ``SessionCreated`` event (``realtime/protocol.py``)."""
+    event = {"type": "session.created", "id": f"sess-{os.urandom(16).hex()}",
+             "created": int(time.time())}  # fmt: skip
+    return json.dumps(event)
+
+
+def error_event(message: str, code: str | None) -> str:
+    """vLLM's ``ErrorEvent``."""
+    return json.dumps({"type": "error", "error": message, "code": code})
+
+
+def update_of(text: str) -> dict[str, Any] | None:
+    """The ``session.update`` event a text message is, if it is one (an audio append, the
+    bulk of a session, is not parsed)."""
+    if UPDATE not in text:
+        return None
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) and event.get("type") == UPDATE else None
+
+
+async def first_update(ws: web.WebSocketResponse, timeout: float) -> dict[str, Any]:
+    """The client's first event, a ``session.update`` naming a model; `BadRequest` for any
+    other, or none within `timeout`."""
+    try:
+        async with asyncio.timeout(timeout):
+            msg = await ws.receive()
+    except TimeoutError:
+        raise BadRequest(
+            f"no {UPDATE} event within {timeout:g}s (server.body_timeout_s); name the model "
+            f"in it, or as ?model= in the URL",
+            code="invalid_event",
+        ) from None
+    event = update_of(msg.data) if msg.type == WSMsgType.TEXT else None
+    if event is None:
+        raise BadRequest(
+            f"the first event must be {UPDATE} with the model (or give ?model= in the URL)",
+            code="invalid_event",
+        )
+    model = event.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("Missing required field: model", param="model", code="invalid_event")
+    return event
+
+
+async def refuse(ws: web.WebSocketResponse, err: ProxyError) -> None:
+    """An error event for `err`, then the close."""
+    code = "model_not_found" if err.status == 404 else err.code
+    with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+        await ws.send_str(error_event(err.message, code))
+        await ws.close(code=CLIENT_FAULT if err.status < 500 else SERVER_FAULT)
+
+
+async def connect(
+    socket_path: str | None, url: str, headers: dict[str, str], max_msg: int, timeout: float
+) -> tuple[aiohttp.ClientSession, aiohttp.ClientWebSocketResponse]:
+    """A WebSocket to the engine, in a session of its own (a connection held for a whole
+    session must not take one of the shared session's); close both when done."""
+    connector: aiohttp.BaseConnector = (
+        aiohttp.UnixConnector(path=socket_path) if socket_path else aiohttp.TCPConnector()
+    )
+    session = aiohttp.ClientSession(connector=connector)
+    try:
+        async with asyncio.timeout(timeout):
+            ws = await session.ws_connect(
+                url, headers=headers, max_msg_size=max_msg, autoping=True, compress=0
+            )
+    except BaseException:
+        await session.close()
+        raise
+    return session, ws
+
+
+class Counts:
+    """What a relay passed to the client: its bytes, and when the first message went."""
+
+    __slots__ = ("bytes", "first_at")
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.first_at: float | None = None
+
+
+async def relay(
+    client: web.WebSocketResponse,
+    engine: aiohttp.ClientWebSocketResponse,
+    inbound: Callable[[str], Awaitable[str | None]],
+    drop_created: bool,
+    counts: Counts,
+    going_away: asyncio.Event,
+) -> None:
+    """Pass messages both ways until either side closes, or `going_away` is set (then the
+    client's socket closes with 1001); the engine's socket is closed by the caller.
+    `inbound` rewrites a client's text message, or refuses it (None; it has answered the
+    client itself). `drop_created`: the client already has a ``session.created``."""
+
+    async def up() -> None:
+        async for msg in client:
+            if msg.type == WSMsgType.TEXT:
+                text = await inbound(msg.data)
+                if text is not None:
+                    await engine.send_str(text)
+            elif msg.type == WSMsgType.BINARY:
+                await engine.send_bytes(msg.data)
+
+    async def down() -> None:
+        skip = drop_created
+        async for msg in engine:
+            if msg.type == WSMsgType.TEXT:
+                if skip and '"session.created"' in msg.data:
+                    skip = False
+                    continue
+                skip = False
+                await client.send_str(msg.data)
+                counts.bytes += len(msg.data)
+            elif msg.type == WSMsgType.BINARY:
+                await client.send_bytes(msg.data)
+                counts.bytes += len(msg.data)
+            else:
+                continue
+            if counts.first_at is None:
+                counts.first_at = time.monotonic()
+
+    async def away() -> None:
+        await going_away.wait()
+
+    tasks = [
+        asyncio.ensure_future(up()),
+        asyncio.ensure_future(down()),
+        asyncio.ensure_future(away()),
+    ]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    # The side that ended first gives its close code to the other (the engine's: `Sessions`).
+    if going_away.is_set():
+        with contextlib.suppress(ConnectionError):
+            await client.close(code=GOING_AWAY, message=b"the proxy is shutting down")
+    elif engine.closed and not client.closed:
+        with contextlib.suppress(ConnectionError):
+            await client.close(code=_passable(engine.close_code, SERVER_FAULT))
+
+
+class Sessions:
+    """The proxy's realtime sessions together: `end_all` closes them at shutdown (a session
+    never ends by itself, and would hold its lease through the whole drain), and the engines'
+    sockets close in tasks of their own (`close_later`)."""
+
+    def __init__(self) -> None:
+        self.going_away = asyncio.Event()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    def end_all(self) -> None:
+        self.going_away.set()
+
+    def close_later(
+        self,
+        engine: aiohttp.ClientWebSocketResponse,
+        session: aiohttp.ClientSession,
+        client: web.WebSocketResponse,
+    ) -> None:
+        """Close the engine's socket (with the client's close code) and its session, without
+        the handler waiting for the engine's answer: the client has its close, and its handler
+        ends now, before aiohttp sees the connection go (which would cancel it)."""
+        code = GOING_AWAY if self.going_away.is_set() else _passable(client.close_code, 1000)
+        task = asyncio.ensure_future(_close(engine, session, code))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+
+async def _close(
+    engine: aiohttp.ClientWebSocketResponse, session: aiohttp.ClientSession, code: int
+) -> None:
+    try:
+        with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+            await engine.close(code=code)
+    finally:
+        await session.close()
+
+
+def _passable(code: int | None, otherwise: int) -> int:
+    """`code` if it may be sent on, else `otherwise` (1005, 1006 and 1015 are never sent)."""
+    if code is not None and (code in _SENDABLE or 3000 <= code <= 4999):
+        return code
+    return otherwise
+
+
+_SENDABLE = frozenset((1000, 1001, 1002, 1003, 1007, 1008, 1009, 1010, 1011))
