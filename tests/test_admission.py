@@ -374,7 +374,7 @@ async def test_a_stuck_queue_is_bounded_by_its_timeout(
     await stream.read()
 
 
-async def test_a_head_that_waits_for_something_else_blocks_nobody(
+async def test_a_head_that_waits_for_something_else_blocks_nobody_within_its_window(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     """big needs what the pinned model holds, so it cannot be placed however long it waits;

@@ -108,11 +108,21 @@ def valid_folder_name(name: str) -> bool:
 
 
 def find_in(folder: str, name: str) -> AdapterSpec | None:
-    """The adapter called `name` in `folder` (a sub-folder with ``adapter_config.json``)."""
+    """The adapter called `name` in `folder` (a sub-folder with ``adapter_config.json``). A
+    symbolic link is followed only to a folder inside `folder`, and the engine is given the
+    folder it leads to (a link changed later changes nothing already checked)."""
     if not valid_folder_name(name):
         return None
     path = os.path.join(folder, name)
-    if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+    try:
+        if os.path.islink(path):
+            root = os.path.join(os.path.realpath(folder), "")
+            path = os.path.realpath(path)
+            if not path.startswith(root):
+                return None
+        if not os.path.isfile(os.path.join(path, ADAPTER_CONFIG)):
+            return None
+    except (OSError, ValueError):  # (a name that is no file name: a lone surrogate)
         return None
     return AdapterSpec(name, path, discovered=True)
 

@@ -17,6 +17,7 @@ the models.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -143,6 +144,8 @@ class Admission:
             siblings = [memory.claims[i.id].devices for i in self._siblings(inst)]
             avoid = tuple(sorted({d for devs in siblings for d in devs}))
             demand = memory.demand(inst.spec, inst.id, avoid)
+        # Its own model's other replicas are never its victims.
+        demand = dataclasses.replace(demand, siblings=tuple(i.id for i in self._siblings(inst)))
         decision = plan(demand, memory.device_views(pending), views, time.time())
         if protect and isinstance(decision, Plan):
             # A plan that went around protected engines: wait for them (until they are idle
@@ -173,14 +176,20 @@ class Admission:
 
     def holds(self, inst: Instance, rank: Rank, arrived: float) -> bool:
         """Whether a request (of `rank`, arrived at `arrived`) for the serving `inst` queues
-        behind a waiter: one before it in the queue's order whose reorder window has run out
-        and whose plan once busy engines drain takes `inst` (see `admission.holds`)."""
+        behind a waiter: one that may go (`queueing.may_hold`), before it in the queue's order,
+        whose reorder window has run out and whose plan once busy engines drain takes `inst`
+        (`queueing.holds`)."""
         if not self._reclaiming:
             return False
         now = time.monotonic()
         rules = self.queue.rules
-        for waiter, other in self._turns():
+        turns = self._turns()
+        first, head = turns[0]
+        placeable = isinstance(self.plan_for(head, drained=True), Plan)
+        for waiter, other in turns:
             if other.name == inst.name or not queueing.overdue(waiter, now, rules):
+                continue
+            if not queueing.may_hold(waiter, first, rules, first_placeable=placeable):
                 continue
             if (waiter.rank, waiter.since) > (rank, arrived):
                 continue
@@ -198,19 +207,22 @@ class Admission:
         claim: Callable[[Plan], Placement],
         unclaim: Callable[[], None],
     ) -> Placement | None:
-        """Claim `decision`'s memory if it is `inst`'s turn (None: not yet): it is first in the
-        queue among those waiting for memory, or the first cannot be placed even once busy
-        engines drain, or its plan touches nobody and leaves the first one's plan (once busy
-        engines drain) intact."""
+        """Claim `decision`'s memory if it is `inst`'s turn (None: not yet; `queueing.turn`)."""
         turns = self._turns()
-        if not turns or turns[0][1].name == inst.name:
+        if not turns:
             return claim(decision)
-        head = turns[0][1]
-        if not isinstance(self.plan_for(head, drained=True), Plan):
-            # The first cannot be placed even once busy engines drain (pinned or starting
-            # engines hold what it needs): it is not waiting for what this one takes.
+        first, head = turns[0]
+        me = next((w for w, i in turns if i.name == inst.name), None)
+        if me is None or me.model == first.model:
             return claim(decision)
-        if decision.sleep or decision.evict:
+        answer = queueing.turn(
+            me, first, self.queue.rules,
+            first_placeable=isinstance(self.plan_for(head, drained=True), Plan),
+            reclaims=bool(decision.sleep or decision.evict),
+        )  # fmt: skip
+        if answer == queueing.GO:
+            return claim(decision)
+        if answer == queueing.WAIT:
             return None
         placement = claim(decision)
         if isinstance(self.plan_for(head, drained=True), Plan):
@@ -290,12 +302,19 @@ class Admission:
         assert memory is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
-        deadline = started + self.queue_timeout_s
         wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
         while True:
             await memory.read_fresh()
             if inst.state is not state:
                 raise Stopped(f"model '{inst.name}' was stopped while waiting", code="stopped")
+            model = self._models().get(inst.name)
+            if model is not None and model.forsaken(inst):
+                # Every request it was brought up for has gone: take nobody's memory for it.
+                raise Unavailable(
+                    f"model '{inst.name}': no request waits for it any more", code="abandoned"
+                )
+            # The timeout in force now: a reload that shortens it bounds this wait too.
+            deadline = started + self.queue_timeout_s
             decision = self.plan_for(inst)
             need = self._need(inst)  # taken before the claim (a wake's)
             placement = None

@@ -196,7 +196,8 @@ class ServerConfig(_Strict):
     body_timeout_s: float = Field(60, gt=0)
     #: An idle keep-alive connection (or one that never sends a whole request head) is closed.
     keepalive_timeout_s: float = Field(75, gt=0)
-    #: A streaming client that takes nothing for this long is dropped, its lease released.
+    #: A streaming client that takes nothing for this long is dropped, its lease released; a
+    #: realtime WebSocket client silent this long is pinged, and dropped without a pong.
     send_timeout_s: float = Field(60, gt=0)
     #: Request bodies held at once by all requests (read, waiting for a model, being sent);
     #: a request whose body would pass it gets 503 + Retry-After.
@@ -497,10 +498,10 @@ class AdmissionConfig(_Strict):
     #: Requests that came later may be served ahead of a waiting one (its model's engine
     #: already serving them, or its start grouping them) for at most this long; then they queue
     #: behind it. 0: strict first come, first served.
-    max_reorder_s: float = Field(5, ge=0)
+    max_reorder_s: float = Field(10, ge=0)
     #: An engine with no request in flight or queued for this long counts as idle (its
     #: minimum residency no longer keeps it).
-    idle_grace_s: float = Field(2, ge=0)
+    idle_grace_s: float = Field(1, ge=0)
 
 
 class Config(_Strict):

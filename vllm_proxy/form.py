@@ -43,13 +43,15 @@ _BOUNDARY = re.compile(r"[0-9A-Za-z'()+_,\-./:=? ]{0,69}[0-9A-Za-z'()+_,\-./:=?]
 
 def boundary_of(content_type: str) -> bytes:
     """The boundary named by a ``multipart/form-data`` Content-Type; `BadRequest` when it names
-    none, or one RFC 2046 does not allow."""
-    for match in _PARAM.finditer(content_type.encode("latin-1", "replace")):
-        if match.group(1).lower() == b"boundary":
-            value = _unquote(match.group(2)).decode("latin-1")
-            if _BOUNDARY.fullmatch(value):
-                return value.encode("latin-1")
-            break
+    none, or one RFC 2046 does not allow, or more than one (vLLM's parser takes the last, a
+    reader that takes the first would see another form)."""
+    found = [
+        _unquote(m.group(2)).decode("latin-1")
+        for m in _PARAM.finditer(content_type.encode("latin-1", "replace"))
+        if m.group(1).lower() == b"boundary"
+    ]
+    if len(found) == 1 and _BOUNDARY.fullmatch(found[0]):
+        return found[0].encode("latin-1")
     raise BadRequest(
         f"the Content-Type {FORM_DATA} has no valid boundary parameter: {content_type[:200]!r}"
     )

@@ -822,7 +822,8 @@ class Instance:
         awake, and the warm-up. Raises `WakeFailed` after stopping the engine when any step
         fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for the wake
         did not come in time (it stays asleep)."""
-        if self._wake_task is None:
+        # (A wake that has just failed, its callback not yet run, is not joined: a new one.)
+        if self._wake_task is None or self._wake_task.done():
             if self.state is State.SLEEPING:  # a request waits for it: it is not idle
                 self._cancel_idle_timer()
             self._wake_task = asyncio.ensure_future(self._wake())
@@ -830,7 +831,8 @@ class Instance:
         return self._wake_task
 
     def _wake_done(self, task: asyncio.Task[None]) -> None:
-        self._wake_task = None
+        if self._wake_task is task:
+            self._wake_task = None
         retrieve(task)
 
     async def _wake(self) -> None:

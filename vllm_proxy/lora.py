@@ -172,11 +172,13 @@ class Registrations:
         )
 
     def _loaded(self, name: str, slot: Slot, _task: asyncio.Task[None]) -> None:
-        """The load ended: a failed one leaves the book, so that the next request tries again."""
+        """The load ended: a failed one leaves the book, so that the next request tries again.
+        Either way a request waiting for a slot looks again: a load whose clients all left
+        has no user once it is done, and may make room."""
         if slot.task.cancelled() or slot.task.exception() is not None:
             if self.slots.get(name) is slot:
                 del self.slots[name]
-            self._notify()
+        self._notify()
 
     def _unload(
         self, spec: ModelSpec, victim: Slot, engine: EngineProcess, session: aiohttp.ClientSession

@@ -31,6 +31,9 @@ from .queueing import Queue, Rules
 
 log = logging.getLogger(__name__)
 
+#: An unknown model name is quoted in the 404 up to this many characters (a client's 32 MB
+#: "model" is not echoed back).
+NAME_SHOWN = 200
 #: On a forced exit: how long the guards get to stop their engine trees before the group kill.
 FORCED_KILL_GRACE_S = 0.3
 
@@ -187,8 +190,9 @@ class Manager:
         else:
             shown = (n for n, target in self.names.items() if visible(self.models[target]))
             valid = ", ".join(sorted(shown)) or "(none)"
+        shown_name = requested if len(requested) <= NAME_SHOWN else requested[:NAME_SHOWN] + "..."
         raise NotFound(
-            f"The model '{requested}' does not exist. Available models: {valid}", param="model"
+            f"The model '{shown_name}' does not exist. Available models: {valid}", param="model"
         )
 
     def resolve_target(
@@ -318,6 +322,7 @@ class Manager:
                 continue
             restart = self._needs_new_instance(cur, spec)
             cur.update(spec, drain_timeout_s, restart)
+            self.queue.rerank(name, spec.priority)  # requests waiting now take the new one
             cur.max_queue = self.max_queue
             models[name] = cur
             report["restarted" if restart else "kept"].append(name)
@@ -399,8 +404,11 @@ class Manager:
     # -- shutdown ------------------------------------------------------------------------
 
     async def drain(self, timeout: float) -> bool:
-        """Stop admitting requests and wait for in-flight ones; True if all finished in time."""
+        """Stop admitting requests (those still waiting get 503 now) and wait for in-flight
+        ones; True if all finished in time."""
         self.closing = True
+        for model in (*self.models.values(), *self.removed):
+            model.close()
         deadline = time.monotonic() + timeout
         while self.active_leases() > 0:
             remaining = deadline - time.monotonic()

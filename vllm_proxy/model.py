@@ -97,6 +97,9 @@ class Model:
         self._bringup: asyncio.Task[None] | None = None
         #: The instance the bring-up is waking or starting now (the waiting requests' own).
         self._bringing: Instance | None = None
+        #: The bring-up was begun by requests (not a preload, an admin load or a reload): it is
+        #: given up while it still waits for memory once they have all gone (`forsaken`).
+        self._on_demand = False
         #: Failed starts in a row (an engine that died soon after readiness counts); the next
         #: start is not tried before `_retry_at` (event-loop time).
         self.failures = 0
@@ -189,8 +192,11 @@ class Model:
         """
         starts = 0
         arrived = time.monotonic()
-        rank = self.rank(priority)
+        # Brought up for this request: its lease is not held behind another waiter (the
+        # engine was started or woken for it; held, it could be taken before serving anyone).
+        brought = False
         while True:
+            rank = self.rank(priority)  # the model's priority as reloaded
             if self.closed:
                 raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
             if self.removed:
@@ -202,7 +208,11 @@ class Model:
                 )
             inst = self.route(session, adapter)
             if inst is not None and not self.draining:
-                if self.ctx.hold(inst, rank, arrived) and not self._hold_ran_out(arrived):
+                if (
+                    not brought
+                    and self.ctx.hold(inst, rank, arrived)
+                    and not self._hold_ran_out(arrived)
+                ):
                     await self._held(rank, arrived)
                     continue
                 # No await between finding it RUNNING and the lease.
@@ -220,9 +230,11 @@ class Model:
                 starts += 1
                 self._bringup = asyncio.ensure_future(self._bring_up())
                 self._bringup.add_done_callback(self._bringup_done)
+                self._on_demand = True
             drains = self._drains_begun
             try:
                 await self._wait_bringup(self._bringup, rank, arrived)
+                brought = True
             except Stopped:
                 if self.draining or self.removed or self.closed or drains != self._drains_begun:
                     continue  # the loop answers for the unload, removal or shutdown
@@ -253,7 +265,16 @@ class Model:
         if self.serving() is None and self._bringup is None and not self.closed:
             self._bringup = asyncio.ensure_future(self._bring_up())
             self._bringup.add_done_callback(self._bringup_done)
+        self._on_demand = False  # wanted whether requests wait for it or not
         return self._bringup
+
+    def forsaken(self, inst: Instance) -> bool:
+        """Whether `inst`, still waiting for memory, is the bring-up of requests that have all
+        gone (their clients hung up): then it is dropped, and the next request begins anew."""
+        if inst is not self._bringing or not self._on_demand or self.waiting > 0:
+            return False
+        self._bringup = self._bringing = None
+        return True
 
     # -- replicas ------------------------------------------------------------------------
 
@@ -693,10 +714,15 @@ class Model:
         inst, _ = await self.acquire()
         inst.release()
 
-    async def shutdown(self) -> None:
-        """Fail waiters, stop every instance."""
+    def close(self) -> None:
+        """The proxy is shutting down: requests still waiting (held, or for an unload) get
+        503 now, and nothing new is started; those in flight go on."""
         self.closed = True
         self._changed.set()
+
+    async def shutdown(self) -> None:
+        """Fail waiters, stop every instance."""
+        self.close()
         await asyncio.gather(*(i.stop() for i in list(self.instances)), return_exceptions=True)
         if self._bringup is not None:  # it stops at its next step; then stop what it made
             await asyncio.gather(self._bringup, return_exceptions=True)

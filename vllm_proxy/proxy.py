@@ -553,7 +553,11 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        client = web.WebSocketResponse(max_msg_size=self.max_body_bytes, compress=False)
+        # Pinged after send_timeout_s of silence and dropped without a pong: a client whose
+        # host vanished would otherwise hold its lease (and the engine) for good.
+        client = web.WebSocketResponse(
+            max_msg_size=self.max_body_bytes, compress=False, heartbeat=self.send_timeout_s
+        )
         if not client.can_prepare(request).ok:
             raise BadRequest(
                 f"GET {request.path} takes a WebSocket (Upgrade: websocket)",
@@ -567,7 +571,9 @@ class Proxy:
             await client.prepare(request)
             await client.send_str(realtime.session_created())
             try:
-                first = await realtime.first_update(client, self.body_timeout_s)
+                first = await realtime.first_update(
+                    client, self.body_timeout_s, self.sessions.going_away
+                )
                 model = self._resolve(request, first["model"], observe=True)
             except ProxyError as err:
                 await realtime.refuse(client, err)

@@ -22,10 +22,12 @@ rules:
   in use (a request in flight or queued for it, or one ended within ``idle_grace_s``) is not
   put to sleep or stopped for a waiter whose window is still open: the gaps between a client's
   back-to-back requests do not hand the GPU to another model after each answer.
-* **Turns.** Among starts and wakes waiting for memory, only the first in order may put engines
-  to sleep or stop them; one behind it may start meanwhile where the memory it takes leaves the
-  first one's plan intact (it fits without touching anyone, and the first still fits once the
-  busy engines drain), or where the first cannot be placed even then.
+* **Turns** (`turn`). Among starts and wakes waiting for memory, only the first in order may
+  put engines to sleep or stop them; one behind it may start meanwhile where the memory it
+  takes leaves the first one's plan intact (it fits without touching anyone, and the first
+  still fits once the busy engines drain), or where the first cannot be placed even then; but
+  never one that began waiting more than the reorder window after the first. Only a waiter
+  that may go holds requests (`may_hold`).
 
 The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
@@ -49,9 +51,9 @@ class Rules:
     """The admission settings (config ``admission`` and each model's ``min_resident_s``)."""
 
     #: How long requests that came later may be served ahead of a waiter (0: strict FIFO).
-    max_reorder_s: float = 0.0
+    max_reorder_s: float = 10.0
     #: An engine with nothing in flight or queued for this long counts as idle.
-    idle_grace_s: float = 2.0
+    idle_grace_s: float = 1.0
     #: ``admission.queue_timeout_s``: a waiter's window is at most half of it, so that a
     #: waiter always has its turn before it gives up (0: no window at all).
     queue_timeout_s: float = 30.0
@@ -118,6 +120,39 @@ def next_deadline(
             times += [since + minimum, used_at + rules.idle_grace_s]
     later = [t for t in times if t > now]
     return min(later) if later else None
+
+
+#: `turn()`'s answers.
+GO, WAIT, IF_FIRST_STILL_FITS = "go", "wait", "if_first_still_fits"
+
+
+def turn(me: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool,
+         reclaims: bool) -> str:  # fmt: skip
+    """Whether `me`, waiting for memory behind `first` (the first in order), may act now on its
+    plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (claim, then check that `first`'s plan with
+    busy engines drained still fits; else give the claim back and wait).
+
+    The first always goes. No one that began waiting more than the reorder window after the
+    first goes ahead of it, by any path (the bound on reordering). Within that, one behind may
+    go when the first cannot be placed even with busy engines drained (`first_placeable`
+    False: it waits for something else), or when its own plan touches nobody (`reclaims`
+    False) and leaves the first's plan intact."""
+    if me.model == first.model:
+        return GO
+    if me.since - first.since > rules.window_s:
+        return WAIT
+    if not first_placeable:
+        return GO
+    return WAIT if reclaims else IF_FIRST_STILL_FITS
+
+
+def may_hold(waiter: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool) -> bool:
+    """Whether `waiter` is one that may hold requests for engines its plan takes: the first
+    in order when it can be placed once busy engines drain, else one that `turn` lets go
+    ahead of it."""
+    if waiter.model == first.model:
+        return first_placeable
+    return not first_placeable and waiter.since - first.since <= rules.window_s
 
 
 def holds(waiter: Waiter, rank: Rank, arrived: float, victims: Iterable[str], instance: str,
@@ -198,6 +233,13 @@ class Queue:
     def waiting(self, model: str) -> int:
         """Tickets of `model` waiting for a bring-up (held ones not counted)."""
         return sum(1 for t in self.tickets.values() if t.model == model and not t.held)
+
+    def rerank(self, model: str, priority: int) -> None:
+        """`model`'s priority was reloaded: its tickets take it (the request's own stays)."""
+        for t in self.tickets.values():
+            if t.model == model and t.rank[0] != priority:
+                t.rank = (priority, t.rank[1])
+        self.changed()
 
     def changed(self) -> None:
         self._event.set()

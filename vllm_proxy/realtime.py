@@ -18,7 +18,8 @@ knows only that one); one naming another model than the connection's is answered
 ``error`` event and not passed on. The lease is held for the connection's lifetime, so an open
 session's engine is neither evicted nor stopped for idleness. After the upgrade the proxy's
 errors are vLLM's ``error`` events (``{"type": "error", "error": MESSAGE, "code": CODE}``),
-then a close (1008 for the client's fault, 1011 for an engine's).
+then a close (1008 for the client's fault, 1011 for an engine's, 1001 when the proxy shuts
+down, also for a client that has not named its model yet).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from typing import Any
 import aiohttp
 from aiohttp import WSMsgType, web
 
-from .errors import BadRequest, ProxyError
+from .errors import BadRequest, ProxyError, Unavailable
 
 PATH = "/v1/realtime"
 UPDATE = "session.update"
@@ -67,18 +68,29 @@ def update_of(text: str) -> dict[str, Any] | None:
     return event if isinstance(event, dict) and event.get("type") == UPDATE else None
 
 
-async def first_update(ws: web.WebSocketResponse, timeout: float) -> dict[str, Any]:
+async def first_update(
+    ws: web.WebSocketResponse, timeout: float, going_away: asyncio.Event
+) -> dict[str, Any]:
     """The client's first event, a ``session.update`` naming a model; `BadRequest` for any
-    other, or none within `timeout`."""
+    other, or none within `timeout`; `Unavailable` once `going_away` is set (the proxy shuts
+    down: a client that says nothing must not hold it)."""
+    receiving = asyncio.ensure_future(ws.receive())
+    away = asyncio.ensure_future(going_away.wait())
     try:
-        async with asyncio.timeout(timeout):
-            msg = await ws.receive()
-    except TimeoutError:
+        await asyncio.wait({receiving, away}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (receiving, away):
+            task.cancel()
+        await asyncio.gather(receiving, away, return_exceptions=True)
+    if receiving.cancelled():
+        if going_away.is_set():
+            raise Unavailable("the proxy is shutting down", code="shutting_down")
         raise BadRequest(
             f"no {UPDATE} event within {timeout:g}s (server.body_timeout_s); name the model "
             f"in it, or as ?model= in the URL",
             code="invalid_event",
-        ) from None
+        )
+    msg = receiving.result()
     event = update_of(msg.data) if msg.type == WSMsgType.TEXT else None
     if event is None:
         raise BadRequest(
@@ -94,9 +106,13 @@ async def first_update(ws: web.WebSocketResponse, timeout: float) -> dict[str, A
 async def refuse(ws: web.WebSocketResponse, err: ProxyError) -> None:
     """An error event for `err`, then the close."""
     code = "model_not_found" if err.status == 404 else err.code
+    if err.code == "shutting_down":
+        close = GOING_AWAY
+    else:
+        close = CLIENT_FAULT if err.status < 500 else SERVER_FAULT
     with contextlib.suppress(ConnectionError, aiohttp.ClientError):
         await ws.send_str(error_event(err.message, code))
-        await ws.close(code=CLIENT_FAULT if err.status < 500 else SERVER_FAULT)
+        await ws.close(code=close)
 
 
 async def connect(

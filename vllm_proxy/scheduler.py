@@ -117,6 +117,9 @@ class Demand:
     #: Devices the model's other replicas use: a set without them is preferred (a replica on
     #: a GPU of its own adds compute), even when that takes reclaiming idle memory.
     avoid_devices: tuple[int, ...] = ()
+    #: The model's other replicas: never taken for it (stopping one to start another gains
+    #: nothing and leaves the model with fewer engines meanwhile).
+    siblings: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -224,8 +227,8 @@ def _free(device: DeviceView, reserve_mb: int) -> int:
 
 def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
     """Instances that may be put to sleep or stopped, least recently used first (name breaks
-    ties): idle RUNNING ones and asleep ones, never pinned or protected ones or the demand
-    itself."""
+    ties): idle RUNNING ones and asleep ones, never pinned or protected ones, the demand
+    itself or its siblings."""
     ok = [
         m
         for m in models
@@ -233,6 +236,7 @@ def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
         and not (m.pinned or m.protected or m.starting or m.waking or m.falling_asleep)
         and not m.stopping
         and m.name != demand.name
+        and m.name not in demand.siblings
     ]
     return sorted(ok, key=lambda m: (m.last_used, m.name))
 
@@ -402,13 +406,13 @@ def _no_fit(
         f"{offer}"
     )
     if held:
-        reason += "; memory is held by " + ", ".join(_why_held(m) for m in held)
+        reason += "; memory is held by " + ", ".join(_why_held(m, demand) for m in held)
     else:
         reason += "; the rest is used outside the proxy"
     return NoFit(reason, tuple(m.name for m in held))
 
 
-def _why_held(m: ModelView) -> str:
+def _why_held(m: ModelView, demand: Demand) -> str:
     if m.starting:
         why = "starting"
     elif m.waking:
@@ -421,6 +425,8 @@ def _why_held(m: ModelView) -> str:
         why = f"{m.leases} request(s) in flight"
     elif m.protected:
         why = "inside its minimum residency"
+    elif m.name in demand.siblings:
+        why = "another replica of the same model"
     else:
         why = "pinned"
     return f"'{m.name}' ({m.footprint_mb} MiB on {_device_list(m.devices)}, {why})"

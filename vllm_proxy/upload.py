@@ -155,10 +155,9 @@ class Upload(BodySource):
         began = loop.time()
         try:
             async with asyncio.timeout(max(self.budget, 0.0)):
-                while True:
-                    data, end_of_http_chunk = await self.content.readchunk()
-                    if data or not end_of_http_chunk:  # (b"", True): an HTTP chunk's end
-                        break
+                # Everything buffered at once, not one HTTP chunk at a time: a client sending
+                # a byte per chunk would make a scan step and a kept piece of every byte.
+                data = await self.content.readany()
         except TimeoutError:
             raise RequestTimeout(
                 f"the request body did not arrive within {self.timeout_s:g}s "

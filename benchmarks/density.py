@@ -1,0 +1,1875 @@
+#!/usr/bin/env python3
+"""How many models one GPU serves within a latency target: a discrete-event simulation of four
+swap policies on the same traffic, in virtual time.
+
+    .venv/bin/python benchmarks/density.py                  # 12 models, and a sweep over M
+    .venv/bin/python benchmarks/density.py --docs           # also docs/benchmarks.md + the plot
+    .venv/bin/python benchmarks/density.py --tune           # the scheduler's settings, a grid
+    .venv/bin/python benchmarks/density.py --replay FILE    # an operator's own day
+
+M models of the sizes in ``benchmarks/density_profile.yaml`` (the one file with every latency
+and size figure, each with its source) share one simulated GPU (an H100 80GB by default). Each
+engine is cold, starting, awake, falling asleep, asleep, waking or stopping, for the durations
+the profile gives; it holds its footprint on the GPU from the start of a start or wake until it
+is asleep (then its residue) or stopped. A request is served when its model is awake: its time
+to first token (TTFT) is its wait plus its prefill (prompt tokens / prefill rate); the engine
+then holds a lease for it until its last token (output tokens / decode rate).
+
+Traffic: each model's requests form a renewal process with gamma inter-arrival times (CV
+``--cv``; 1 is Poisson, higher is burstier), at its share of ``--rate`` under a Zipf popularity
+(``--zipf``); prompt and output tokens are lognormal. ``--replay`` reads a CSV
+(``time,model,prompt_tokens,output_tokens``; time in seconds or ISO 8601) or the proxy's access
+log (text or ``--log-format json``) instead.
+
+The policies, side by side on the same requests:
+
+* ``stop-on-swap`` (llama-swap): one model at a time; a request for another one waits in one
+  FIFO until the current model's requests end, then it is stopped and the other cold-starts.
+* ``sleep-on-swap`` (llmsnap): the same, but the current model is put to sleep (level 1) and a
+  sleeping one is woken; sleepers keep their residue, and when the GPU is full the least
+  recently used sleeper is stopped.
+* ``planner`` (the proxy before admission): models share the GPU by memory through
+  ``vllm_proxy.scheduler.plan(..., now=None)`` (victims least recently used first); waiting
+  bring-ups re-plan in the order they began waiting on every change, any of them may evict;
+  requests for an awake model are never held.
+* ``scheduler`` (the proxy with ``vllm_proxy.admission``): ``plan(..., now=...)`` (price order,
+  from each model's measured starts and wakes) plus the queue rules of ``vllm_proxy.queueing``
+  as ``Admission`` applies them: one queue by (rank, oldest request); a model's requests
+  grouped on its one bring-up; turns (`queueing.turn`: the first waiting for memory may
+  evict; one behind it only without evicting and when the first's plan, once busy engines
+  drain, still fits, or with any plan when the first cannot be placed even then; never one
+  that began waiting more than the reorder window after the first); a request for an awake
+  engine held behind an earlier waiter that may go (`queueing.may_hold`) whose window has run
+  out and whose drained plan takes that engine (for at most ``queue_timeout_s``); minimum
+  residency while in use (a plan that went around a protected engine waits for it when the
+  plan without the protection would differ).
+
+A bring-up of the planner or the scheduler that has not claimed memory within
+``--queue-timeout-s`` answers its requests 503 (they count as missed); the one-model policies
+queue for ever. SLO: a TTFT within ``--slo-warm-s`` for a request whose model had a process
+when it arrived (awake, asleep, falling asleep or waking), within ``--slo-cold-s`` for one
+whose model had none (cold, starting, stopping). "Models per GPU" is the largest M of the
+sweep whose attainment is at least 95 %. ``late_overtakes`` counts requests that waited (for a
+bring-up that has not claimed memory, or held) while a request that arrived more than the
+reorder window after them was admitted onto the GPU ahead of them (a bring-up claimed memory:
+its group counts by its oldest request; or a held request was sent, counted against waiters
+whose drained plan takes that engine); the largest wait after such an overtake is printed
+next to it. Requests in the first ``--warmup-s`` are simulated but not counted. The simulator
+checks that memory is never over-committed and that no engine with a request in flight is put
+to sleep or stopped.
+
+Prints the tables and the command that reproduced them; raw numbers go to
+``benchmarks/results/density.json``; ``--docs`` writes the section of docs/benchmarks.md and
+docs/benchmarks/density.svg.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import heapq
+import json
+import math
+import os
+import random
+import re
+import sys
+from collections import deque
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from vllm_proxy.queueing import (  # noqa: E402
+    GO,
+    IF_FIRST_STILL_FITS,
+    Rules,
+    Waiter,
+    holds,
+    in_use,
+    may_hold,
+    next_deadline,
+    order,
+    overdue,
+    protected,
+    turn,
+)
+from vllm_proxy.scheduler import Demand, DeviceView, ModelView, NoFit, Plan, plan  # noqa: E402
+
+PROFILE = Path(__file__).resolve().parent / "density_profile.yaml"
+RESULTS = ROOT / "benchmarks" / "results" / "density.json"
+DOCS = ROOT / "docs" / "benchmarks.md"
+PLOT = ROOT / "docs" / "benchmarks" / "density.svg"
+SECTION = "## Density: many models on one GPU"
+POLICIES = ("stop-on-swap", "sleep-on-swap", "planner", "scheduler")
+MIB_PER_GIB = 1024
+TARGET = 0.95
+
+
+# --------------------------------------------------------------------------- the profile
+
+
+@dataclass(frozen=True)
+class Size:
+    """One model size class of the profile."""
+
+    name: str
+    params_b: float
+    weights_gib: float
+    footprint_gib: float
+    residue_gib: float
+    prefill_tok_s: float
+    decode_tok_s: float
+
+    @property
+    def footprint_mib(self) -> int:
+        return round(self.footprint_gib * MIB_PER_GIB)
+
+    @property
+    def residue_mib(self) -> int:
+        return round(self.residue_gib * MIB_PER_GIB)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """The GPU, the engine timings and the size classes (see density_profile.yaml)."""
+
+    gpu_name: str
+    total_mib: int
+    reserve_mib: int
+    timing: dict[str, float]
+    sizes: dict[str, Size]
+    mix: tuple[str, ...]
+    models: dict[str, str] = field(default_factory=dict)
+
+    def start_s(self, s: Size) -> float:
+        t = self.timing
+        return t["start_base_s"] + t["start_s_per_gib"] * s.weights_gib
+
+    def wake_s(self, s: Size, level: int) -> float:
+        t = self.timing
+        wake = t["wake_base_s"] + t["wake_s_per_gib"] * s.weights_gib
+        if level == 2:
+            wake += t["reload_base_s"] + s.weights_gib / t["disk_gib_s"]
+        return wake
+
+    def sleep_s(self, s: Size, level: int, first: bool) -> float:
+        t = self.timing
+        if level == 2:
+            return t["sleep_l2_s"]
+        rate = t["first_sleep_s_per_gib"] if first else t["sleep_s_per_gib"]
+        return t["sleep_base_s"] + rate * s.weights_gib
+
+    @property
+    def stop_s(self) -> float:
+        return self.timing["stop_s"]
+
+
+def load_profile(path: Path, total_mib: int | None = None) -> Profile:
+    raw = yaml.safe_load(path.read_text())
+    sizes = {str(k): Size(name=str(k), **v) for k, v in raw["sizes"].items()}
+    mix = tuple(str(m) for m in raw["mix"])
+    unknown = [m for m in [*mix, *(raw.get("models") or {}).values()] if m not in sizes]
+    if unknown:
+        raise SystemExit(f"{path}: size(s) {unknown} are not under 'sizes'")
+    gpu = raw["gpu"]
+    return Profile(
+        gpu_name=str(gpu["name"]),
+        total_mib=int(total_mib if total_mib is not None else gpu["total_mib"]),
+        reserve_mib=int(gpu["reserve_mib"]),
+        timing={k: float(v) for k, v in raw["timing"].items()},
+        sizes=sizes,
+        mix=mix,
+        models={str(k): str(v) for k, v in (raw.get("models") or {}).items()},
+    )
+
+
+# --------------------------------------------------------------------------- traffic
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """How generated requests arrive (see the module docstring)."""
+
+    rate: float = 0.2
+    zipf: float = 1.0
+    cv: float = 2.0
+    seed: int = 1
+    duration_s: float = 28800.0
+    warmup_s: float = 600.0
+    prompt_median: float = 400.0
+    prompt_sigma: float = 1.0
+    prompt_max: int = 16000
+    output_median: float = 150.0
+    output_sigma: float = 0.8
+    output_max: int = 2048
+
+
+@dataclass(frozen=True)
+class Client:
+    """A closed-loop client: one model, the next request `think_s` after each answer."""
+
+    model: int
+    think_s: float = 0.0
+    prompt: int = 400
+    output: int = 150
+    first_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One request of the workload: when, for which model (index), and its token counts."""
+
+    time: float
+    model: int
+    prompt: int
+    output: int
+
+
+def zipf_shares(m: int, s: float) -> list[float]:
+    """The popularity of models 1..m: proportional to 1 / rank**s."""
+    w = [1.0 / (i + 1) ** s for i in range(m)]
+    total = sum(w)
+    return [x / total for x in w]
+
+
+def lognormal(rng: random.Random, median: float, sigma: float, top: int) -> int:
+    return max(1, min(top, round(median * math.exp(sigma * rng.gauss(0.0, 1.0)))))
+
+
+def generate(m: int, t: Traffic) -> list[Arrival]:
+    """`m` models' requests over warm-up plus duration, sorted by time. Each model has its own
+    random stream (seeded by the seed and its index), so model i's arrivals only scale with its
+    share when `m` changes."""
+    end = t.warmup_s + t.duration_s
+    shape = 1.0 / (t.cv * t.cv)
+    out: list[Arrival] = []
+    for i, share in enumerate(zipf_shares(m, t.zipf)):
+        rng = random.Random(f"density-{t.seed}-{i}")
+        mean = 1.0 / (t.rate * share)
+        scale = mean / shape
+        now = rng.gammavariate(shape, scale)
+        while now < end:
+            prompt = lognormal(rng, t.prompt_median, t.prompt_sigma, t.prompt_max)
+            output = lognormal(rng, t.output_median, t.output_sigma, t.output_max)
+            out.append(Arrival(now, i, prompt, output))
+            now += rng.gammavariate(shape, scale)
+    out.sort(key=lambda a: (a.time, a.model))
+    return out
+
+
+# --------------------------------------------------------------------------- replay
+
+#: Fields of an access-log line (``key=value``), see proxy.py `_access`.
+_FIELD = re.compile(r"(\w+)=(\S+)")
+_TEXT_TIME = re.compile(r"(\d{4}-\d\d-\d\d[ T]\d\d:\d\d:\d\d(?:[,.]\d+)?)")
+_ESCAPE = re.compile(r"\\(x[0-9a-fA-F]{2}|u[0-9a-fA-F]{4}|U[0-9a-fA-F]{8}|\\)")
+
+
+def _unescape(text: str) -> str:
+    """Undo the access log's escapes (``\\xNN``, ``\\uNNNN``, ``\\UNNNNNNNN``, ``\\\\``)."""
+
+    def one(m: re.Match[str]) -> str:
+        code = m.group(1)
+        return "\\" if code == "\\" else chr(int(code[1:], 16))
+
+    return _ESCAPE.sub(one, text)
+
+
+def _seconds(text: str) -> float:
+    """Seconds from a number or an ISO 8601 time (naive times are taken as UTC)."""
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    when = datetime.datetime.fromisoformat(text.strip().replace(",", ".").replace("Z", "+00:00"))
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=datetime.UTC)
+    return when.timestamp()
+
+
+@dataclass(frozen=True)
+class Record:
+    """One request read from a replay file; token counts None when the file has none."""
+
+    time: float
+    model: str
+    prompt: int | None
+    output: int | None
+
+
+def _int_or_none(text: str | None) -> int | None:
+    if text is None or not text.strip():
+        return None
+    return int(float(text))
+
+
+def parse_csv(lines: Iterable[str]) -> list[Record]:
+    out = []
+    for row in csv.DictReader(lines):
+        if not row.get("model") or not row.get("time"):
+            continue
+        out.append(
+            Record(
+                _seconds(row["time"]),
+                row["model"].strip(),
+                _int_or_none(row.get("prompt_tokens")),
+                _int_or_none(row.get("output_tokens") or row.get("completion_tokens")),
+            )
+        )
+    return out
+
+
+def parse_access_line(line: str) -> Record | None:
+    """One line of the proxy's access log (logger ``vllm_proxy.access``), text or JSON, or None
+    for any other line and for requests that never needed an engine (no model, or refused
+    before it: 4xx other than 408, 429 and 499). The arrival is the log time less
+    ``duration_ms`` (the line is written when the response ends)."""
+    line = line.strip()
+    if "vllm_proxy.access" not in line:
+        return None
+    when: float | None = None
+    msg = line
+    if line.startswith("{"):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            return None
+        if entry.get("logger") != "vllm_proxy.access":
+            return None
+        msg = str(entry.get("msg", ""))
+        if entry.get("ts"):
+            when = _seconds(str(entry["ts"]))
+    else:
+        head, _, msg = line.partition("vllm_proxy.access:")
+        stamp = _TEXT_TIME.search(head)
+        if stamp:
+            when = _seconds(stamp.group(1))
+    fields = dict(_FIELD.findall(msg))
+    model = _unescape(fields.get("model", "None"))
+    if when is None or model in ("None", "-", ""):
+        return None
+    status = int(fields.get("status", "200"))
+    if 400 <= status < 500 and status not in (408, 429, 499):
+        return None
+    when -= float(fields.get("duration_ms", "0")) / 1000
+    prompt = _int_or_none(fields.get("prompt_tokens"))
+    output = _int_or_none(fields.get("completion_tokens") or fields.get("output_tokens"))
+    return Record(when, model, prompt, output)
+
+
+def read_replay(path: Path) -> list[Record]:
+    """Requests from a CSV (a header with ``time`` and ``model``) or an access log."""
+    with path.open(newline="") as f:
+        first = f.readline()
+        f.seek(0)
+        if "time" in first and "model" in first and "vllm_proxy.access" not in first:
+            records = parse_csv(f)
+        else:
+            records = [r for r in map(parse_access_line, f) if r is not None]
+    if not records:
+        raise SystemExit(f"{path}: no requests found (a CSV with time,model,... or an access log)")
+    return sorted(records, key=lambda r: r.time)
+
+
+def replay_workload(
+    records: Sequence[Record], prof: Profile, t: Traffic
+) -> tuple[list[Arrival], list[str], list[Size]]:
+    """Arrivals (time from the first request), model names (most requested first) and their
+    sizes: the profile's ``models`` by name, else the mix in turn. Missing token counts are
+    drawn from the traffic's distributions (seeded)."""
+    counts: dict[str, int] = {}
+    for r in records:
+        counts[r.model] = counts.get(r.model, 0) + 1
+    names = sorted(counts, key=lambda n: (-counts[n], n))
+    index = {n: i for i, n in enumerate(names)}
+    sizes, k = [], 0
+    for n in names:
+        if n in prof.models:
+            sizes.append(prof.sizes[prof.models[n]])
+        else:
+            sizes.append(prof.sizes[prof.mix[k % len(prof.mix)]])
+            k += 1
+    rng = random.Random(f"density-replay-{t.seed}")
+    start = records[0].time
+    out = []
+    for r in records:
+        prompt = r.prompt or lognormal(rng, t.prompt_median, t.prompt_sigma, t.prompt_max)
+        output = r.output or lognormal(rng, t.output_median, t.output_sigma, t.output_max)
+        out.append(Arrival(r.time - start, index[r.model], prompt, output))
+    return out, names, sizes
+
+
+# --------------------------------------------------------------------------- the engines
+
+COLD, STARTING, AWAKE, FALLING, ASLEEP, WAKING, STOPPING = (
+    "cold", "starting", "awake", "falling-asleep", "asleep", "waking", "stopping",
+)  # fmt: skip
+#: States in which a model has a process (its requests get the warm SLO).
+WARM = frozenset({AWAKE, FALLING, ASLEEP, WAKING})
+ARRIVE, LEASE_END, DONE, TICK = 0, 1, 2, 3
+
+
+class Req:
+    """One request in the simulation and what happened to it."""
+
+    __slots__ = ("admit", "client", "cold", "failed", "id", "model", "output", "overtaken",
+                 "prompt", "time", "ttft")  # fmt: skip
+
+    def __init__(self, i: int, a: Arrival) -> None:
+        self.id = i
+        self.time = a.time
+        self.model = a.model
+        self.prompt = a.prompt
+        self.output = a.output
+        self.admit: float | None = None
+        self.ttft: float | None = None
+        self.cold = False
+        #: When it was answered 503 (its bring-up found no memory within the queue timeout).
+        self.failed: float | None = None
+        #: When a request that came more than max_reorder_s later went ahead of it.
+        self.overtaken: float | None = None
+        #: The closed-loop client that sent it (None: open-loop traffic).
+        self.client: int | None = None
+
+
+class Engine:
+    """One model's engine: its state, the memory it holds and the requests that wait for it."""
+
+    def __init__(self, idx: int, name: str, size: Size) -> None:
+        self.idx = idx
+        self.name = name
+        self.size = size
+        self.state = COLD
+        self.held = 0  # MiB on the GPU now
+        self.leases = 0  # requests in flight
+        self.last_used = -math.inf
+        self.resident_since = 0.0
+        self.began = 0.0  # start of the current transition
+        self.token = 0  # bumped by every transition: a stale DONE event is ignored
+        #: A bring-up is planned: it begins once `need` MiB are free (its victims are leaving).
+        self.committed = False
+        self.need = 0
+        #: When the bring-up now waiting for memory began to wait (its queue time-out runs
+        #: from then).
+        self.attempt = 0.0
+        self.waiting: deque[Req] = deque()  # for a bring-up (or riding on one)
+        self.held_reqs: deque[Req] = deque()  # for this awake engine, held behind a waiter
+        self.slept = False  # it has been put to sleep before: pinned buffers exist
+        self.start_s: float | None = None
+        self.wake_s: float | None = None
+        self.start_mean: float | None = None
+        self.wake_mean: float | None = None
+
+
+@dataclass
+class Settings:
+    """What every policy shares in one run, and the scheduler's own settings."""
+
+    slo_warm_s: float = 5.0
+    slo_cold_s: float = 60.0
+    sleep_level: int = 1
+    max_reorder_s: float = 10.0
+    min_resident_s: float = 30.0
+    idle_grace_s: float = 1.0
+    #: Caps the reorder window at half of it, and a hold at all of it (the sim has no other
+    #: time-outs: a request waits until served).
+    queue_timeout_s: float = 30.0
+
+
+@dataclass
+class Result:
+    """One policy's run: every counted request's outcome and the run's counters."""
+
+    policy: str
+    models: list[str]
+    sizes: list[str]
+    measured_s: float
+    generated: int = 0
+    served: int = 0
+    timed_out: int = 0
+    unserved: int = 0
+    counted: int = 0
+    ttft: list[float] = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
+    cold: list[bool] = field(default_factory=list)
+    model_of: list[int] = field(default_factory=list)
+    swaps: int = 0
+    cold_starts: int = 0
+    wakes: int = 0
+    start_gpu_s: float = 0.0
+    wake_gpu_s: float = 0.0
+    late_overtakes: int = 0
+    max_beyond_turn_s: float = 0.0
+    max_used_mib: int = 0
+    over_commits: int = 0
+    busy_evictions: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        n = len(self.ttft)
+        minutes = self.measured_s / 60
+        return {
+            "policy": self.policy,
+            "requests": n,
+            "served_counted": sum(1 for x in self.ttft if not math.isinf(x)),
+            "served": self.served,
+            "timed_out": self.timed_out,
+            "unserved": self.unserved,
+            "attainment": sum(self.ok) / n if n else float("nan"),
+            "attainment_warm": _share([o for o, c in self._ok_cold() if not c]),
+            "attainment_cold": _share([o for o, c in self._ok_cold() if c]),
+            "cold_requests": sum(self.cold),
+            "ttft_p50": pct(self.ttft, 50),
+            "ttft_p99": pct(self.ttft, 99),
+            "swaps_per_min": self.swaps / minutes,
+            "cold_starts_per_min": self.cold_starts / minutes,
+            "wakes_per_min": self.wakes / minutes,
+            "start_gpu_s": self.start_gpu_s,
+            "wake_gpu_s": self.wake_gpu_s,
+            "late_overtakes": self.late_overtakes,
+            "max_beyond_turn_s": self.max_beyond_turn_s,
+            "max_used_mib": self.max_used_mib,
+            "over_commits": self.over_commits,
+            "busy_evictions": self.busy_evictions,
+        }
+
+    def _ok_cold(self) -> list[tuple[bool, bool]]:
+        return list(zip(self.ok, self.cold, strict=True))
+
+    def per_model(self) -> list[dict[str, Any]]:
+        rows = []
+        for i, name in enumerate(self.models):
+            t = [x for x, m in zip(self.ttft, self.model_of, strict=True) if m == i]
+            ok = [x for x, m in zip(self.ok, self.model_of, strict=True) if m == i]
+            rows.append({"model": name, "size": self.sizes[i], "requests": len(t),
+                         "attainment": _share(ok), "ttft_p50": pct(t, 50),
+                         "ttft_p99": pct(t, 99)})  # fmt: skip
+        return rows
+
+
+def _share(flags: Sequence[bool]) -> float:
+    return sum(flags) / len(flags) if flags else float("nan")
+
+
+def pct(xs: Sequence[float], q: float) -> float:
+    """The q-th percentile (linear between closest ranks); NaN for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = math.floor(k)
+    hi = min(lo + 1, len(s) - 1)
+    if math.isinf(s[hi]) and (k > lo or math.isinf(s[lo])):
+        return math.inf  # requests never served (timed out) count as infinitely late
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+# --------------------------------------------------------------------------- the simulator
+
+
+class Sim:
+    """The event loop, the engines' transitions and the checks every policy shares."""
+
+    policy = ""
+
+    def __init__(
+        self,
+        arrivals: Sequence[Arrival],
+        names: Sequence[str],
+        sizes: Sequence[Size],
+        prof: Profile,
+        st: Settings,
+        warmup_s: float,
+        measured_s: float,
+        clients: Sequence[Client] = (),
+    ) -> None:
+        self.prof = prof
+        self.clients = list(clients)
+        self.st = st
+        self.engines = [Engine(i, n, s) for i, (n, s) in enumerate(zip(names, sizes, strict=True))]
+        self.by_name = {e.name: e for e in self.engines}
+        self.reqs = [Req(i, a) for i, a in enumerate(arrivals)]
+        self.warmup = warmup_s
+        self.end = warmup_s + measured_s
+        self.res = Result(self.policy, list(names), [s.name for s in sizes], measured_s)
+        self.events: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.now = 0.0
+        self.cap = prof.total_mib - prof.reserve_mib
+        self.used = 0
+
+    # -- the loop
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, obj))
+
+    def run(self) -> Result:
+        for r in self.reqs:
+            self.push(r.time, ARRIVE, r)
+        for k, c in enumerate(self.clients):
+            self.send(k, c.first_s)
+        while self.events:
+            t, _, kind, obj = heapq.heappop(self.events)
+            self.now = t
+            if kind == ARRIVE:
+                e = self.engines[obj.model]
+                obj.cold = e.state not in WARM
+                self.arrive(obj, e)
+            elif kind == LEASE_END:
+                e, r = obj
+                e.leases -= 1
+                e.last_used = t
+                self.answered(r)
+            elif kind == DONE:
+                e, token = obj
+                if token != e.token:
+                    continue
+                self.done(e)
+            self.decide()
+        return self.finish()
+
+    def finish(self) -> Result:
+        res = self.res
+        res.generated = len(self.reqs)
+        for r in self.reqs:
+            if r.admit is not None:
+                res.served += 1
+            elif r.failed is not None:
+                res.timed_out += 1
+            else:
+                res.unserved += 1
+            if not self.warmup <= r.time < self.end:
+                continue
+            e = self.engines[r.model]
+            ttft = math.inf if r.ttft is None else r.ttft
+            res.ttft.append(ttft)
+            res.cold.append(r.cold)
+            res.ok.append(ttft <= (self.st.slo_cold_s if r.cold else self.st.slo_warm_s))
+            res.model_of.append(e.idx)
+            if r.overtaken is not None:
+                res.late_overtakes += 1
+                end = r.admit if r.admit is not None else r.failed
+                beyond = (end if end is not None else self.now) - r.overtaken
+                res.max_beyond_turn_s = max(res.max_beyond_turn_s, beyond)
+        return res
+
+    # -- what every policy decides
+
+    def arrive(self, r: Req, e: Engine) -> None:
+        raise NotImplementedError
+
+    def decide(self) -> None:
+        raise NotImplementedError
+
+    def awake(self, e: Engine) -> None:
+        """`e` is up: serve what waited for it."""
+        while e.waiting:
+            self.admit(e.waiting.popleft(), e)
+
+    # -- requests
+
+    def admit(self, r: Req, e: Engine) -> None:
+        assert e.state == AWAKE, (self.policy, e.name, e.state)
+        prefill = r.prompt / e.size.prefill_tok_s
+        r.admit = self.now
+        r.ttft = self.now - r.time + prefill
+        e.leases += 1
+        e.last_used = self.now
+        self.push(self.now + prefill + r.output / e.size.decode_tok_s, LEASE_END, (e, r))
+
+    # -- closed-loop clients
+
+    def send(self, k: int, at: float) -> None:
+        """Client `k`'s next request, at `at` (none past the end of the run)."""
+        if at >= self.end:
+            return
+        c = self.clients[k]
+        r = Req(len(self.reqs), Arrival(at, c.model, c.prompt, c.output))
+        r.client = k
+        self.reqs.append(r)
+        self.push(at, ARRIVE, r)
+
+    def answered(self, r: Req) -> None:
+        """`r` has its whole answer (or its error): its client sends the next one."""
+        if r.client is not None:
+            self.send(r.client, self.now + self.clients[r.client].think_s)
+
+    # -- transitions
+
+    def _counted(self) -> bool:
+        return self.warmup <= self.now < self.end
+
+    def _begin(self, e: Engine, state: str, seconds: float) -> None:
+        e.state = state
+        e.began = self.now
+        e.token += 1
+        self.push(self.now + seconds, DONE, (e, e.token))
+
+    def _take(self, e: Engine, mib: int) -> None:
+        self.used += mib - e.held
+        e.held = mib
+        self.res.max_used_mib = max(self.res.max_used_mib, self.used)
+        if self.used > self.cap:
+            self.res.over_commits += 1
+
+    def free(self) -> int:
+        return self.cap - self.used
+
+    def start(self, e: Engine) -> None:
+        assert e.state == COLD
+        e.committed = False
+        self._take(e, e.size.footprint_mib)
+        seconds = self.prof.start_s(e.size)
+        self._begin(e, STARTING, seconds)
+        if self._counted():
+            self.res.cold_starts += 1
+            self.res.start_gpu_s += seconds
+
+    def wake(self, e: Engine) -> None:
+        assert e.state == ASLEEP
+        e.committed = False
+        self._take(e, e.size.footprint_mib)
+        seconds = self.prof.wake_s(e.size, self.st.sleep_level)
+        self._begin(e, WAKING, seconds)
+        if self._counted():
+            self.res.wakes += 1
+            self.res.wake_gpu_s += seconds
+
+    def sleep(self, e: Engine) -> None:
+        assert e.state == AWAKE
+        self._evicting(e)
+        seconds = self.prof.sleep_s(e.size, self.st.sleep_level, first=not e.slept)
+        e.slept = True
+        self._begin(e, FALLING, seconds)
+
+    def stop(self, e: Engine) -> None:
+        assert e.state in (AWAKE, ASLEEP), e.state
+        self._evicting(e)
+        self._begin(e, STOPPING, self.prof.stop_s)
+
+    def _evicting(self, e: Engine) -> None:
+        if e.leases:
+            self.res.busy_evictions += 1
+        # Requests held for it now wait for its next bring-up, in their order.
+        if e.held_reqs:
+            e.attempt = self.now
+        while e.held_reqs:
+            e.waiting.appendleft(e.held_reqs.pop())
+
+    def done(self, e: Engine) -> None:
+        took = self.now - e.began
+        if e.state in (STARTING, WAKING):
+            if e.state == STARTING:
+                e.start_s = took
+            else:
+                e.wake_s = took
+            e.state = AWAKE
+            e.resident_since = self.now
+            e.last_used = self.now
+            self.awake(e)
+        elif e.state == FALLING:
+            e.state = ASLEEP
+            self._take(e, e.size.residue_mib)
+        elif e.state == STOPPING:
+            e.state = COLD
+            self._take(e, 0)
+
+
+class SwapSim(Sim):
+    """One model at a time, one FIFO (llama-swap with ``stop``, llmsnap with ``sleep``)."""
+
+    def __init__(self, mode: str, *args: Any) -> None:
+        self.policy = f"{mode}-on-swap"
+        super().__init__(*args)
+        self.mode = mode
+        self.queue: deque[Req] = deque()
+        self.current: Engine | None = None  # the one awake (or coming up) model
+        self.target: Engine | None = None  # the model a swap in progress brings up
+
+    def arrive(self, r: Req, e: Engine) -> None:
+        self.queue.append(r)
+
+    def awake(self, e: Engine) -> None:
+        pass  # the queue is served in order by decide()
+
+    def decide(self) -> None:
+        self.advance()
+        while self.queue:
+            head = self.queue[0]
+            e = self.engines[head.model]
+            if self.target is None and e is self.current and e.state == AWAKE:
+                self.admit(self.queue.popleft(), e)
+                continue
+            if self.target is not None:
+                return
+            cur = self.current
+            if cur is not None:
+                if cur.leases:
+                    return  # the swap waits for the current model's requests to end
+                if self.mode == "stop":
+                    self.stop(cur)
+                else:
+                    self.sleep(cur)
+                if self._counted():
+                    self.res.swaps += 1
+            self.target = e
+            self.advance()
+            return
+
+    def advance(self) -> None:
+        """Move a swap in progress on: once the old model is gone, make room and bring up
+        the new one."""
+        t = self.target
+        if t is None:
+            return
+        cur = self.current
+        if cur is not None and cur is not t:
+            if cur.state in (FALLING, STOPPING):
+                return
+            self.current = None
+        if t.state in (STARTING, WAKING):
+            return
+        if t.state == AWAKE:
+            self.current, self.target = t, None
+            return
+        if t.state in (FALLING, STOPPING):
+            return
+        need = t.size.footprint_mib - t.held
+        if self.free() < need:
+            if any(e.state == STOPPING for e in self.engines):
+                return
+            sleepers = sorted((e for e in self.engines if e.state == ASLEEP and e is not t),
+                              key=lambda e: (e.last_used, e.idx))  # fmt: skip
+            room = self.free()
+            for e in sleepers:
+                if room >= need:
+                    break
+                room += e.held
+                self.stop(e)
+            return
+        self.current = t
+        if t.state == ASLEEP:
+            self.wake(t)
+        else:
+            self.start(t)
+
+
+class PlanSim(Sim):
+    """Models share the GPU by memory through `plan()`: the ``planner`` as the proxy was, or
+    the ``scheduler`` with the admission rules as `vllm_proxy.admission` applies them."""
+
+    def __init__(self, scheduler: bool, *args: Any) -> None:
+        self.policy = "scheduler" if scheduler else "planner"
+        super().__init__(*args)
+        self.sched = scheduler
+        self.rules = Rules(max_reorder_s=self.st.max_reorder_s, idle_grace_s=self.st.idle_grace_s,
+                           queue_timeout_s=self.st.queue_timeout_s)  # fmt: skip
+        self.pending: list[Engine] = []  # committed bring-ups, in the order they were planned
+        self.ticks: set[float] = set()
+        self._drain: dict[str, tuple[str, ...] | None] = {}
+        self.device = DeviceView(0, self.prof.total_mib, 0)
+
+    # -- snapshots for plan()
+
+    def views(
+        self, protect_for: Waiter | None = None, drained: bool = False, extra: Engine | None = None
+    ) -> tuple[list[DeviceView], list[ModelView]]:
+        """The device and the models as plan() sees them now. `drained`: as if every request
+        in flight had ended; `extra`: a cold or asleep engine as if its bring-up had claimed
+        its memory."""
+        now, st = self.now, self.st
+        used = pending = 0
+        views = []
+        for e in self.engines:
+            state, held = e.state, e.held
+            committed = e.committed or e is extra
+            used += held
+            if committed:
+                pending += e.size.footprint_mib - held
+            if state == COLD and not committed:
+                continue
+            leases = 0 if drained else e.leases
+            prot = False
+            if protect_for is not None and not drained and state == AWAKE and st.min_resident_s:
+                busy = in_use(e.leases, 0, e.last_used, now, self.rules)
+                prot = protected(e.resident_since, st.min_resident_s, busy, now, protect_for,
+                                 self.rules)  # fmt: skip
+            views.append(
+                ModelView(e.name, held or e.size.footprint_mib, (0,), state == AWAKE, leases,
+                          now if e.leases else e.last_used, False,
+                          starting=state in (COLD, STARTING), stopping=state == STOPPING,
+                          sleep_mb=e.size.residue_mib if state == AWAKE else None,
+                          asleep=state == ASLEEP,
+                          waking=state == WAKING or (state == ASLEEP and committed),
+                          falling_asleep=state == FALLING, protected=prot,
+                          start_s=e.start_s, wake_s=e.wake_s)
+            )  # fmt: skip
+        return [replace(self.device, used_mb=used, pending_mb=pending)], views
+
+    def demand(self, e: Engine) -> Demand:
+        if e.state == ASLEEP:  # what a wake adds, on its own device
+            need = e.size.footprint_mib - e.size.residue_mib
+            return Demand(e.name, need, 1, (0,), self.prof.reserve_mib)
+        return Demand(e.name, e.size.footprint_mib, 1, None, self.prof.reserve_mib)
+
+    def plan_for(self, e: Engine, w: Waiter | None) -> Any:
+        """`Admission.plan_for`: with minimum residencies weighed against `w`; a plan that
+        went around protected engines waits for them when the plan without the protection
+        would be another one."""
+        devices, views = self.views(protect_for=w)
+        now = self.now if self.sched else None
+        decision = plan(self.demand(e), devices, views, now=now)
+        kept = tuple(v.name for v in views if v.protected)
+        if kept and isinstance(decision, Plan):
+            bare = plan(self.demand(e), devices, self.views()[1], now=now)
+            if bare != decision:
+                return NoFit(f"waits for {', '.join(kept)}", kept)
+        return decision
+
+    def drained(self, e: Engine, extra: Engine | None = None) -> Plan | None:
+        """`e`'s plan once every request in flight has ended (None: it does not fit even
+        then); `extra`: with that bring-up's memory claimed first."""
+        devices, views = self.views(drained=True, extra=extra)
+        p = plan(self.demand(e), devices, views, now=self.now)
+        return p if isinstance(p, Plan) else None
+
+    def drained_victims(self, e: Engine) -> tuple[str, ...] | None:
+        if e.name not in self._drain:
+            p = self.drained(e)
+            self._drain[e.name] = None if p is None else (*p.evict, *p.sleep)
+        return self._drain[e.name]
+
+    # -- the queue
+
+    def waiting_for_memory(self, e: Engine) -> bool:
+        """Requests of `e` wait for a bring-up that has not claimed memory yet."""
+        return bool(e.waiting) and not e.committed and e.state in (COLD, ASLEEP, FALLING, STOPPING)
+
+    def turns(self) -> list[tuple[Waiter, Engine]]:
+        """Starts and wakes waiting for memory, in the queue's order (`admission._turns`): a
+        model whose engine is still falling asleep joins once its sleep has ended (its wake
+        waits for it); one whose engine is stopping joins at once (a new start)."""
+        ws = {}
+        for e in self.engines:
+            if self.waiting_for_memory(e) and e.state != FALLING:
+                first = e.waiting[0]
+                ws[e.name] = (Waiter(e.name, (0, 0), first.time, first.id), e)
+        return [ws[w.model] for w in order(w for w, _ in ws.values())]
+
+    def holding(self, e: Engine, arrived: float, turns: list[tuple[Waiter, Engine]]) -> bool:
+        """`Admission.holds`: whether a request for the awake `e` that arrived at `arrived`
+        queues behind a waiter that may hold (`may_hold`), ahead of it, whose window has run
+        out and whose drained plan takes `e`. A hold runs out after the queue timeout."""
+        if not turns or self.now - arrived >= self.rules.queue_timeout_s:
+            return False
+        first, head = turns[0]
+        placeable = self.drained_victims(head) is not None
+        for w, we in turns:
+            if we is e or not overdue(w, self.now, self.rules):
+                continue
+            if not may_hold(w, first, self.rules, first_placeable=placeable):
+                continue
+            if (w.rank, w.since) > ((0, 0), arrived):
+                continue
+            victims = self.drained_victims(we)
+            if victims is not None and holds(w, (0, 0), arrived, victims, e.name, self.now,
+                                             self.rules):  # fmt: skip
+                return True
+        return False
+
+    def arrive(self, r: Req, e: Engine) -> None:
+        self._drain.clear()
+        if e.state != AWAKE:
+            if not e.waiting and not e.committed:
+                e.attempt = self.now  # a new bring-up: its queue time-out runs from now
+            e.waiting.append(r)
+        elif self.sched and self.holding(e, r.time, self.turns()):
+            e.held_reqs.append(r)
+            self.tick(r.time + self.rules.queue_timeout_s)
+        else:
+            self.admit(r, e)
+
+    def decide(self) -> None:
+        self._drain.clear()
+        self.begin_pending()
+        self.time_out()
+        while True:
+            turns = self.turns()
+            if self.sched and self.release(turns):
+                continue
+            if not turns or not self.step(turns):
+                break
+            self._drain.clear()
+        self.begin_pending()
+        self.schedule_deadline()
+
+    def step(self, turns: list[tuple[Waiter, Engine]]) -> bool:
+        """Commit one bring-up if the policy lets one go now."""
+        if not self.sched:
+            for _, e in turns:  # first come first served, any of them may evict
+                if e.state == STOPPING:
+                    continue
+                p = self.plan_for(e, None)
+                if isinstance(p, Plan):
+                    self.commit(e, p)
+                    return True
+            return False
+        # `Admission._take`: `queueing.turn` decides for each waiter behind the first.
+        first, head = turns[0]
+        placeable = self.drained_victims(head) is not None
+        for w, e in turns:
+            if e.state == STOPPING:
+                continue  # its new start waits for the old engine's memory
+            p = self.plan_for(e, w)
+            if not isinstance(p, Plan):
+                continue
+            answer = turn(w, first, self.rules, first_placeable=placeable,
+                          reclaims=bool(p.sleep or p.evict))  # fmt: skip
+            if answer == GO or (answer == IF_FIRST_STILL_FITS
+                                and self.drained(head, extra=e) is not None):  # fmt: skip
+                self.commit(e, p)
+                return True
+        return False
+
+    def release(self, turns: list[tuple[Waiter, Engine]]) -> bool:
+        """Serve held requests that no waiter holds any more (each by its own arrival)."""
+        released = False
+        for e in self.engines:
+            if not e.held_reqs or e.state != AWAKE:
+                continue
+            keep: deque[Req] = deque()
+            for r in e.held_reqs:
+                if self.holding(e, r.time, turns):
+                    keep.append(r)
+                else:
+                    self.overtakes(r.time, e, turns)
+                    self.admit(r, e)
+                    released = True
+            e.held_reqs = keep
+        if released:
+            self._drain.clear()
+        return released
+
+    def commit(self, e: Engine, p: Plan) -> None:
+        self.overtakes(e.waiting[0].time, e)
+        for name in p.sleep:
+            self.sleep(self.by_name[name])
+        for name in p.evict:
+            self.stop(self.by_name[name])
+        if (p.sleep or p.evict) and self._counted():
+            self.res.swaps += 1
+        e.committed = True
+        e.need = e.size.footprint_mib - e.held
+        self.pending.append(e)
+        self.begin_pending()
+
+    def begin_pending(self) -> None:
+        for e in list(self.pending):
+            if self.free() >= e.need:
+                self.pending.remove(e)
+                if e.state == ASLEEP:
+                    self.wake(e)
+                else:
+                    self.start(e)
+
+    def done(self, e: Engine) -> None:
+        kind = e.state
+        super().done(e)
+        if kind == FALLING and e.waiting and not e.committed:
+            e.attempt = self.now  # its wake begins to wait for memory now
+        # `admission.timed`: the planner's price is the mean of the last and the one before.
+        if kind == STARTING and e.start_s is not None:
+            e.start_s = e.start_s if e.start_mean is None else (e.start_mean + e.start_s) / 2
+            e.start_mean = e.start_s
+        elif kind == WAKING and e.wake_s is not None:
+            e.wake_s = e.wake_s if e.wake_mean is None else (e.wake_mean + e.wake_s) / 2
+            e.wake_mean = e.wake_s
+
+    def overtakes(
+        self, arrived: float, e: Engine, released: list[tuple[Waiter, Engine]] | None = None
+    ) -> None:
+        """Note, for every request still waiting for a bring-up that has not claimed memory
+        (or held) and that arrived more than max_reorder_s before `arrived`, that something
+        went ahead of it now: a bring-up of `e` (its group counts by its oldest request), or,
+        with `released` (the turns), a held request sent to `e`, which counts against the
+        waiters whose drained plan takes `e`'s memory (a request sent at once to an engine
+        that no waiter needs goes ahead of no one)."""
+        limit = arrived - self.rules.window_s
+        needs_e: set[str] | None = None
+        if released is not None:
+            needs_e = set()
+            for w, we in released:
+                victims = self.drained_victims(we) if w.since < limit else None
+                if victims is not None and e.name in victims:
+                    needs_e.add(we.name)
+        for o in self.engines:
+            if o is e or (needs_e is not None and o.name not in needs_e):
+                continue
+            lines: list[deque[Req]] = [] if needs_e is not None else [o.held_reqs]
+            if self.waiting_for_memory(o):
+                lines.append(o.waiting)
+            for line in lines:
+                for r in line:
+                    if r.time >= limit:
+                        break
+                    if r.overtaken is None:
+                        r.overtaken = self.now
+
+    def time_out(self) -> None:
+        """A bring-up that has not claimed memory within the queue timeout fails: every
+        request waiting on it is answered 503 (`Admission._take_turn`)."""
+        limit = self.st.queue_timeout_s
+        if limit <= 0:
+            return
+        for e in self.engines:
+            if self.waiting_for_memory(e) and e.state != FALLING:
+                if self.now >= e.attempt + limit:
+                    for r in e.waiting:
+                        r.failed = self.now
+                        self.answered(r)
+                    e.waiting.clear()
+                else:
+                    self.tick(e.attempt + limit)
+
+    def tick(self, t: float) -> None:
+        if t > self.now and t not in self.ticks:
+            self.ticks.add(t)
+            self.push(t, TICK, None)
+
+    def schedule_deadline(self) -> None:
+        if not self.sched:
+            return
+        waiters = [Waiter(e.name, (0, 0), e.waiting[0].time, e.waiting[0].id)
+                   for e in self.engines if self.waiting_for_memory(e)]  # fmt: skip
+        residents = [(e.resident_since, self.st.min_resident_s, e.last_used)
+                     for e in self.engines if e.state == AWAKE]  # fmt: skip
+        t = next_deadline(waiters, residents, self.now, self.rules)
+        if t is not None:
+            self.tick(t)
+
+
+def simulate(
+    policy: str,
+    arrivals: Sequence[Arrival],
+    names: Sequence[str],
+    sizes: Sequence[Size],
+    prof: Profile,
+    st: Settings,
+    warmup_s: float,
+    measured_s: float,
+    clients: Sequence[Client] = (),
+) -> Result:
+    args = (arrivals, names, sizes, prof, st, warmup_s, measured_s, clients)
+    if policy in ("stop-on-swap", "sleep-on-swap"):
+        return SwapSim(policy.split("-")[0], *args).run()
+    if policy in ("planner", "scheduler"):
+        return PlanSim(policy == "scheduler", *args).run()
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def workload(m: int, prof: Profile, t: Traffic) -> tuple[list[Arrival], list[str], list[Size]]:
+    sizes = [prof.sizes[prof.mix[i % len(prof.mix)]] for i in range(m)]
+    names = [f"m{i + 1:02d}-{s.name}" for i, s in enumerate(sizes)]
+    return generate(m, t), names, sizes
+
+
+def run_one(job: tuple[str, int, Profile, Traffic, Settings]) -> dict[str, Any]:
+    """One policy on the generated workload of `m` models (a process-pool job)."""
+    policy, m, prof, t, st = job
+    arrivals, names, sizes = workload(m, prof, t)
+    res = simulate(policy, arrivals, names, sizes, prof, st, t.warmup_s, t.duration_s)
+    out = res.summary()
+    out["m"] = m
+    out["generated"] = res.generated
+    out["per_model"] = res.per_model()
+    return out
+
+
+def run_jobs(jobs: list[Any], workers: int, fn: Any = run_one) -> list[dict[str, Any]]:
+    if workers <= 1 or len(jobs) == 1:
+        return [fn(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(fn, jobs, chunksize=1))
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def f(x: float, d: int = 1) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if math.isinf(x):
+        return "inf"
+    return f"{x:,.{d}f}"
+
+
+def pc(x: float, d: int = 1) -> str:
+    return "-" if x is None or math.isnan(x) else f"{100 * x:.{d}f} %"
+
+
+def summary_table(rows: Sequence[dict[str, Any]]) -> list[str]:
+    out = [
+        "| policy | requests (served) | **SLO attainment** | warm / cold requests met | "
+        "TTFT p50 s | TTFT p99 s | swaps / min | cold starts / min | GPU-s starting / waking | "
+        "late overtakes (max wait beyond turn s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        late = "-" if r["policy"] in ("stop-on-swap", "sleep-on-swap") else (
+            f"{r['late_overtakes']} ({f(r['max_beyond_turn_s'])})")  # fmt: skip
+        out.append(
+            f"| {r['policy']} | {r['requests']} ({r['served_counted']}) | "
+            f"**{pc(r['attainment'])}** | "
+            f"{pc(r['attainment_warm'])} / {pc(r['attainment_cold'])} ({r['cold_requests']} cold)"
+            f" | {f(r['ttft_p50'], 2)} | {f(r['ttft_p99'])} | {f(r['swaps_per_min'], 2)} | "
+            f"{f(r['cold_starts_per_min'], 2)} | {f(r['start_gpu_s'], 0)} / "
+            f"{f(r['wake_gpu_s'], 0)} | {late} |"
+        )
+    return out
+
+
+def model_table(rows: Sequence[dict[str, Any]], shares: Sequence[float]) -> list[str]:
+    pols = [r["policy"] for r in rows]
+    out = [
+        "| model | share | " + " | ".join(f"{p} met / p50 / p99 s" for p in pols) + " |",
+        "|---|---:|" + "---:|" * len(pols),
+    ]
+    for i, pm in enumerate(rows[0]["per_model"]):
+        cells = []
+        for r in rows:
+            x = r["per_model"][i]
+            cells.append(f"{pc(x['attainment'])} / {f(x['ttft_p50'], 1)} / {f(x['ttft_p99'], 1)}")
+        share = f"{100 * shares[i]:.1f} %" if i < len(shares) else "-"
+        out.append(
+            f"| {pm['model']} ({pm['requests']} req) | {share} | " + " | ".join(cells) + " |"
+        )
+    return out
+
+
+def density(sweep: Sequence[dict[str, Any]], policy: str) -> int:
+    """Models per GPU: the largest M whose attainment is at least 95 % (0: none)."""
+    ok = [r["m"] for r in sweep if r["policy"] == policy and r["attainment"] >= TARGET]
+    return max(ok) if ok else 0
+
+
+def sweep_table(sweep: Sequence[dict[str, Any]], pols: Sequence[str]) -> list[str]:
+    ms = sorted({r["m"] for r in sweep})
+    at = {(r["policy"], r["m"]): r["attainment"] for r in sweep}
+    out = ["| M | " + " | ".join(pols) + " |", "|---:|" + "---:|" * len(pols)]
+    for m in ms:
+        out.append(f"| {m} | " + " | ".join(pc(at.get((p, m), math.nan), 2) for p in pols) + " |")
+    out.append("| **models per GPU at 95 %** | "
+               + " | ".join(f"**{density(sweep, p)}**" for p in pols) + " |")  # fmt: skip
+    return out
+
+
+def goals(rows: Sequence[dict[str, Any]], sweep: Sequence[dict[str, Any]]) -> list[str]:
+    """The issue's goals, met or missed, with the numbers."""
+    at = {r["policy"]: r["attainment"] for r in rows}
+    if not {"scheduler", "stop-on-swap", "sleep-on-swap"} <= at.keys():
+        return []
+
+    def ratio(a: float, b: float) -> str:
+        return "inf" if b == 0 else f"{a / b:.2f}x"
+
+    s, stop, snap = at["scheduler"], at["stop-on-swap"], at["sleep-on-swap"]
+    zero = " (stop-on-swap meets the SLO for no request: any attainment meets this)"
+    out = [
+        f"* scheduler attainment >= 2x stop-on-swap: {pc(s)} vs {pc(stop)} ({ratio(s, stop)}): "
+        f"**{'met' if s >= 2 * stop else 'missed'}**{zero if stop == 0 else ''}",
+        f"* scheduler attainment >= 1.3x sleep-on-swap: {pc(s)} vs {pc(snap)} "
+        f"({ratio(s, snap)}): **{'met' if s >= 1.3 * snap else 'missed'}**",
+    ]
+    if sweep:
+        d, ds = density(sweep, "scheduler"), density(sweep, "stop-on-swap")
+        top = max(r["m"] for r in sweep)
+        note = f" (the sweep stops at {top})" if d == top else ""
+        met = d >= 2 * ds and d > 0
+        none = " (stop-on-swap reaches 95 % at no M)" if ds == 0 else ""
+        out.append(f"* models per GPU at 95 % >= 2x stop-on-swap's: {d}{note} vs {ds}: "
+                   f"**{'met' if met else 'missed'}**{none}")  # fmt: skip
+    return out
+
+
+# --------------------------------------------------------------------------- the plot
+
+COLORS = {"stop-on-swap": "#d62728", "sleep-on-swap": "#ff7f0e", "planner": "#1f77b4",
+          "scheduler": "#2ca02c"}  # fmt: skip
+DASHED: set[str] = set()
+
+
+def svg_plot(sweep: Sequence[dict[str, Any]], pols: Sequence[str], title: str) -> str:
+    """Attainment against M, one line per policy, as a standalone SVG."""
+    w, h, left, right, top, bottom = 760, 440, 64, 190, 48, 56
+    pw, ph = w - left - right, h - top - bottom
+    ms = sorted({r["m"] for r in sweep})
+    lo, hi = ms[0], ms[-1]
+
+    def x(m: float) -> float:
+        return left + (pw * (m - lo) / (hi - lo) if hi > lo else pw / 2)
+
+    def y(a: float) -> float:
+        return top + ph * (1 - a)
+
+    def esc(s: str) -> str:
+        return s.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+    o = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+         f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="12">',
+         f'<rect width="{w}" height="{h}" fill="white"/>',
+         f'<text x="{left}" y="24" font-size="14" font-weight="bold">'
+         f"{esc(title)}</text>"]  # fmt: skip
+    for k in range(0, 11, 2):
+        a = k / 10
+        o.append(f'<line x1="{left}" y1="{y(a):.1f}" x2="{left + pw}" y2="{y(a):.1f}" '
+                 'stroke="#e5e5e5"/>')  # fmt: skip
+        o.append(f'<text x="{left - 8}" y="{y(a) + 4:.1f}" text-anchor="end">{k * 10}%</text>')
+    for m in ms:
+        o.append(f'<line x1="{x(m):.1f}" y1="{top + ph}" x2="{x(m):.1f}" y2="{top + ph + 5}" '
+                 'stroke="black"/>')  # fmt: skip
+        o.append(f'<text x="{x(m):.1f}" y="{top + ph + 19}" text-anchor="middle">{m}</text>')
+    o.append(f'<line x1="{left}" y1="{y(TARGET):.1f}" x2="{left + pw}" y2="{y(TARGET):.1f}" '
+             'stroke="black" stroke-dasharray="6 4"/>')  # fmt: skip
+    o.append(f'<text x="{left + pw + 6}" y="{y(TARGET) + 4:.1f}">95 %</text>')
+    o.append(f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="black"/>')
+    o.append(f'<text x="{left + pw / 2}" y="{h - 14}" text-anchor="middle">'
+             'models on the GPU (M)</text>')  # fmt: skip
+    o.append(f'<text transform="translate(18 {top + ph / 2}) rotate(-90)" '
+             'text-anchor="middle">requests within the TTFT target</text>')  # fmt: skip
+    for i, p in enumerate(pols):
+        pts = sorted((r["m"], r["attainment"]) for r in sweep if r["policy"] == p)
+        c = COLORS.get(p, "black")
+        path = " ".join(f"{x(m):.1f},{y(a):.1f}" for m, a in pts)
+        dash = ' stroke-dasharray="7 4"' if p in DASHED else ""
+        o.append(f'<polyline points="{path}" fill="none" stroke="{c}" stroke-width="2.5"{dash}/>')
+        o += [f'<circle cx="{x(m):.1f}" cy="{y(a):.1f}" r="3.5" fill="{c}"/>' for m, a in pts]
+        ly = top + 16 + 22 * i
+        o.append(f'<line x1="{left + pw + 44}" y1="{ly}" x2="{left + pw + 70}" y2="{ly}" '
+                 f'stroke="{c}" stroke-width="2.5"{dash}/>')  # fmt: skip
+        o.append(f'<text x="{left + pw + 76}" y="{ly + 4}">{esc(p)}</text>')
+    o.append("</svg>")
+    return "\n".join(o) + "\n"
+
+
+# --------------------------------------------------------------------------- the docs
+
+
+def append_section(path: Path, lines: list[str]) -> None:
+    """Put the section into `path`: replaced in place when there, else before the side-by-side
+    section (which ``compare_revisions.py --append`` keeps last), else at the end."""
+    text = path.read_text() if path.exists() else ""
+    block = SECTION + "\n\n" + "\n".join(lines).rstrip("\n") + "\n"
+    start = text.find("\n" + SECTION + "\n")
+    if start >= 0:
+        end = text.find("\n## ", start + 1)
+        text = text[: start + 1] + block + (text[end:] if end >= 0 else "")
+    else:
+        side = text.find("\n## Side by side")
+        if side >= 0:
+            text = text[: side + 1] + block + "\n" + text[side + 1 :]
+        else:
+            text = text.rstrip("\n") + "\n\n" + block
+    path.write_text(text)
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def revision() -> str:
+    """The git revision of the checkout, and whether vllm_proxy/ differs from it."""
+    import subprocess
+
+    def git(*a: str) -> str:
+        run = subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False)
+        return run.stdout.strip()
+
+    head = git("rev-parse", "--short", "HEAD") or "unknown"
+    return head + (
+        " + uncommitted vllm_proxy/" if git("status", "--porcelain", "vllm_proxy") else ""
+    )
+
+
+def parse_range(text: str) -> list[int]:
+    """``2-16``, ``2,4,8`` or ``none``."""
+    if text in ("", "none", "0"):
+        return []
+    out: list[int] = []
+    for part in text.split(","):
+        a, _, b = part.partition("-")
+        out += list(range(int(a), int(b) + 1)) if b else [int(a)]
+    return out
+
+
+def floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = p.add_argument_group("workload")
+    g.add_argument("--models", type=int, default=12, help="M for the main table (default 12)")
+    g.add_argument("--sweep", default="2-16", help="values of M for models-per-GPU ('none')")
+    g.add_argument("--rate", type=float, default=Traffic.rate, help="requests/s, all models")
+    g.add_argument("--zipf", type=float, default=Traffic.zipf, help="Zipf exponent")
+    g.add_argument("--cv", type=float, default=Traffic.cv, help="inter-arrival CV (1 = Poisson)")
+    g.add_argument("--seed", type=int, default=Traffic.seed)
+    g.add_argument("--duration-s", type=float, default=Traffic.duration_s, help="counted time")
+    g.add_argument(
+        "--warmup-s",
+        type=float,
+        default=None,
+        help=f"simulated, not counted (default {Traffic.warmup_s:g}; 0 with --replay)",
+    )
+    g.add_argument("--prompt-median", type=float, default=Traffic.prompt_median)
+    g.add_argument("--prompt-sigma", type=float, default=Traffic.prompt_sigma)
+    g.add_argument("--output-median", type=float, default=Traffic.output_median)
+    g.add_argument("--output-sigma", type=float, default=Traffic.output_sigma)
+    g.add_argument("--replay", type=Path, help="CSV (time,model,...) or the proxy's access log")
+    g = p.add_argument_group("GPU, engines and SLO")
+    g.add_argument("--profile", type=Path, default=PROFILE, help="figures (YAML)")
+    g.add_argument("--gpu-mib", type=int, default=None, help="GPU memory (default: profile's)")
+    g.add_argument("--sleep-level", type=int, choices=(1, 2), default=1)
+    g.add_argument(
+        "--slo-warm-s",
+        type=float,
+        default=Settings.slo_warm_s,
+        help="TTFT target when the model had a process (awake or asleep)",
+    )
+    g.add_argument(
+        "--slo-cold-s",
+        type=float,
+        default=Settings.slo_cold_s,
+        help="TTFT target when it had none (cold or stopped)",
+    )
+    g = p.add_argument_group("the scheduler's settings")
+    g.add_argument("--max-reorder-s", type=float, default=Settings.max_reorder_s)
+    g.add_argument("--min-resident-s", type=float, default=Settings.min_resident_s)
+    g.add_argument("--idle-grace-s", type=float, default=Settings.idle_grace_s)
+    g.add_argument(
+        "--queue-timeout-s",
+        type=float,
+        default=Settings.queue_timeout_s,
+        help="a bring-up without memory this long fails (planner, scheduler)",
+    )
+    g.add_argument("--pair-s", type=float, default=1800.0,
+                   help="the two-client scenario's counted seconds (0: not run)")  # fmt: skip
+    g.add_argument("--tune", action="store_true", help="a grid of the three, several seeds")
+    g.add_argument("--tune-seeds", type=int, default=5)
+    g.add_argument("--tune-reorder", default="0,2,5,10,15")
+    g.add_argument("--tune-resident", default="0,5,10,30,60")
+    g.add_argument("--tune-grace", default="1,2,5")
+    g.add_argument("--tune-policies", default="scheduler")
+    g = p.add_argument_group("output")
+    g.add_argument("--policies", default=",".join(POLICIES))
+    g.add_argument("--per-model", action="store_true", help="also the per-model table")
+    g.add_argument("--rates", default="", help="also the main table at these rates (a,b,...)")
+    g.add_argument("--sweep-rates", default="", help="also the sweep over M at these rates")
+    g.add_argument("--jobs", type=int, default=0, help="processes (default: one per CPU)")
+    g.add_argument("--out", type=Path, default=RESULTS, help="raw numbers (JSON)")
+    g.add_argument("--docs", action="store_true", help="write docs/benchmarks.md and the plot")
+    args = p.parse_args(argv)
+
+    workers = args.jobs or os.cpu_count() or 1
+    prof = load_profile(args.profile, args.gpu_mib)
+    pols = [x for x in args.policies.split(",") if x]
+    for x in pols:
+        if x not in POLICIES:
+            p.error(f"unknown policy {x!r} (known: {', '.join(POLICIES)})")
+    st = Settings(args.slo_warm_s, args.slo_cold_s, args.sleep_level, args.max_reorder_s,
+                  args.min_resident_s, args.idle_grace_s, args.queue_timeout_s)  # fmt: skip
+    warmup = args.warmup_s if args.warmup_s is not None else (0.0 if args.replay else 600.0)
+    traffic = Traffic(args.rate, args.zipf, args.cv, args.seed, args.duration_s, warmup,
+                      args.prompt_median, args.prompt_sigma, Traffic.prompt_max,
+                      args.output_median, args.output_sigma, Traffic.output_max)  # fmt: skip
+    command = " ".join(["benchmarks/density.py", *(argv if argv is not None else sys.argv[1:])])
+    gib = prof.total_mib / MIB_PER_GIB
+    lines: list[str] = []
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    res: dict[str, Any] = {"command": command, "git": revision(), "when": when,
+                           "profile": str(args.profile), "settings": asdict(st),
+                           "traffic": asdict(traffic), "gpu": prof.gpu_name,
+                           "gpu_mib": prof.total_mib}  # fmt: skip
+
+    if args.replay:
+        records = read_replay(args.replay)
+        arrivals, names, sizes = replay_workload(records, prof, traffic)
+        span = arrivals[-1].time
+        measured = max(span - warmup, 1.0)
+        rows = []
+        for x in pols:
+            r = simulate(x, arrivals, names, sizes, prof, st, warmup, measured + 1e-9)
+            rows.append({**r.summary(), "per_model": r.per_model()})
+        counts = [sum(1 for a in arrivals if a.model == i) for i in range(len(names))]
+        shares = [c / len(arrivals) for c in counts]
+        lines += [f"Replay of {args.replay} ({len(arrivals)} requests over {span:,.0f} s, "
+                  f"{len(names)} models) on one {prof.gpu_name} ({gib:.1f} GiB).", ""]  # fmt: skip
+        lines += [*summary_table(rows), "", *model_table(rows, shares)]
+        res.update(replay=str(args.replay), main=rows)
+        _print(lines, command)
+        _save(args.out, res)
+        return _status(rows)
+
+    m = args.models
+    jobs = [(x, m, prof, traffic, st) for x in pols]
+    ms = parse_range(args.sweep)
+    jobs += [(x, k, prof, traffic, st) for k in ms if k != m for x in pols]
+    rates = floats(args.rates)
+    jobs += [(x, m, prof, replace(traffic, rate=q), st) for q in rates if q != traffic.rate
+             for x in pols]  # fmt: skip
+    extra = [q for q in floats(args.sweep_rates) if q != traffic.rate]
+    jobs += [(x, k, prof, replace(traffic, rate=q), st) for q in extra for k in ms for x in pols]
+    done = run_jobs(jobs, workers)
+    main_rows = done[: len(pols)]
+    sweep = [r for r, j in zip(done, jobs, strict=True) if j[1] in ms and j[3] == traffic]
+    by_rate = {q: [r for r, j in zip(done, jobs, strict=True) if j[1] == m and j[3].rate == q]
+               for q in [traffic.rate, *rates]}  # fmt: skip
+    shares = zipf_shares(m, traffic.zipf)
+    head = (f"{m} models on one {prof.gpu_name} ({gib:.1f} GiB), {traffic.rate:g} requests/s, "
+            f"Zipf {traffic.zipf:g}, inter-arrival CV {traffic.cv:g}, seed {traffic.seed}, "
+            f"{traffic.duration_s:,.0f} s counted after {warmup:,.0f} s; SLO: TTFT <= "
+            f"{st.slo_warm_s:g} s (model awake or asleep) / {st.slo_cold_s:g} s (cold); "
+            f"scheduler: max_reorder_s {st.max_reorder_s:g}, min_resident_s "
+            f"{st.min_resident_s:g}, idle_grace_s {st.idle_grace_s:g}; queue_timeout_s "
+            f"{st.queue_timeout_s:g}.")  # fmt: skip
+    lines += [head, "", *summary_table(main_rows)]
+    if args.per_model or args.docs:
+        lines += ["", "Per model (share of requests; met = within the SLO; TTFT p50 / p99 s):", ""]
+        lines += model_table(main_rows, shares)
+    if rates:
+        lines += ["", "SLO attainment by request rate (M = " + str(m) + "):", ""]
+        lines += ["| requests/s | " + " | ".join(pols) + " |", "|---:|" + "---:|" * len(pols)]
+        for q, rs in sorted(by_rate.items()):
+            at = {r["policy"]: r["attainment"] for r in rs}
+            lines.append(f"| {q:g} | " + " | ".join(pc(at[x]) for x in pols) + " |")
+    if sweep:
+        lines += ["", f"SLO attainment by number of models ({traffic.rate:g} requests/s in all, "
+                  "Zipf over the M models):", ""]  # fmt: skip
+        lines += sweep_table(sweep, pols)
+    sweeps = {traffic.rate: sweep}
+    for q in extra:
+        other = [r for r, j in zip(done, jobs, strict=True) if j[1] in ms and j[3].rate == q
+                 and j[3] == replace(traffic, rate=q)]  # fmt: skip
+        sweeps[q] = other
+        lines += ["", f"The same at {q:g} requests/s:", "", *sweep_table(other, pols)]
+    lines += ["", *goals(main_rows, sweep)]
+    if args.pair_s > 0:
+        pair_lines, res["pair"] = pair(args, st, pols, args.pair_s)
+        lines += ["", *pair_lines]
+    res["main"] = main_rows
+    res["sweep"] = {str(q): [{k: v for k, v in r.items() if k != "per_model"} for r in rs]
+                    for q, rs in sweeps.items()}  # fmt: skip
+    res["rates"] = {str(q): [{k: v for k, v in r.items() if k != "per_model"} for r in rs]
+                    for q, rs in by_rate.items()}  # fmt: skip
+    tune_lines: list[str] = []
+    if args.tune:
+        tune_lines, res["tune"] = tune(args, prof, traffic, st, m, workers)
+        lines += ["", *tune_lines]
+    _print(lines, command)
+    _save(args.out, res)
+    if args.docs:
+        title = (f"SLO attainment vs models on one {prof.gpu_name}, {traffic.rate:g} req/s, "
+                 f"Zipf {traffic.zipf:g}, CV {traffic.cv:g}")  # fmt: skip
+        if sweep:
+            PLOT.parent.mkdir(parents=True, exist_ok=True)
+            PLOT.write_text(svg_plot(sweep, pols, title))
+        append_section(DOCS, docs_section(lines, command, prof, traffic, m, res))
+    checked = [*main_rows, *(r for rs in sweeps.values() for r in rs)]
+    checked += [r for rs in by_rate.values() for r in rs]
+    checked += [{"policy": x, "over_commits": 1, "busy_evictions": 0, "unserved": 0}
+                for x in res.get("tune", {}).get("broken", [])]  # fmt: skip
+    return _status(checked)
+
+
+#: The two-client scenario: two 8B models on a GPU that holds one awake and the other asleep.
+PAIR_SIZE = "8b"
+PAIR_GPU_MIB = 40 * MIB_PER_GIB
+
+
+def pair(
+    args: argparse.Namespace, st: Settings, pols: Sequence[str], duration_s: float
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Two clients, one model each, each sending its next request as soon as the last is
+    answered, on a GPU that holds one of the two awake: what makes a naive proxy swap after
+    every answer. The scheduler runs as set, and with no minimum residency beside it."""
+    prof = load_profile(args.profile, PAIR_GPU_MIB)
+    size = prof.sizes[PAIR_SIZE]
+    names, sizes = [f"a-{size.name}", f"b-{size.name}"], [size, size]
+    prompt, output = int(args.prompt_median), int(args.output_median)
+    clients = [Client(0, 0.0, prompt, output), Client(1, 0.0, prompt, output, first_s=0.5)]
+    runs = [(x, st) for x in pols]
+    if "scheduler" in pols and st.min_resident_s > 0:
+        runs.append(("scheduler", replace(st, min_resident_s=0.0)))
+    rows = []
+    for x, s_ in runs:
+        r = simulate(x, [], names, sizes, prof, s_, 60.0, duration_s, clients).summary()
+        r["settings"] = (
+            f"{s_.max_reorder_s:g} / {s_.min_resident_s:g} / {s_.idle_grace_s:g}"
+            if x == "scheduler" else ""
+        )  # fmt: skip
+        r["answers_per_min"] = r["served_counted"] / (duration_s / 60)
+        rows.append(r)
+    out = [f"Two clients, one {size.name} model each, back to back (the next request as soon as "
+           f"the last is answered; {prompt} prompt and {output} output tokens), on "
+           f"{PAIR_GPU_MIB // MIB_PER_GIB} GiB: one model awake and the other asleep fit, two "
+           f"awake do not. {duration_s:,.0f} s counted.", "",
+           "| policy | max_reorder_s / min_resident_s / idle_grace_s | answers/min | swaps/min "
+           "| TTFT p50 / p99 s | SLO attainment |",
+           "|---|---|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        out.append(f"| {r['policy']} | {r['settings']} | {r['answers_per_min']:.1f} | "
+                   f"{r['swaps_per_min']:.2f} | {f(r['ttft_p50'], 2)} / {f(r['ttft_p99'], 1)} | "
+                   f"{pc(r['attainment'])} |")  # fmt: skip
+    return out, rows
+
+
+def tune(
+    args: argparse.Namespace, prof: Profile, traffic: Traffic, st: Settings, m: int, workers: int
+) -> tuple[list[str], dict[str, Any]]:
+    """The scheduler over a grid of its three settings, each on
+    several seeds, beside the planner on the same seeds."""
+    keys = ("max_reorder_s", "min_resident_s", "idle_grace_s")
+    grid = [(a, b, c) for a in floats(args.tune_reorder) for b in floats(args.tune_resident)
+            for c in floats(args.tune_grace)]  # fmt: skip
+    seeds = [traffic.seed + k for k in range(args.tune_seeds)]
+    pols = [x for x in args.tune_policies.split(",") if x]
+    jobs = [("planner", m, prof, replace(traffic, seed=s), st) for s in seeds]
+    jobs += [(x, m, prof, replace(traffic, seed=s),
+              replace(st, max_reorder_s=a, min_resident_s=b, idle_grace_s=c))
+             for x in pols for a, b, c in grid for s in seeds]  # fmt: skip
+    done = run_jobs(jobs, workers)
+    broken = [
+        r["policy"] for r in done if r["over_commits"] or r["busy_evictions"] or r["unserved"]
+    ]
+    base = done[: len(seeds)]
+    planner = sum(r["attainment"] for r in base) / len(base)
+    rows = []
+    k = len(seeds)
+    for x in pols:
+        for a, b, c in grid:
+            rs = done[k : k + len(seeds)]
+            k += len(seeds)
+            rows.append({"policy": x, "max_reorder_s": a, "min_resident_s": b, "idle_grace_s": c,
+                         "attainment": sum(r["attainment"] for r in rs) / len(rs),
+                         "worst_seed": min(r["attainment"] for r in rs),
+                         "vs_planner": sum(r["attainment"] - q["attainment"]
+                                           for r, q in zip(rs, base, strict=True)) / len(rs),
+                         "timed_out": sum(r["timed_out"] for r in rs) / len(rs),
+                         "late_overtakes": sum(r["late_overtakes"] for r in rs),
+                         "max_beyond_turn_s": max(r["max_beyond_turn_s"] for r in rs)})  # fmt: skip
+    rows.sort(key=lambda r: (-r["attainment"], r["timed_out"]))
+    out = [f"Scheduler settings: {len(grid)} combinations x {len(seeds)} seeds "
+           f"({seeds[0]}-{seeds[-1]}), M = {m}, the workload above; the planner on the same "
+           f"seeds: {pc(planner)}. The best ten:", "",
+           "| policy | max_reorder_s | min_resident_s | idle_grace_s | attainment (mean) | "
+           "worst seed | vs planner (points) | timed out per run | late overtakes (all "
+           "seeds; max wait beyond turn s) |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in rows[:10]:
+        out.append(f"| {r['policy']} | {r['max_reorder_s']:g} | {r['min_resident_s']:g} | "
+                   f"{r['idle_grace_s']:g} | {pc(r['attainment'])} | {pc(r['worst_seed'])} | "
+                   f"{100 * r['vs_planner']:+.2f} | {r['timed_out']:.0f} | "
+                   f"{r['late_overtakes']} ({f(r['max_beyond_turn_s'])}) |")  # fmt: skip
+    out.append("")
+    for x in pols:
+        best = next(r for r in rows if r["policy"] == x)
+        for key in keys:
+            others = [o for o in keys if o != key]
+            line = [r for r in rows
+                    if r["policy"] == x and all(r[o] == best[o] for o in others)]  # fmt: skip
+            line.sort(key=lambda r: r[key])
+            cells = ", ".join(f"{r[key]:g}: {pc(r['attainment'])}" for r in line)
+            out.append(f"* {x}, {key} alone (the others as in its best row): {cells}")
+    return out, {"planner": planner, "rows": rows, "broken": broken}
+
+
+def docs_section(
+    lines: list[str], command: str, prof: Profile, traffic: Traffic, m: int, res: dict[str, Any]
+) -> list[str]:
+    """The section of docs/benchmarks.md: method, figures, the tables, a reading, the limits."""
+    t = prof.timing
+    fig = ["| size | weights GiB | awake GiB | asleep GiB | cold start s | wake L1 / L2 s | "
+           "first / later L1 sleep s | prefill tok/s | decode tok/s |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for s in prof.sizes.values():
+        fig.append(f"| {s.name} | {s.weights_gib:g} | {s.footprint_gib:g} | {s.residue_gib:g} | "
+                   f"{prof.start_s(s):.0f} | {prof.wake_s(s, 1):.1f} / {prof.wake_s(s, 2):.1f} | "
+                   f"{prof.sleep_s(s, 1, True):.1f} / {prof.sleep_s(s, 1, False):.1f} | "
+                   f"{s.prefill_tok_s:,.0f} | {s.decode_tok_s:,.0f} |")  # fmt: skip
+    mix = [prof.sizes[prof.mix[i % len(prof.mix)]] for i in range(m)]
+    pinned = sum(s.weights_gib for s in mix)
+    awake = sum(s.footprint_gib for s in mix)
+    return [
+        "`benchmarks/density.py` answers *how many models one GPU serves within a latency "
+        "target*. It is a discrete-event simulation in virtual time (no GPU, no engine): M "
+        "models share one simulated GPU and the policies serve the same requests. The planner "
+        "and the scheduler call the proxy's own pure functions (`vllm_proxy.scheduler.plan`, "
+        "`vllm_proxy.queueing`) the way `vllm_proxy.admission` does; the method is in the "
+        "script's docstring. The simulator checks that GPU memory is never over-committed and "
+        "that no engine with a request in flight is put to sleep or stopped (every run below: "
+        "none), and the test suite runs it at a small size (`tests/test_density.py`).",
+        "",
+        f"Figures (`benchmarks/density_profile.yaml`, the one file to change them, each figure "
+        f"with its source there; {prof.gpu_name}, {prof.total_mib} MiB, {prof.reserve_mib} MiB "
+        f"kept free; stop {t['stop_s']:g} s, level-2 sleep {t['sleep_l2_s']:g} s):",
+        "",
+        *fig,
+        "",
+        "Sources: the vLLM blog on sleep mode (https://blog.vllm.ai/2025/10/26/sleep-mode.html:"
+        " switches without sleep mode 37.6-58.1 s, level-1 wakes 0.26-0.82 s, level-2 wakes "
+        "0.85-2.58 s on an A100), vllm-project/vllm#48337 (8B: level-1 sleep 10.6 s, wake 2.2 s;"
+        " level-2 sleep 0.3 s, wake 6.5 s), a vLLM log of a first level-1 sleep (42 s for 75 "
+        "GiB, 5.8 GiB left on the GPU), a sleep-and-wake swap of ~17 GiB in 3 s once pinned "
+        "buffers exist, and NVIDIA's H100 figures (3.35 TB/s, 989 TFLOPS BF16) for the prefill "
+        "and decode rates. The stop time is an estimate (no published figure).",
+        "",
+        f"Workload: the models take the sizes 7B, 3B, 14B, 1.5B, 8B, 0.5B in turn, the most "
+        f"popular first ({m} models hold {awake:g} GiB awake, against {prof.total_mib / 1024:.1f}"
+        f" GiB). {traffic.rate:g} requests/s in all ({traffic.rate * 3600:,.0f} an hour) is a "
+        "team sharing one GPU across a dozen models, most of them idle most of the time; the "
+        "rate table shows 0.05 to 1. Each model's requests are bursty on their own (gamma "
+        f"gaps, CV {traffic.cv:g}), prompts lognormal around {traffic.prompt_median:g} tokens, "
+        f"answers around {traffic.output_median:g}.",
+        "",
+        *lines,
+        "",
+        "![SLO attainment against the number of models](benchmarks/density.svg)",
+        "",
+        "What the numbers say:",
+        "",
+        *reading(res),
+        "",
+        "What the simulation leaves out: idle timers (`idle_timeout_s`: engines stay until "
+        f"evicted), host RAM (level-1 sleepers keep their weights in host memory: {m} models "
+        f"pin {pinned:.0f} GiB), KV-cache pressure and preemption inside one engine (each "
+        "stream decodes at its own rate, however many there are), engines slowing each other "
+        "down on the same GPU (compute and bandwidth are not shared out), start and wake "
+        "failures and their time-outs, memory that grows during a start (the footprint is "
+        "taken at once), several GPUs and tensor parallelism, request priorities (every rank "
+        "is equal) and clients that give up. Of the time-outs only `queue_timeout_s` is "
+        "modelled, for the planner and the scheduler (a bring-up that finds no memory within "
+        "it answers its requests 503; a hold ends after it); the one-model policies queue for "
+        "ever.",
+        "",
+        f"`.venv/bin/python {command}` ({res['when']}, git {res['git']}; a few minutes on "
+        f"{os.cpu_count()} cores)",
+    ]
+
+
+def reading(res: dict[str, Any]) -> list[str]:
+    """What the tables say, with their numbers."""
+    rows = {r["policy"]: r for r in res.get("main", [])}
+    sweeps = res.get("sweep", {})
+    out = []
+    stop, snap = rows.get("stop-on-swap"), rows.get("sleep-on-swap")
+    plan_, sched = rows.get("planner"), rows.get("scheduler")
+    if stop is not None:
+        best = max((density(rs, "stop-on-swap") for rs in sweeps.values()), default=0)
+        reach = "no M reaches 95 % at any rate swept" if best == 0 else f"{best} models at most"
+        out.append(
+            "* One model at a time with stops (llama-swap) cannot keep up: every swap is a stop "
+            f"and a cold start, {stop['swaps_per_min']:.2f} a minute is all the GPU manages, "
+            f"the queue grows for the whole run (TTFT p50 {f(stop['ttft_p50'], 0)} s) and "
+            f"{reach}."
+        )
+    if snap is not None:
+        out.append(
+            "* With sleeps instead (llmsnap) a swap takes seconds, but every model still waits "
+            f"for the one before it: {snap['swaps_per_min']:.1f} swaps a minute, "
+            f"{pc(snap['attainment'])} within the SLO."
+        )
+    if plan_ is not None and sched is not None:
+        diff = 100 * (sched["attainment"] - plan_["attainment"])
+        by_rate = []
+        for q, rs in sorted(res.get("rates", {}).items(), key=lambda kv: float(kv[0])):
+            at = {r["policy"]: r["attainment"] for r in rs}
+            if "planner" in at and "scheduler" in at:
+                by_rate.append(f"{float(q):g}: {100 * (at['scheduler'] - at['planner']):+.1f}")
+        out.append(
+            "* Sharing the GPU by memory is what moves the numbers: several models stay awake "
+            f"and the others wake in seconds. Scheduler {pc(sched['attainment'])}, planner "
+            f"{pc(plan_['attainment'])} ({diff:+.1f} points)"
+            + (f"; by request rate, in points: {', '.join(by_rate)}" if by_rate else "")
+            + ". Where the scheduler falls behind, the GPU is overloaded and its turns keep "
+            "later, smaller wakes from evicting while the first waiter waits for busy engines."
+        )
+        out.append(
+            f"* Bounded reordering: {sched['late_overtakes']} requests of the scheduler waited "
+            "after one that came more than the reorder window later went ahead of them, "
+            f"against {plan_['late_overtakes']} for the planner (at most "
+            f"{f(plan_['max_beyond_turn_s'])} s beyond its turn)."
+        )
+    pair_rows = res.get("pair") or []
+    plan_pair = next((r for r in pair_rows if r["policy"] == "planner"), None)
+    sched_pair = [r for r in pair_rows if r["policy"] == "scheduler"]
+    if plan_pair is not None and sched_pair:
+        on, *off = sched_pair
+        text = (
+            f"* Two back-to-back clients of two models that do not fit awake together: the "
+            f"planner swaps after every answer ({plan_pair['swaps_per_min']:.1f} swaps a minute,"
+            f" {plan_pair['answers_per_min']:.1f} answers a minute, {pc(plan_pair['attainment'])}"
+            f" within the SLO); the scheduler ({on['settings']}) gives each engine its turn: "
+            f"{on['swaps_per_min']:.1f} swaps, {on['answers_per_min']:.1f} answers a minute, "
+            f"{pc(on['attainment'])}."
+        )
+        if off:
+            text += (
+                f" Without a minimum residency ({off[0]['settings']}) it is the planner again "
+                f"({off[0]['answers_per_min']:.1f} answers a minute): the gap between an answer "
+                "and the client's next request hands the GPU over. On the open traffic above the "
+                "minimum residency costs a little (see the settings grid): a waiter may sit out "
+                "another model's burst. The shipped defaults keep it, for the clients that "
+                "thrash without it."
+            )
+        out.append(text)
+    tune_ = res.get("tune")
+    if tune_:
+        best_row: dict[str, dict[str, Any]] = {}
+        for r in tune_["rows"]:
+            best_row.setdefault(r["policy"], r)
+        for x, r in best_row.items():
+            out.append(
+                f"* Best settings for {x} (grid above): max_reorder_s {r['max_reorder_s']:g}, "
+                f"min_resident_s {r['min_resident_s']:g}, idle_grace_s {r['idle_grace_s']:g}: "
+                f"{pc(r['attainment'])}, {100 * r['vs_planner']:+.2f} points against the "
+                f"planner on the same seeds, {r['late_overtakes']} late overtakes."
+            )
+        out.append(
+            "* A minimum residency makes a waiter sit out its whole window when the engine it "
+            "needs is protected, and the window is as long as the warm SLO; idle_grace_s "
+            "matters only while it is on. The window is capped at half of queue_timeout_s "
+            "(15 s with the default 30 s)."
+        )
+    return out
+
+
+def _print(lines: list[str], command: str) -> None:
+    print("\n".join(lines))
+    print(f"\n.venv/bin/python {command}")
+
+
+def _save(path: Path, res: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+
+def _status(rows: Sequence[dict[str, Any]]) -> int:
+    """Non-zero when a run broke an invariant (memory over-committed, a busy engine evicted,
+    a request never served)."""
+    bad = [r["policy"] for r in rows
+           if r["over_commits"] or r["busy_evictions"] or r["unserved"]]  # fmt: skip
+    if bad:
+        print(f"invariant broken in: {', '.join(sorted(set(bad)))}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
