@@ -560,8 +560,12 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
 #: Sections of the report that other scripts write (streams.py, compare_revisions.py --append):
 #: a new run of this one keeps them, in this order, at the end.
 OTHER_SECTIONS = (
+    "## Sleep and wake: time to first token",
+    "## Replicas: throughput with 1, 2 and 4 engines of one model",
     "## Stream capacity",
     "## Large request bodies",
+    "## Density: many models on one GPU",
+    "## LoRA adapter switch",
     "## Side by side with an earlier revision",
 )
 
