@@ -466,40 +466,60 @@ class Proxy:
             # An alias goes to the engine as the name it serves (the adapter's, for an adapter).
             body = parsed.body_for(model.name if adapter is None else adapter.name)
             tap.model = model.name
-            status = "error"
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
-            try:
-                # A stream that may wait (no engine serves, or the queue may hold it behind
-                # a swap) gets keep-alives while it waits.
-                if parsed.stream and (model.serving() is None or self.manager.queue.tickets):
-                    resp = await self._forward_loading(
-                        request, path, body, model, session, tap, parsed.priority, adapter
-                    )
-                elif adapter is not None:
-                    lease = self.manager.lease(model, session, parsed.priority, adapter.name)
-                    async with lease as (inst, engine):
-                        tap.instance = inst.id
-                        resp = await self._relay_adapter(
-                            request, path, body, inst, engine, tap, adapter
-                        )
-                else:
-                    lease = self.manager.lease(model, session, parsed.priority)
-                    async with lease as (inst, engine):
-                        tap.instance = inst.id
-                        resp = await self._relay(request, path, body, inst, engine, tap)
-                status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
-                return resp
-            except ProxyError as err:
-                status = str(err.status)
-                raise
-            except asyncio.CancelledError:
-                status = CLIENT_CLOSED
-                raise
-            finally:
-                self._observe(model.name, status, tap.started, tap)
+            send = self._lease_and_relay(
+                request, path, body, model, session, tap, parsed.stream, parsed.priority, adapter
+            )
+            return await self._counted(model.name, tap, send)
         finally:
             hold.release()
+
+    async def _lease_and_relay(
+        self,
+        request: web.Request,
+        path: str,
+        body: Body | BodySource,
+        model: Model,
+        session: str | None,
+        tap: Tap,
+        stream: bool,
+        priority: int | None,
+        adapter: AdapterSpec | None,
+    ) -> web.StreamResponse:
+        """Lease an engine of `model` (with `adapter` registered on it) and relay `body`."""
+        # A stream that may wait (no engine serves, or the queue may hold it behind a swap)
+        # gets keep-alives while it waits (an upload does not: its client is still sending).
+        if stream and (model.serving() is None or self.manager.queue.tickets):
+            return await self._forward_loading(
+                request, path, body, model, session, tap, priority, adapter
+            )
+        if adapter is not None:
+            async with self.manager.lease(model, session, priority, adapter.name) as (i, e):
+                tap.instance = i.id
+                return await self._relay_adapter(request, path, body, i, e, tap, adapter)
+        async with self.manager.lease(model, session, priority) as (inst, engine):
+            tap.instance = inst.id
+            return await self._relay(request, path, body, inst, engine, tap)
+
+    async def _counted(
+        self, model: str, tap: Tap, send: Awaitable[web.StreamResponse]
+    ) -> web.StreamResponse:
+        """`send`'s response; the request is counted for `model` by how it ended (its status,
+        the client gone, or an error)."""
+        status = "error"
+        try:
+            resp = await send
+            status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
+            return resp
+        except ProxyError as err:
+            status = str(err.status)
+            raise
+        except asyncio.CancelledError:
+            status = CLIENT_CLOSED
+            raise
+        finally:
+            self._observe(model, status, tap.started, tap)
 
     async def forward_upload(self, request: web.Request) -> web.StreamResponse:
         """Route a form upload (vLLM's speech-to-text routes) by its ``model`` field."""
@@ -526,23 +546,12 @@ class Proxy:
                 model = self._resolve(request, named, observe=True)
             upload.rename_to(model.name, forced is not None)
             tap.model = model.name
-            status = "error"
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
-            try:
-                async with self.manager.lease(model, session) as (inst, engine):
-                    tap.instance = inst.id
-                    resp = await self._relay(request, path, upload, inst, engine, tap)
-                status = CLIENT_CLOSED if tap.client_gone else str(resp.status)
-                return resp
-            except ProxyError as err:
-                status = str(err.status)
-                raise
-            except asyncio.CancelledError:
-                status = CLIENT_CLOSED
-                raise
-            finally:
-                self._observe(model.name, status, tap.started, tap)
+            send = self._lease_and_relay(
+                request, path, upload, model, session, tap, False, None, None
+            )
+            return await self._counted(model.name, tap, send)
         finally:
             upload.close()
             hold.release()
@@ -672,7 +681,7 @@ class Proxy:
         self,
         request: web.Request,
         path: str,
-        body: Body,
+        body: Body | BodySource,
         model: Model,
         session: str | None,
         tap: Tap,
@@ -731,7 +740,7 @@ class Proxy:
         self,
         request: web.Request,
         path: str,
-        body: Body,
+        body: Body | BodySource,
         inst: Instance,
         engine: EngineProcess,
         tap: Tap,
