@@ -332,7 +332,10 @@ class Admission:
                 if decision.evict:
                     log.info("%s: evicting %s to make room", inst.id, ", ".join(decision.evict))
                 if decision.sleep or decision.evict:
-                    await asyncio.gather(*(t for t in (*naps, *stops) if t is not None))
+                    # Its own stop (an unload, shutdown) ends this wait at once: the victims'
+                    # sleeps and stops go on by themselves.
+                    victims = [t for t in (*naps, *stops) if t is not None]
+                    await self._while_in(inst, state, _settled(victims))
                     freed = await self._while_in(inst, state, memory.wait_free(decision.devices,
                                                                                need))  # fmt: skip
                     if not freed:
@@ -437,3 +440,10 @@ class Admission:
                 await self.memory.wait_free(devices, need)
                 return True
         return False
+
+
+async def _settled(tasks: list[asyncio.Task[None]]) -> bool:
+    """True once `tasks` have ended; a caller that gives up does not cancel them."""
+    if tasks:
+        await asyncio.shield(asyncio.gather(*tasks))
+    return True
