@@ -28,7 +28,7 @@ from .config import ModelSpec
 from .errors import Unavailable
 from .instance import EngineContext, Instance, State, Stopped
 from .memory import Memory, Placement
-from .model import Model
+from .model import Model, rank_of
 from .queueing import Queue, Rank, Waiter
 from .scheduler import Demand, ModelView, NoFit, Plan, plan
 
@@ -70,11 +70,6 @@ class Admission:
 
     def _timing(self, spec: ModelSpec, kind: str) -> float | None:
         return self.timings.get((spec.name, spec.engine_key()), {}).get(kind)
-
-    def rank(self, spec: ModelSpec, priority: int | None = None) -> Rank:
-        """A request's place in the queue: the model's priority, then the request's own where
-        the engine orders requests by it."""
-        return (spec.priority, (priority or 0) if spec.request_priorities else 0)
 
     def _views(
         self, waiter: Waiter | None = None, drained: bool = False, protect: bool = True
@@ -282,7 +277,7 @@ class Admission:
         claim: Callable[[Plan], Placement],
         unclaim: Callable[[], None],
     ) -> Placement:
-        ticket = self.queue.enter(inst.name, self.rank(inst.spec), instance=inst.id)
+        ticket = self.queue.enter(inst.name, rank_of(inst.spec), instance=inst.id)
         self._reclaiming[inst.id] = inst
         try:
             return await self._take_turn(inst, state, claim, unclaim)

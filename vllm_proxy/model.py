@@ -58,6 +58,12 @@ _KEPT = frozenset({State.STARTING, State.RUNNING, State.SLEEPING, State.WAKING})
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
 
 
+def rank_of(spec: ModelSpec, priority: int | None = None) -> Rank:
+    """A place in the admission queue: the model's priority, then the request's own (vLLM's
+    ``priority``) where the engine orders requests by it."""
+    return (spec.priority, (priority or 0) if spec.request_priorities else 0)
+
+
 class Model:
     """One configured model and its instances; the only code that creates them."""
 
@@ -175,9 +181,8 @@ class Model:
         return best
 
     def rank(self, priority: int | None = None) -> Rank:
-        """A request's place in the admission queue: the model's priority, then the request's
-        own (vLLM's ``priority``) where the engine orders requests by it."""
-        return (self.spec.priority, (priority or 0) if self.spec.request_priorities else 0)
+        """A request's place in the admission queue (see `rank_of`)."""
+        return rank_of(self.spec, priority)
 
     async def acquire(
         self, session: str | None = None, priority: int | None = None, adapter: str | None = None
