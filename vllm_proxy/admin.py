@@ -5,7 +5,7 @@ Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``adm
 
 ``/metrics/engines`` reads every engine's own page, at most ``server.engine_metrics_max_mb`` of
 each (a larger one is left out, with a warning), parses and renders them in a worker thread (a
-20 MiB page took 7 s of parsing), and keeps the result for `ENGINE_METRICS_TTL_S`: scrapes in a
+large page takes seconds to parse), and keeps the result for `ENGINE_METRICS_TTL_S`: scrapes in a
 burst share one round of engine reads.
 """
 

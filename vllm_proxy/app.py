@@ -109,7 +109,7 @@ METRICS_PATHS = frozenset({"/metrics", "/metrics/engines"})
 ANY_HOST_PATHS = frozenset({"/health"})
 #: Host header values allowed: ``(name, None)`` for any port, ``(name, port)`` for that one.
 Hosts = frozenset[tuple[str, int | None]]
-#: Host header values whose verdict is remembered (parsing one costs 3 us, a look-up 0.1 us);
+#: Host header values whose verdict is remembered (a look-up is far cheaper than parsing one);
 #: the memory is emptied when full, so a client sending new values cannot grow it.
 HOST_VERDICTS = 1024
 
@@ -514,8 +514,9 @@ def raise_fd_limit() -> None:
 def tune_gc() -> None:
     """Freeze start-up objects and collect young objects less often.
 
-    Under load, full collections that find nothing to free took 14-25 % of the proxy's time and
-    caused p99 spikes (benchmarks/profile_proxy.py); the request path makes few reference cycles.
+    Under load, full collections that find nothing to free took a large share of the proxy's
+    time and caused p99 spikes (benchmarks/profile_proxy.py); the request path makes few
+    reference cycles.
     """
     gc.collect()
     gc.freeze()

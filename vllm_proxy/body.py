@@ -1,13 +1,12 @@
 """Request bodies: find the ``model`` a JSON request names, and give the engine its bytes.
 
 A small body is parsed whole with `json.loads`, as it always was. A large one (a chat request
-with base64 images, a long history, a long document), or a mid-sized one dense with objects
-and arrays (`needs_scan`), is scanned instead, and never parsed: `json.loads` builds the
-document, 25 to 40 times its size in Python objects for dense JSON (``[{},{},...]``), and
-held the only event loop for a second on 32 MB of it, which a 31 KiB gzip body inflates to.
-Parsing a 10 MB request with one base64 image took 12 ms of the proxy's time; the scan takes
-0.3 ms. The bytes are forwarded as received; for an alias only the model value is replaced,
-in place.
+with base64 images, a long history, a long document), or a mid-sized one dense with objects and
+arrays (`needs_scan`), is scanned instead, and never parsed: `json.loads` builds the whole
+document in Python objects, many times its size for dense JSON (``[{},{},...]``), and holds the
+only event loop meanwhile, while the scan reads two values and skips the rest (the figures:
+docs/benchmarks.md, "Measurements behind the design"). The bytes are forwarded as received; for
+an alias only the model value is replaced, in place.
 
 `Scan` walks the top-level object token by token, jumps over long strings with `bytes.find`
 rather than decoding them, and reads only the ``model`` and ``stream`` values. Runs of

@@ -2,21 +2,21 @@
 
 A large body is kept as the pieces it arrived in (`body.Pieces`, up to 256 KiB each) until it
 has gone to the engine. glibc's defaults hand pieces of that size fresh pages from the kernel
-(mmap, or a heap that was given back after the previous request), and touching fresh pages
-cost more than copying the body: a 10 MB request took 2.5-3.5 ms longer through the proxy than
-with the pages kept. `tune` keeps them: allocations below `MMAP_THRESHOLD` come from the heap,
-and up to `TRIM_THRESHOLD` of free heap is kept for the next request instead of being given
-back. Setting either turns off glibc's own adjustment of both, so both are set. Elsewhere
-than glibc, nothing is done.
+(mmap, or a heap that was given back after the previous request), and touching fresh pages costs
+more than copying the body (the figures: docs/benchmarks.md, "Measurements behind the design").
+`tune` keeps them: allocations below `MMAP_THRESHOLD` come from the heap, and up to
+`TRIM_THRESHOLD` of free heap is kept for the next request instead of being given back. Setting
+either turns off glibc's own adjustment of both, so both are set. Elsewhere than glibc, nothing
+is done.
 
 glibc's trim threshold only gives back the top of the heap: pages freed below a chunk still in
-use stay resident, and after bursts of 16 bodies of 30 MiB the proxy stayed 60-355 MiB above
-its low, however long it then idled (measured free heap: up to 800 MiB). So the bodies'
+use stay resident, and after bursts of large bodies the proxy stays hundreds of MiB above its
+low, however long it then idles. So the bodies'
 accounting (`intake.Bodies`) calls `give_back` once the bytes of bodies held have fallen more
 than `TRIM_THRESHOLD` below their high mark since the last call: ``malloc_trim`` gives back
 every free page wherever it lies, and about ``TRIM_THRESHOLD`` of freed heap at most is kept.
-It costs about 0.1 ms per MiB given back (6 ms for 64 MiB, 15 ms for 160 MiB here), on the
-event loop: in a thread it would not help, glibc holds the heap's lock meanwhile. A steady
+Its cost grows with what it gives back and is paid on the event loop: in a thread it would not
+help, glibc holds the heap's lock meanwhile. A steady
 flow of large bodies, each reusing the pages of the last, is never trimmed.
 """
 

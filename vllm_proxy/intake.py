@@ -6,26 +6,23 @@ before anything is read), and it is bounded by ``body_timeout_s`` unless it came
 request head (408) and by ``max_bodies_mb`` for all requests together (`Bodies`: 503 +
 ``Retry-After``).
 
-A small plain body whose length is known is read by aiohttp's ``read()``. A large one is kept
-as the pieces aiohttp hands over (`body.Pieces`), with no copy into one buffer, and each piece
-is scanned for ``model`` as it comes (`body.Scan`): when the last piece is in, the model is
-known and the pieces go on. Receiving 10 MB took 6.5-7.5 ms of the proxy's CPU when every
-piece was copied into one buffer (zeroed first) and the scan walked it after its end. A body
-of unknown length (chunked) or compressed (``Content-Encoding``: aiohttp inflates it as it is
-read, 64 KiB at a time) is read piece by piece too (a piece being all that has arrived, not
-one HTTP chunk: with a byte per chunk that held a Python object per byte, and a 2 MiB body
-raised the proxy's peak by 17 MiB), counted against both limits as it inflates, and scanned
-once it is `PIECES_FROM` long: a 31 KiB gzip body of dense JSON inflates to 32 MiB, which
-was parsed whole with `json.loads` (the proxy grew from 57 to 923 MiB and its event loop
-stopped for 1.1 s). The scan works in slices of at most `FEED_BYTES` and lets the
-loop run whenever it has worked `YIELD_AFTER_S`; a body it refuses is answered at once,
-without reading the rest.
+A small plain body whose length is known is read by aiohttp's ``read()``. A large one is kept as
+the pieces aiohttp hands over (`body.Pieces`), with no copy into one buffer, and each piece is
+scanned for ``model`` as it comes (`body.Scan`): when the last piece is in, the model is known
+and the pieces go on: no piece is copied into one buffer, and the scan does not walk the body
+again after its end. A body of unknown length (chunked) or compressed (``Content-Encoding``:
+aiohttp inflates it as it is read, 64 KiB at a time) is read piece by piece too (a piece being
+all that has arrived, not one HTTP chunk: a body sent a byte per chunk would hold a Python
+object per byte), counted against both limits as it inflates, and scanned once it is
+`PIECES_FROM` long: a small gzip body of dense JSON inflates to tens of MiB, which `json.loads`
+would turn into a heap many times that size while the event loop stands still. The scan works in
+slices of at most `FEED_BYTES` and lets the loop run whenever it has worked `YIELD_AFTER_S`; a
+body it refuses is answered at once, without reading the rest.
 
 The body is read whole before anything goes to an engine: the model is often its last key (the
 OpenAI SDK sends ``messages`` first), and a body that turns out invalid must start nothing.
-Passing a large body on while it arrives, when its model comes first, was measured too: on the
-2-core benchmark machine it was about 1 ms slower at 3 and 10 MB (client, proxy and engine then
-compete for the cores), so it is not done.
+Passing a large body on while it arrives, when its model comes first, was measured too and was
+slower, not faster (client, proxy and engine then compete for the cores), so it is not done.
 """
 
 from __future__ import annotations

@@ -44,6 +44,7 @@ r = client.chat.completions.create(model="{first}", messages=[{{"role": "user", 
 print(r.choices[0].message.content)
 PY
 The first request for each model starts its engine ({cold}); later ones are served hot.
+Status page: http://127.0.0.1:{port}/   (the admin API: curl http://127.0.0.1:{port}/admin/models)
 Engine logs: {logs}
 """
 
@@ -62,7 +63,13 @@ def build_config(root: Path, port: int, fake: bool) -> dict[str, Any]:
     else:
         engine.update(args=CPU_ARGS, env=CPU_ENV, startup_timeout_s=300)
     return {
-        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(root.resolve() / "state")},
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "state_dir": str(root.resolve() / "state"),
+            # The demo listens on loopback only: its admin API and status page need no key.
+            "admin_open": True,
+        },
         "engine": engine,
         "models": models,
     }
