@@ -314,7 +314,7 @@ class Model:
             log.error("%s: replica start failed", self.name, exc_info=err)
 
     def starting(self) -> asyncio.Task[None] | None:
-        """The start task in progress, if any."""
+        """The bring-up (a wake or a start) in progress, if any."""
         return self._bringup
 
     def _bringup_done(self, task: asyncio.Task[None]) -> None:
@@ -369,11 +369,11 @@ class Model:
 
     async def _bring_up(self) -> None:
         """Wake a sleeping instance if there is one; else (or when the wake fails: that engine
-        is stopped) start new instances until one is RUNNING, each attempt a new instance: a
-        lost port race is retried on a new port (`PORT_ATTEMPTS`), a start whose memory
-        profiling another process disturbed as it is (`PROFILING_RETRIES`), one with no room
-        for the KV cache with a larger budget (`KV_RETRIES`), an out-of-memory start once after
-        evicting one more idle instance, and one a reload retired with the new spec."""
+        is stopped) start new instances until one is RUNNING, a new instance per attempt. Tried
+        again: a lost port race on a new port (`PORT_ATTEMPTS`), a start whose memory profiling
+        another process disturbed (`PROFILING_RETRIES`), one with no room for the KV cache with
+        a larger budget (`KV_RETRIES`), an out-of-memory start once after evicting one more
+        idle instance, and one a reload retired with the new spec."""
         sleeper = self.sleeper()
         if sleeper is not None:
             self._bringing = sleeper
@@ -449,6 +449,7 @@ class Model:
                 raise
 
     def _failed(self, message: str, reason: str) -> None:
+        """A bring-up gave up: its cause is the model's last error, counted by `reason`."""
         self.last_error = message
         self.restarts += 1
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
