@@ -71,6 +71,18 @@ def test_imports_go_one_way() -> None:
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
 
 
+def test_a_model_s_autoscaler_and_back_off_sit_below_it() -> None:
+    """The model uses both; neither knows the model (the autoscaler sees it as `Replicas`),
+    and the back-off is bookkeeping that knows no instance either."""
+    edges = graph()
+    assert {"autoscale", "backoff"} <= edges["model"]
+    assert edges["backoff"] <= {"errors"}
+    assert edges["autoscale"] <= {"config", "instance"}
+    for part in ("autoscale", "backoff"):
+        got = {name for name, deps in edges.items() if part in deps}
+        assert got <= {"model"}, f"{sorted(got - {'model'})} import {part}"
+
+
 def test_nothing_imports_the_composition_root() -> None:
     edges = graph()
     allowed = {"app": {"cli"}, "cli": {"__main__"}}

@@ -110,12 +110,12 @@ async def test_a_pending_upscale_never_restarts_an_unloaded_model(
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}, devices=2))
     model = proxy.model("m")
     streams = await asyncio.gather(open_stream(proxy), open_stream(proxy))
-    assert model._upscale_at is not None, "the second replica is due after the delay"
+    assert model.autoscaler.upscale_pending, "the second replica is due after the delay"
     resp = await proxy.http.post(proxy.url + "/admin/models/m/unload?timeout=0")
     assert resp.status == 200 and model.instances == []
     for stream in streams:
         stream.close()
-    await wait_for(lambda: model._upscale_at is None, what="the upscale delay over")
+    await wait_for(lambda: not model.autoscaler.upscale_pending, what="the upscale delay over")
     assert model.instances == [], "the unloaded model started again with nobody asking"
 
 

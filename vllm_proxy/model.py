@@ -1,22 +1,28 @@
 """A configured model: its spec, names, the instances running it, and which one serves a request.
 
-A `Model` owns the set of its `Instance`s (one engine process each) and the decision of which
-instance serves a request: today the newest RUNNING instance that is not retired (the replica
-issue adds more). When none serves, it brings one up: one start task shared by every waiting
-request, which creates a new instance per attempt (a lost port race and one out-of-memory retry
-each get a fresh instance and id). A reload that changes the engine retires the old instances
+A `Model` owns the set of its `Instance`s (one engine process each; the only code that creates
+them) and the decision of which one serves a request (`route`): among the RUNNING replicas that
+are not retired the least loaded, a session staying on its replica (affinity) and a LoRA
+adapter going to a replica that holds it. When none serves, it brings one up: one task shared
+by every waiting request, which wakes a sleeping instance or starts new ones, a fresh instance
+and id per attempt (lost port races, disturbed memory profiling, a budget with no room for the
+KV cache, one out-of-memory retry). A reload that changes the engine retires the old instances
 (they drain and stop) and the next start uses the new spec.
+
+How many replicas run is its `autoscale.Autoscaler`'s decision, and whether a start may be tried
+after failed ones its `backoff.Backoff`'s; the model does the starting and stopping.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from .autoscale import Autoscaler
+from .backoff import Backoff
 from .config import ModelSpec
 from .engine import EngineProcess, PortInUse, prune_logs
 from .errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
@@ -46,13 +52,9 @@ KV_RETRIES = 3
 START_ATTEMPTS = 2
 #: Log files of ended instances kept per model (besides those of live instances).
 LOGS_KEPT = 4
-#: An engine that dies within this long of becoming ready counts as a failed start (crash loop).
-STABLE_S = 30.0
 
 #: Affinity sessions remembered per model (the least recently seen are forgotten first).
 SESSIONS_KEPT = 10_000
-#: Instance states that count as kept by the model (for the replica floor).
-_KEPT = frozenset({State.STARTING, State.RUNNING, State.SLEEPING, State.WAKING})
 
 #: After an out-of-memory start: evict one more idle instance on these devices (False: none).
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
@@ -85,12 +87,13 @@ class Model:
         #: The most recent instance that ended (for the summary state and its error).
         self.last_ended: Instance | None = None
         self.last_error: str | None = None
+        #: Bring-ups that failed, once each whatever their retries (an engine that crashes
+        #: while running is not counted here).
         self.restarts = 0
         #: Never evicted for memory; from the config, changed at run time by the admin API.
         self.pinned = spec.pinned
-        #: Requests waiting for an instance to start (the per-model admission queue).
+        #: Requests waiting for an instance to start or wake (the per-model admission queue).
         self.waiting = 0
-        #: Set while an unload drains; new requests wait for it.
         #: Unloads and admin sleeps under way: while any runs, new requests wait.
         self._drains = 0
         #: Drains begun so far: a waiter whose bring-up was stopped by one that has already
@@ -106,16 +109,14 @@ class Model:
         #: The bring-up was begun by requests (not a preload, an admin load or a reload): it is
         #: given up while it still waits for memory once they have all gone (`forsaken`).
         self._on_demand = False
-        #: Failed starts in a row (an engine that died soon after readiness counts); the next
-        #: start is not tried before `_retry_at` (event-loop time).
-        self.failures = 0
-        self._retry_at = 0.0
-        self._stable: dict[Instance, asyncio.TimerHandle] = {}
+        #: Failed starts in a row and when the next start may be tried (crash loops).
+        self.backoff = Backoff(spec.name)
+        #: How many replicas run; the policy the instances ask when they are idle.
+        self.autoscaler = Autoscaler(self)
         #: Affinity: session -> the replica it stays on (least recently seen dropped first).
         self._sessions: OrderedDict[str, Instance] = OrderedDict()
         #: Replica starts and wakes in the background (scale-up, the replica floor).
         self._growing: set[asyncio.Task[None]] = set()
-        self._upscale_at: asyncio.TimerHandle | None = None
         self._changed = asyncio.Event()
         self._summary = State.STOPPED
         ctx.metrics.set_model_state(self.name, None, self._summary.value, loaded=False)
@@ -130,6 +131,11 @@ class Model:
     def draining(self) -> bool:
         """An unload or an admin sleep is under way: new requests wait for it."""
         return self._drains > 0
+
+    @property
+    def failures(self) -> int:
+        """Failed starts in a row (see `backoff.Backoff`)."""
+        return self.backoff.failures
 
     # -- routing -------------------------------------------------------------------------
 
@@ -146,7 +152,8 @@ class Model:
 
     def route(self, session: str | None, adapter: str | None = None) -> Instance | None:
         """`serving()`, but a session (the affinity header's value) stays on its replica while
-        that one serves, and a request for a LoRA adapter goes to a replica that holds it."""
+        that one serves, and a request without a session for a LoRA adapter goes to the least
+        loaded replica that holds it, unless those are at the autoscaler's target."""
         if adapter is not None and len(self.instances) > 1 and session is None:
             holder = self._holding(adapter)
             scale = self.spec.autoscale
@@ -187,7 +194,7 @@ class Model:
     async def acquire(
         self, session: str | None = None, priority: int | None = None, adapter: str | None = None
     ) -> tuple[Instance, EngineProcess]:
-        """Wait until an instance serves (starting one if needed) and hold a lease on it.
+        """Wait until an instance serves (waking or starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
         ``instance.release()`` in ``finally``. `session` is the affinity header's value,
@@ -222,8 +229,7 @@ class Model:
                     continue
                 # No await between finding it RUNNING and the lease.
                 engine = inst.acquire()
-                if self._scaled:
-                    self._check_load()
+                self.autoscaler.check_load()
                 return inst, engine
             if self.draining:
                 await self._wait_change()
@@ -251,22 +257,17 @@ class Model:
 
     def backoff_s(self) -> float:
         """Seconds until the next start may be tried (0: now)."""
-        return max(0.0, self._retry_at - asyncio.get_running_loop().time())
+        return self.backoff.remaining()
 
     def _check_backoff(self) -> None:
         """Fail fast while a crash loop backs off: 503, Retry-After and the last cause."""
-        wait = self.backoff_s()
-        if wait > 0:
-            raise Unavailable(
-                f"model '{self.name}': {self.failures} failed start(s) in a row, next attempt in"
-                f" {math.ceil(wait)}s; last error: {self.last_error}",
-                code="engine_backoff",
-                retry_after_s=math.ceil(wait),
-            )
+        refusal = self.backoff.refusal(self.last_error)
+        if refusal is not None:
+            raise refusal
 
     def ensure_started(self) -> asyncio.Task[None] | None:
-        """Start an instance in the background unless one serves or is starting (reload,
-        admin load); returns the start task."""
+        """Bring an instance up in the background (wake or start) unless one serves or is
+        coming up (preload, reload, admin load); returns the bring-up task."""
         if self.serving() is None and self._bringup is None and not self.closed:
             self._bringup = asyncio.ensure_future(self._bring_up())
             self._bringup.add_done_callback(self._bringup_done)
@@ -283,51 +284,10 @@ class Model:
 
     # -- replicas ------------------------------------------------------------------------
 
-    @property
-    def _scaled(self) -> bool:
-        """More than today's single engine may run (fixed replicas or an autoscaler)."""
-        return self.spec.replica_bounds() != (0, 1)
-
-    def _replicas(self) -> list[Instance]:
-        """Live replicas that count toward the model's size: not retired, not on their way
-        out, not asleep (an asleep one is woken before a new one is started)."""
-        counted = (State.STARTING, State.RUNNING, State.WAKING)
-        return [i for i in self.instances if i.state in counted and not i.retired]
-
-    def desired_replicas(self) -> int:
-        """How many replicas the load asks for now, within the model's bounds."""
-        floor, ceiling = self.spec.replica_bounds()
-        scale = self.spec.autoscale
-        if scale is None:
-            return ceiling if self._scaled else 1
-        running = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
-        ongoing = sum(i.leases for i in running) + self.waiting
-        return min(ceiling, max(floor, 1, math.ceil(ongoing / scale.target_ongoing_requests)))
-
-    def _check_load(self) -> None:
-        """After a lease (or a start): add replicas when the load asks for more, at once or
-        after `upscale_delay_s` of sustained load."""
-        missing = self.desired_replicas() - len(self._replicas())
-        if missing <= 0 or self.closed or self.removed or self.draining:
-            return
-        delay = self.spec.autoscale.upscale_delay_s if self.spec.autoscale else 0.0
-        if delay <= 0:
-            self._grow(missing)
-        elif self._upscale_at is None:
-            loop = asyncio.get_running_loop()
-            self._upscale_at = loop.call_later(delay, self._upscale_due)
-
-    def _upscale_due(self) -> None:
-        self._upscale_at = None
-        if self.serving() is None:  # unloaded, idle-stopped or crashed meanwhile: no load
-            return
-        missing = self.desired_replicas() - len(self._replicas())
-        if missing > 0 and not (self.closed or self.removed or self.draining):
-            self._grow(missing)
-
-    def _grow(self, count: int) -> None:
-        """Add `count` replicas in the background: wake sleeping ones first, then start new
-        ones (each placed by the memory rules, on devices of its own where it can)."""
+    def grow(self, count: int) -> None:
+        """Add `count` replicas in the background (the autoscaler asks): wake sleeping ones
+        first, then start new ones (each placed by the memory rules, on devices of its own
+        where it can). Not while a crash loop backs off."""
         if self.backoff_s() > 0:
             return
         sleepers = [i for i in self.instances if i.state is State.SLEEPING and not i.retired]
@@ -338,7 +298,7 @@ class Model:
             else:
                 inst = self._new_instance()
                 log.info("%s: new replica of %s (%d wanted)", inst.id, self.name,
-                         self.desired_replicas())  # fmt: skip
+                         self.autoscaler.desired())  # fmt: skip
                 task = inst.start()
             self._growing.add(task)
             task.add_done_callback(self._grown)
@@ -353,39 +313,8 @@ class Model:
         elif err is not None and not isinstance(err, ProxyError):
             log.error("%s: replica start failed", self.name, exc_info=err)
 
-    def may_idle_stop(self, inst: Instance) -> bool:
-        """Whether `inst`'s idle timeout may stop it. Fixed replicas stop together, once none
-        of them has served for ``idle_timeout_s``; an autoscaled model keeps `min_replicas`."""
-        floor, _ = self.spec.replica_bounds()
-        if self.spec.replicas is not None:
-            cutoff = time.time() - self.spec.idle_timeout_s
-            return all(i.leases == 0 and i.last_used <= cutoff for i in self._replicas())
-        others = [i for i in self.instances if i is not inst and i.state in _KEPT and not i.retired]
-        return len(others) >= floor
-
-    def downscale(self, inst: Instance) -> bool:
-        """An autoscaled replica idle for `downscale_delay_s`: remove it (put to sleep with a
-        sleep policy, else stop) if the model has more replicas awake than `min_replicas` and
-        than the load asks for (`desired_replicas`), and no other removal is under way; False
-        when it stays (its timer is armed again)."""
-        scale = self.spec.autoscale
-        if scale is None or inst.state is not State.RUNNING or inst.leases > 0:
-            return True
-        awake = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
-        leaving = [i for i in self.instances if i.state is State.STOPPING
-                   or (i.state is State.SLEEPING and not i.asleep)]  # fmt: skip
-        # The load decides, not this replica's idleness: streams stay where they started, so
-        # a replica the load asks for can sit idle while another carries the requests.
-        if len(awake) <= max(scale.min_replicas, self.desired_replicas()) or leaving:
-            return False
-        log.info("%s: idle for %gs, scaling %s down to %d replica(s)", inst.id,
-                 scale.downscale_delay_s, self.name, len(awake) - 1)  # fmt: skip
-        if inst.sleep("downscale") is None:
-            inst.evict("downscale")
-        return True
-
     def starting(self) -> asyncio.Task[None] | None:
-        """The start task in progress, if any."""
+        """The bring-up (a wake or a start) in progress, if any."""
         return self._bringup
 
     def _bringup_done(self, task: asyncio.Task[None]) -> None:
@@ -440,8 +369,11 @@ class Model:
 
     async def _bring_up(self) -> None:
         """Wake a sleeping instance if there is one; else (or when the wake fails: that engine
-        is stopped) start new instances until one is RUNNING: a lost port race is retried on
-        a new port, an out-of-memory start once after evicting one more idle instance."""
+        is stopped) start new instances until one is RUNNING, a new instance per attempt. Tried
+        again: a lost port race on a new port (`PORT_ATTEMPTS`), a start whose memory profiling
+        another process disturbed (`PROFILING_RETRIES`), one with no room for the KV cache with
+        a larger budget (`KV_RETRIES`), an out-of-memory start once after evicting one more
+        idle instance, and one a reload retired with the new spec."""
         sleeper = self.sleeper()
         if sleeper is not None:
             self._bringing = sleeper
@@ -461,8 +393,7 @@ class Model:
             self._bringing = inst
             try:
                 start = inst.start()
-                if self._scaled:  # the other replicas the model wants start alongside
-                    self._check_load()
+                self.autoscaler.check_load()  # the other replicas the model wants start alongside
                 await start
                 self.last_error = None
                 return
@@ -518,13 +449,19 @@ class Model:
                 raise
 
     def _failed(self, message: str, reason: str) -> None:
+        """A bring-up gave up: its cause is the model's last error, counted by `reason`."""
         self.last_error = message
         self.restarts += 1
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
 
     def _new_instance(self) -> Instance:
         inst = Instance(
-            self.spec, self._new_id(self.name), self.ctx, self._instance_changed, self._queued, self
+            self.spec,
+            self._new_id(self.name),
+            self.ctx,
+            self._instance_changed,
+            self._queued,
+            self.autoscaler,
         )
         self.instances.append(inst)
         keep = {int(i.id.rpartition("#")[2]) for i in self.instances}
@@ -533,13 +470,9 @@ class Model:
 
     def _instance_changed(self, inst: Instance, old: State) -> None:
         """Every state change of one of our instances: keep the books and the summary."""
-        if inst.state is State.RUNNING:  # started: no more waiting, but not yet proven
-            self._retry_at = 0.0
-            loop = asyncio.get_running_loop()
-            if inst not in self._stable and old is State.STARTING:
-                self._stable[inst] = loop.call_later(STABLE_S, self._proven, inst)
-            if self._scaled:
-                self._check_load()  # the replica floor, and load that came meanwhile
+        if inst.state is State.RUNNING:  # up: no more waiting; a fresh start is on probation
+            self.backoff.up(inst, started=old is State.STARTING)
+            self.autoscaler.check_load()  # the replica floor, and load that came meanwhile
         if inst.state in DOWN and inst.done:
             if inst in self.instances:
                 self.instances.remove(inst)
@@ -547,20 +480,16 @@ class Model:
                 for key in [k for k, v in self._sessions.items() if v is inst]:
                     del self._sessions[key]
             self.last_ended = inst
-            stable = self._stable.pop(inst, None)
-            if stable is not None:
-                stable.cancel()
-            if inst.state is State.ERROR:
-                if inst.last_error:
-                    self.last_error = inst.last_error
-                if inst.ready_at == 0:  # failed to start
-                    self._back_off()
-                elif stable is not None:  # died soon after readiness: a second time backs off
-                    self._back_off(grace=1)
-                else:
-                    self.failures = 0
-            elif old is State.STOPPING and inst.ready_at:  # ran and was stopped: it worked
-                self.failures = 0
+            failed = inst.state is State.ERROR
+            if failed and inst.last_error:
+                self.last_error = inst.last_error
+            self.backoff.ended(
+                inst,
+                failed=failed,
+                ran=inst.ready_at != 0,
+                stopped=old is State.STOPPING,
+                max_s=self.spec.backoff_max_s,
+            )
         summary = self.state()
         if summary is not self._summary:
             self.ctx.metrics.set_model_state(
@@ -569,23 +498,6 @@ class Model:
             self._summary = summary
         self._changed.set()
         self._changed = asyncio.Event()
-
-    def _proven(self, inst: Instance) -> None:
-        """The instance has run for `STABLE_S`: the crash loop, if any, is over."""
-        self._stable.pop(inst, None)
-        self.failures = 0
-        self._retry_at = 0.0
-
-    def _back_off(self, grace: int = 0) -> None:
-        """One more failure in a row; the next start waits 1, 2, 4 ... s (after `grace` free
-        failures), up to ``backoff_max_s``."""
-        self.failures += 1
-        if self.failures <= grace:
-            return
-        delay = min(2.0 ** (self.failures - 1 - grace), self.spec.backoff_max_s)
-        self._retry_at = asyncio.get_running_loop().time() + delay
-        log.warning("%s: %d failed start(s) in a row; next start in %gs", self.name,
-                    self.failures, delay)  # fmt: skip
 
     def _queued(self) -> int:
         return self.waiting
@@ -607,8 +519,9 @@ class Model:
     # -- lifecycle -----------------------------------------------------------------------
 
     def update(self, spec: ModelSpec, drain_timeout_s: float, restart: bool) -> None:
-        """Take a reloaded spec. With `restart` the running instances are retired (they drain
-        and stop) and, if one was up, a new one starts with the new spec."""
+        """Take a reloaded spec. Without `restart` the instances take it in place (and the
+        replica count its new bounds); with it every instance is retired (they drain and
+        stop) and, if one was running or starting, a new one starts with the new spec."""
         self.spec = spec
         self.pinned = spec.pinned
         if not restart:
@@ -627,21 +540,11 @@ class Model:
         (asleep ones first, then the least busy; they drain; never the one that waiting
         requests are brought up on), and grow toward the new floor if the model is up."""
         _, ceiling = self.spec.replica_bounds()
-        kept = [i for i in self.instances if i.state in _KEPT and not i.retired]
-        live = sorted(
-            kept,
-            key=lambda i: (
-                i is self._bringing,
-                i.state is not State.SLEEPING,
-                i.leases,
-                -i.last_used,
-            ),
-        )
-        for inst in live[: max(len(live) - ceiling, 0)]:
+        for inst in self.autoscaler.surplus(keep=self._bringing):
             log.info("%s: replicas of %s reduced to %d; retiring it", inst.id, self.name, ceiling)
             inst.retire(drain_timeout_s)
         if self.serving() is not None:
-            self._check_load()
+            self.autoscaler.check_load()
 
     def retire_all(self, drain_timeout_s: float) -> list[asyncio.Task[None]]:
         """Retire every instance: no new requests, drain, stop."""
@@ -735,18 +638,6 @@ class Model:
 
     # -- views ---------------------------------------------------------------------------
 
-    def _replica_status(self) -> dict[str, object]:
-        floor, ceiling = self.spec.replica_bounds()
-        scale = self.spec.autoscale
-        return {
-            "mode": "autoscale" if scale else ("fixed" if self.spec.replicas else "single"),
-            "min": floor,
-            "max": ceiling,
-            "desired": self.desired_replicas() if self.serving() is not None else floor,
-            "live": len(self._replicas()),
-            "affinity_header": self.spec.affinity_header,
-        }
-
     def status(self) -> dict[str, object]:
         """What an operator sees of the model and its instances."""
         last = self.last_ended
@@ -754,7 +645,10 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.model_dump() if self.spec.sleep is not None else None,
-            "replicas": self._replica_status(),
+            "replicas": {
+                **self.autoscaler.status(),
+                "affinity_header": self.spec.affinity_header,
+            },
             "aliases": list(self.spec.aliases),
             "state": self.state().value,
             "leases": sum(i.leases for i in self.instances),
