@@ -337,6 +337,40 @@ class ProxyHandle:
         return [ln for ln in text.splitlines() if " ERROR " in ln or "Traceback" in ln][:most]
 
 
+#: The fake engine (``fake_vllm``) as an engine command.
+FAKE_ENGINE = [PYTHON, "-m", "fake_vllm"]
+
+
+def proxy_config(
+    port: int,
+    state_dir: Path,
+    models: dict[str, Any],
+    *,
+    server: dict[str, Any] | None = None,
+    engine: dict[str, Any] | None = None,
+    **sections: Any,
+) -> dict[str, Any]:
+    """A vllm-proxy config listening on 127.0.0.1:`port`, its state in `state_dir`; `server`
+    and `engine` add keys to those sections, `sections` adds others (``gpu``, ``admission``)."""
+    return {
+        "server": {
+            "host": "127.0.0.1",
+            "port": port,
+            "state_dir": str(state_dir),
+            **(server or {}),
+        },
+        "engine": engine or {},
+        "models": models,
+        **sections,
+    }
+
+
+def static_gpu(*memory_mb: int) -> dict[str, Any]:
+    """The ``gpu`` section of a static budget: one device of each size, in MiB."""
+    devices = [{"id": i, "memory_mb": mb} for i, mb in enumerate(memory_mb)]
+    return {"monitor": "static", "devices": devices}
+
+
 def write_config(path: Path, config: dict[str, Any]) -> Path:
     """`config` as a vllm-proxy (or LiteLLM) config file at `path` (JSON is YAML)."""
     path.write_text(json.dumps(config, indent=2))

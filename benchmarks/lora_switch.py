@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 import docs_writer
+import harness
 import loadgen
-from harness import PYTHON, Procs, git_head, machine, pick_ports, session, start_proxy, tail
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "lora_switch.json"
@@ -78,7 +78,7 @@ def make_adapters(args: argparse.Namespace, tmp: Path) -> tuple[str, dict[str, P
     return str(model), folders
 
 
-def proxy_config(
+def lora_config(
     args: argparse.Namespace, tmp: Path, port: int, model: str, folders: dict[str, Path]
 ) -> dict[str, Any]:
     engine: dict[str, Any] = {
@@ -89,7 +89,7 @@ def proxy_config(
         "port_range": [32000, 32999],
     }
     if args.engine == "fake":
-        engine["command"] = [PYTHON, "-m", "fake_vllm"]
+        engine["command"] = harness.FAKE_ENGINE
         engine["env"] = {
             "FAKE_ENGINE_LORA_LOAD_DELAY": f"{args.load_delay:g}",
             "FAKE_ENGINE_TOKENS": "4",
@@ -99,14 +99,14 @@ def proxy_config(
         from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
         engine.update(args=CPU_ARGS, env=CPU_ENV, startup_timeout_s=300)
-    config = {
-        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp / "state"),
-                   "admin_open": True, "access_log": False, "drain_timeout_s": 2},
-        "engine": engine,
-        "models": {"base": {"model": model, "max_adapters": 1,
-                            "adapters": {n: str(p) for n, p in folders.items()}}},
-    }  # fmt: skip
-    return config
+    adapters = {n: str(p) for n, p in folders.items()}
+    return harness.proxy_config(
+        port,
+        tmp / "state",
+        {"base": {"model": model, "max_adapters": 1, "adapters": adapters}},
+        server={"admin_open": True, "access_log": False, "drain_timeout_s": 2},
+        engine=engine,
+    )
 
 
 def body(model: str) -> dict[str, Any]:
@@ -120,7 +120,7 @@ async def post(http: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, tmp: Path, procs: Procs) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, procs: harness.Procs) -> None:
         self.args, self.tmp, self.procs = args, tmp, procs
         self.proxy_url = ""
         self.engine_url = ""
@@ -130,10 +130,10 @@ class Bench:
 
     def start(self) -> None:
         model, self.folders = make_adapters(self.args, self.tmp)
-        (port,) = pick_ports(1)
-        config = proxy_config(self.args, self.tmp, port, model, self.folders)
+        (port,) = harness.pick_ports(1)
+        config = lora_config(self.args, self.tmp, port, model, self.folders)
         self.log = self.tmp / "proxy.log"
-        self.proxy_url = start_proxy(self.procs, "proxy", config).url
+        self.proxy_url = harness.start_proxy(self.procs, "proxy", config).url
 
     async def warm(self, http: aiohttp.ClientSession) -> None:
         """Start the engine through the proxy and find its port."""
@@ -252,7 +252,7 @@ def main() -> int:
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     p.add_argument("--keep-tmp", action="store_true", help="keep the config and the logs")
     args = p.parse_args()
-    with session("vllm-proxy-lora-", args.keep_tmp) as (tmp, procs):
+    with harness.session("vllm-proxy-lora-", args.keep_tmp) as (tmp, procs):
         bench = Bench(args, tmp, procs)
         load_before = os.getloadavg()[0]
         try:
@@ -260,15 +260,15 @@ def main() -> int:
             asyncio.run(bench.run())
             loads = bench.loads()
         except Exception:
-            print(tail(tmp / "proxy.log", 30), file=sys.stderr)
+            print(harness.tail(tmp / "proxy.log", 30), file=sys.stderr)
             raise
     command = " ".join(
         shlex.quote(a) for a in [".venv/bin/python", "benchmarks/lora_switch.py", *sys.argv[1:]]
     )
     res = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git": git_head(),
-        "machine": machine(),
+        "git": harness.git_head(),
+        "machine": harness.machine(),
         "command": command,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": bench.rows,

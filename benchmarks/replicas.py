@@ -28,37 +28,33 @@ import aiohttp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import PYTHON, RESULTS, Procs, command_line, pick_ports, session, start_proxy
+from harness import (
+    FAKE_ENGINE,
+    RESULTS,
+    Procs,
+    command_line,
+    pick_ports,
+    proxy_config,
+    session,
+    start_proxy,
+    static_gpu,
+)
 
 TOKENS, DELAY = 16, 0.02
 
 
 def config(tmp: Path, port: int, replicas: int, slots: int) -> dict[str, Any]:
     env = {"FAKE_ENGINE_TOKENS": str(TOKENS), "FAKE_ENGINE_TOKEN_DELAY": str(DELAY)}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "access_log": False,
-            "admin_open": True,
-        },
-        "engine": {
-            "command": [PYTHON, "-m", "fake_vllm"],
-            "idle_timeout_s": 0,
-            "port_range": [31000, 31999],
-        },
-        "gpu": {"monitor": "static", "devices": [{"id": i, "memory_mb": 1000} for i in range(4)]},
-        "models": {
-            "m": {
-                "model": "x",
-                "memory_mb": 600,
-                "replicas": replicas,
-                "env": env,
-                "args": {"max_num_seqs": slots},
-            }
-        },
-    }
+    model = {"model": "x", "memory_mb": 600, "replicas": replicas, "env": env,
+             "args": {"max_num_seqs": slots}}  # fmt: skip
+    return proxy_config(
+        port,
+        tmp / "state",
+        {"m": model},
+        server={"access_log": False, "admin_open": True},
+        engine={"command": FAKE_ENGINE, "idle_timeout_s": 0, "port_range": [31000, 31999]},
+        gpu=static_gpu(1000, 1000, 1000, 1000),
+    )
 
 
 async def wait_replicas(session: aiohttp.ClientSession, url: str, n: int) -> None:

@@ -20,10 +20,12 @@ import nginx_conf
 import psutil
 from harness import (
     BENCH_DIR,
+    FAKE_ENGINE,
     PYTHON,
     ROOT,
     Procs,
     ProxyHandle,
+    proxy_config,
     start_proxy,
     tail,
     wait_http,
@@ -103,7 +105,7 @@ def tcp_engines(tree: Path | None) -> dict[str, str]:
     return {"transport": "tcp"} if "transport" in config.read_text() else {}
 
 
-def proxy_config(
+def bench_config(
     tmp: Path,
     name: str,
     port: int,
@@ -113,17 +115,13 @@ def proxy_config(
 ) -> dict[str, Any]:
     """The config of a proxy under test: `models`, the key `KEY`, engines never stopped for
     idling; `engine` adds to (or replaces) the engine defaults."""
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / f"{name}-state"),
-            "api_keys": [KEY],
-            "drain_timeout_s": 2,
-        },
-        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3, **tcp_engines(tree), **engine},
-        "models": models,
-    }
+    return proxy_config(
+        port,
+        tmp / f"{name}-state",
+        models,
+        server={"api_keys": [KEY], "drain_timeout_s": 2},
+        engine={"idle_timeout_s": 0, "stop_timeout_s": 3, **tcp_engines(tree), **engine},
+    )
 
 
 def start_fake_proxy(
@@ -135,8 +133,8 @@ def start_fake_proxy(
 ) -> ProxyHandle:
     """vllm-proxy with `models` of the fake engine (unless a model names its own command);
     from the checkout at `tree` if given."""
-    config = proxy_config(procs.tmp, name, port, models, tree,
-                          command=[PYTHON, "-m", "fake_vllm"], startup_timeout_s=60)  # fmt: skip
+    config = bench_config(procs.tmp, name, port, models, tree,
+                          command=FAKE_ENGINE, startup_timeout_s=60)  # fmt: skip
     config["server"]["access_log"] = False  # like nginx's `access_log off` here
     return start_proxy(procs, name, config, tree=tree)
 
@@ -325,4 +323,4 @@ def static_proxy_config(
 ) -> dict[str, Any]:
     """A vllm-proxy config with one model, ``bench``, whose engine is the static nginx upstream
     on port `upstream`."""
-    return proxy_config(tmp, "proxy", port, {"bench": static_model(tmp, upstream)}, tree)
+    return bench_config(tmp, "proxy", port, {"bench": static_model(tmp, upstream)}, tree)

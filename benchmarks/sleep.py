@@ -53,20 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
 import docs_writer
+import harness
 import loadgen
-from harness import (
-    PYTHON,
-    Procs,
-    ProxyHandle,
-    git_head,
-    log,
-    machine,
-    pick_ports,
-    session,
-    start_proxy,
-    tail,
-    wait_http,
-)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "sleep.json"
@@ -84,32 +72,27 @@ def engine_env(args: argparse.Namespace, case: str) -> dict[str, str]:
     return env
 
 
-def proxy_config(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any]:
+def sleepy_config(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any]:
     models: dict[str, Any] = {}
     for case in CASES:
         models[case] = {"model": f"fake/{case}", "memory_mb": 1000, "env": engine_env(args, case)}
         if case != "cold":  # asleep only when the benchmark says so
             models[case]["sleep"] = {"level": int(case[1]), "after_idle_s": 3600}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "proxy-state"),
-            "admin_open": True,
-            "access_log": False,
-            "drain_timeout_s": 2,
-        },
-        "engine": {
-            "command": [PYTHON, "-m", "fake_vllm"],
+    return harness.proxy_config(
+        port,
+        tmp / "proxy-state",
+        models,
+        server={"admin_open": True, "access_log": False, "drain_timeout_s": 2},
+        engine={
+            "command": harness.FAKE_ENGINE,
             "idle_timeout_s": 0,
             "stop_timeout_s": 3,
             "startup_timeout_s": 60,
             "sleep_memory_mb": 100,
             "port_range": [30000, 31999],
         },
-        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 8000}]},
-        "models": models,
-    }
+        gpu=harness.static_gpu(8000),
+    )
 
 
 # --------------------------------------------------------------------------- one request
@@ -184,31 +167,31 @@ async def transition_sum(http: aiohttp.ClientSession, url: str, model: str, kind
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, tmp: Path, procs: Procs) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, procs: harness.Procs) -> None:
         self.args = args
         self.tmp = tmp
         self.procs = procs
-        self.proxy: ProxyHandle | None = None
+        self.proxy: harness.ProxyHandle | None = None
         self.direct: dict[str, int] = {}  # case -> port of its standalone engine
         self.cold_port = 0
         self.rows: list[dict[str, Any]] = []
 
     def engine_argv(self, case: str, port: int) -> list[str]:
-        argv = [PYTHON, "-m", "fake_vllm", "--model", f"fake/{case}"]
+        argv = [harness.PYTHON, "-m", "fake_vllm", "--model", f"fake/{case}"]
         argv += ["--served-model-name", case, "--port", str(port)]
         return argv + (["--enable-sleep-mode"] if case != "cold" else [])
 
     def start(self) -> None:
-        proxy_port, cold_port, l1, l2 = pick_ports(4)
+        proxy_port, cold_port, l1, l2 = harness.pick_ports(4)
         self.cold_port = cold_port
         self.direct = {"l1": l1, "l2": l2}
         for case, port in self.direct.items():
             env = {**engine_env(self.args, case), "VLLM_SERVER_DEV_MODE": "1"}
             log_path = self.tmp / f"direct-{case}.log"
             proc = self.procs.start(f"direct-{case}", self.engine_argv(case, port), log_path, env)
-            wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-        config = proxy_config(self.args, self.tmp, proxy_port)
-        self.proxy = start_proxy(self.procs, "vllm-proxy", config)
+            harness.wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+        config = sleepy_config(self.args, self.tmp, proxy_port)
+        self.proxy = harness.start_proxy(self.procs, "vllm-proxy", config)
 
     async def via_proxy(self, http: aiohttp.ClientSession, case: str) -> dict[str, float]:
         assert self.proxy is not None
@@ -295,7 +278,7 @@ class Bench:
                         row["direct"] = await self.direct_wake(http, case)
                 row["added"] = row["proxy"]["ttft"] - row["direct"]["ttft"]
                 self.rows.append(row)
-                log(
+                harness.log(
                     f"round {rnd + 1} {case}: via proxy {row['proxy']['ttft'] * 1000:.1f} ms,"
                     f" direct {row['direct']['ttft'] * 1000:.1f} ms,"
                     f" added {row['added'] * 1000:.1f} ms"
@@ -440,7 +423,7 @@ def main() -> int:
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     p.add_argument("--keep-tmp", action="store_true", help="keep the configs and every log")
     args = p.parse_args()
-    with session("vllm-proxy-sleep-", args.keep_tmp) as (tmp, procs):
+    with harness.session("vllm-proxy-sleep-", args.keep_tmp) as (tmp, procs):
         bench = Bench(args, tmp, procs)
         try:
             bench.start()
@@ -449,12 +432,12 @@ def main() -> int:
             starts, errors = bench.starts(), bench.log_errors()
         except Exception:
             if bench.proxy is not None:
-                print(tail(bench.proxy.log_path, 30), file=sys.stderr)
+                print(harness.tail(bench.proxy.log_path, 30), file=sys.stderr)
             raise
     res = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git": git_head(),
-        "machine": machine(),
+        "git": harness.git_head(),
+        "machine": harness.machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": bench.rows,
         "summary": summarize(bench.rows),

@@ -56,7 +56,15 @@ from yarl import URL
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import PYTHON, Procs, pick_ports, session, start_proxy
+from harness import (
+    FAKE_ENGINE,
+    Procs,
+    pick_ports,
+    proxy_config,
+    session,
+    start_proxy,
+    static_gpu,
+)
 
 MODELS = ("a", "b", "c", "d")
 #: Models with a sleep policy: the proxy checks /is_sleeping only for them (and only their
@@ -96,19 +104,15 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
     # Requests that reach an engine asleep: c's get a 503 from it (the fake engine's default),
     # d's wait for a wake (as the newest vLLM does).
     models["d"]["env"] = {"FAKE_ENGINE_ASLEEP": "park"}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "admin_open": True,
-            "send_timeout_s": 2,
-            "drain_timeout_s": 5,
-            "max_bodies_mb": MAX_BODIES_MB,
-            "metrics_api_keys": [METRICS_KEY],
-        },
-        "engine": {
-            "command": [PYTHON, "-m", "fake_vllm"],
+    server = {"admin_open": True, "send_timeout_s": 2, "drain_timeout_s": 5,
+              "max_bodies_mb": MAX_BODIES_MB, "metrics_api_keys": [METRICS_KEY]}  # fmt: skip
+    return proxy_config(
+        port,
+        tmp / "state",
+        models,
+        server=server,
+        engine={
+            "command": FAKE_ENGINE,
             "idle_timeout_s": 20,
             "stop_timeout_s": 2,
             "startup_timeout_s": 30,
@@ -118,10 +122,9 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
             "backoff_max_s": 2,
             "env": env,
         },
-        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]},
-        "admission": {"queue_timeout_s": 20},
-        "models": models,
-    }
+        gpu=static_gpu(1000),
+        admission={"queue_timeout_s": 20},
+    )
 
 
 class Tally:
