@@ -7,14 +7,14 @@
 With several ``--base`` revisions, each runs beside the others in every round and every ratio
 is against the first: a regression is placed between two commits in one run.
 
-Checks the base revision out into a temporary git worktree and runs, in each round and for each
-revision in turn (the order alternating), vllm-proxy in front of the static nginx upstream
-(`nginx_engine.py`) and wrk against it at c=1 and c=64. Both revisions run from the same venv
-(the base through ``PYTHONPATH``), on the same cores, minutes apart at most; the table shows
-medians over rounds and the ratio new/base, which is what a noisy machine can compare. It also
-shows the proxy's CPU time per request (user + system, from /proc): at c=1 throughput mostly
-measures how the scheduler interleaves wrk, proxy and upstream on two busy cores, CPU per
-request what the proxy itself spends.
+Unpacks the base revision (``git archive``) into a temporary folder and runs, in each round
+and for each revision in turn (the order alternating), vllm-proxy in front of the static nginx
+upstream (`nginx_engine.py`) and wrk against it at c=1 and c=64. Both revisions run from the
+same venv (each through ``PYTHONPATH``), on the same cores, minutes apart at most; the table
+shows medians over rounds and the ratio new/base, which is what a noisy machine can compare.
+It also shows the proxy's CPU time per request (user + system, from /proc): at c=1 throughput
+mostly measures how the scheduler interleaves wrk, proxy and upstream on two busy cores, CPU
+per request what the proxy itself spends.
 Everything binds 127.0.0.1 and is stopped at the end.
 """
 
@@ -23,41 +23,45 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import docs_writer
 import loadgen
-import run
-import servers
-from streams import cpu_times
+from harness import (
+    Procs,
+    arun,
+    checkout,
+    command_line,
+    cpu_times,
+    git_head,
+    log,
+    pick_ports,
+    session,
+    start_proxy,
+)
+from servers import KEY, first_requests, static_proxy_config
 
-ROOT = Path(__file__).resolve().parent.parent
 CONCURRENCY = (1, 64)
 
 
-def measure(tree: Path, tmp: Path, seconds: float) -> dict[int, dict[str, float]]:
-    """One proxy of the revision checked out at `tree`: wrk at each concurrency."""
-    procs = servers.Procs(tmp)
+def measure(tree: Path | None, procs: Procs, seconds: float) -> dict[int, dict[str, float]]:
+    """One proxy of the revision checked out at `tree` (None: this one): wrk at each
+    concurrency."""
     try:
-        port, upstream = servers.pick_ports(2)
-        cfg = servers.static_proxy_config(tmp, port, upstream, run.KEY)
-        argv = [servers.PYTHON, "-m", "vllm_proxy", "--config", str(cfg), "--log-level", "warning"]
-        env = {"PYTHONPATH": str(tree)}
-        proxy = procs.start("vllm-proxy", argv, tmp / "proxy.log", env)
-        servers.wait_http(f"http://127.0.0.1:{port}/health", 30, proxy)
-        url = f"http://127.0.0.1:{port}"
-        run.arun(run._first_requests([(url, "bench")]))
-        loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, 64, 1)  # warm-up
+        port, upstream = pick_ports(2)
+        config = static_proxy_config(procs.tmp, port, upstream, tree)
+        proxy = start_proxy(procs, "vllm-proxy", config, tree=tree, log_level="warning")
+        arun(first_requests([(proxy.url, "bench")]))
+        loadgen.run_wrk(proxy.url + loadgen.CHAT, "bench", KEY, 64, 1)  # warm-up
         out = {}
         for c in CONCURRENCY:
-            u0, s0 = cpu_times([proxy.pid])
-            r = loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, c, seconds)
-            u1, s1 = cpu_times([proxy.pid])
+            u0, s0 = cpu_times([proxy.proc.pid])
+            r = loadgen.run_wrk(proxy.url + loadgen.CHAT, "bench", KEY, c, seconds)
+            u1, s1 = cpu_times([proxy.proc.pid])
             cpu_us = (u1 - u0 + s1 - s0) * 1e6 / max(1, r["requests"])
             out[c] = {
                 "rps": r["rps"],
@@ -79,40 +83,23 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=4.0)
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     args = p.parse_args()
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    with tempfile.TemporaryDirectory(prefix="vllm-proxy-compare-") as tmp_name:
-        tmp = Path(tmp_name)
-        trees: dict[str, Path] = {}
-        try:
-            for i, rev in enumerate(args.base):
-                tree = tmp / f"base{i}"
-                subprocess.run(
-                    ["git", "worktree", "add", "--detach", "-f", str(tree), rev],
-                    cwd=ROOT, check=True, capture_output=True,
-                )  # fmt: skip
-                trees[f"base {rev}"] = tree
-            trees[f"new {head} (+ work tree)"] = ROOT
-            results: Results = {k: [] for k in trees}
-            for rnd in range(args.rounds):
-                order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
-                for name in order:
-                    work = tmp / f"r{rnd}-{list(trees).index(name)}"
-                    work.mkdir()
-                    results[name].append(measure(trees[name], work, args.seconds))
-                    r = results[name][-1]
-                    servers.log(
-                        f"round {rnd + 1} {name}: "
-                        + ", ".join(f"c={c} {r[c]['rps']:,.0f} req/s" for c in CONCURRENCY)
-                    )
-        finally:
-            for tree in trees.values():
-                if tree != ROOT:
-                    subprocess.run(
-                        ["git", "worktree", "remove", "--force", str(tree)],
-                        cwd=ROOT, capture_output=True,
-                    )  # fmt: skip
+    with session("vllm-proxy-compare-") as (tmp, _):
+        trees: dict[str, Path | None] = {
+            f"base {rev}": checkout(rev, tmp / f"base{i}") for i, rev in enumerate(args.base)
+        }
+        trees[f"new {git_head()} (+ work tree)"] = None
+        results: Results = {k: [] for k in trees}
+        for rnd in range(args.rounds):
+            order = list(trees) if rnd % 2 == 0 else list(reversed(trees))
+            for name in order:
+                work = tmp / f"r{rnd}-{list(trees).index(name)}"
+                work.mkdir()
+                results[name].append(measure(trees[name], Procs(work), args.seconds))
+                r = results[name][-1]
+                log(
+                    f"round {rnd + 1} {name}: "
+                    + ", ".join(f"c={c} {r[c]['rps']:,.0f} req/s" for c in CONCURRENCY)
+                )
     print_table(results, args)
     return 0
 
@@ -120,16 +107,14 @@ def main() -> int:
 Results = dict[str, list[dict[int, dict[str, float]]]]
 
 
-SECTION = "## Side by side with an earlier revision"
+SECTION = docs_writer.SIDE_BY_SIDE
 
 
 def print_table(results: Results, args: argparse.Namespace) -> None:
     lines = table(results, args)
     print("\n".join(lines))
     if args.append is not None:
-        text = args.append.read_text() if args.append.exists() else ""
-        text = text.split("\n" + SECTION)[0].rstrip("\n")
-        args.append.write_text(text + "\n\n" + SECTION + "\n\n" + "\n".join(lines) + "\n")
+        docs_writer.put_sections(args.append, SECTION + "\n\n" + "\n".join(lines))
 
 
 def table(results: Results, args: argparse.Namespace) -> list[str]:
@@ -165,12 +150,12 @@ def table(results: Results, args: argparse.Namespace) -> list[str]:
                 f"* c={c}: {label} throughput **{ratio:.2f}x**, p50 {p50:.2f}x, "
                 f"CPU per request {cpu:.2f}x"
             )
-    cmd = " ".join(["benchmarks/compare_revisions.py", *sys.argv[1:]])
+    cmd = command_line("compare_revisions.py")
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     out.append("")
     out.append(
         f"{args.rounds} interleaved rounds, wrk {args.seconds:g} s per run, static upstream; "
-        f"`.venv/bin/python {cmd}` ({when}, {os.cpu_count()} cores)"
+        f"`{cmd}` ({when}, {os.cpu_count()} cores)"
     )
     return out
 

@@ -86,6 +86,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import docs_writer  # noqa: E402
 
 from vllm_proxy.queueing import (  # noqa: E402
     GO,
@@ -105,7 +108,7 @@ from vllm_proxy.scheduler import Demand, DeviceView, ModelView, NoFit, Plan, pla
 
 PROFILE = Path(__file__).resolve().parent / "density_profile.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "density.json"
-DOCS = ROOT / "docs" / "benchmarks.md"
+DOCS = docs_writer.DOCS
 PLOT = ROOT / "docs" / "benchmarks" / "density.svg"
 SECTION = "## Density: many models on one GPU"
 POLICIES = ("stop-on-swap", "sleep-on-swap", "planner", "scheduler")
@@ -1359,27 +1362,6 @@ def svg_plot(sweep: Sequence[dict[str, Any]], pols: Sequence[str], title: str) -
     return "\n".join(o) + "\n"
 
 
-# --------------------------------------------------------------------------- the docs
-
-
-def append_section(path: Path, lines: list[str]) -> None:
-    """Put the section into `path`: replaced in place when there, else before the side-by-side
-    section (which ``compare_revisions.py --append`` keeps last), else at the end."""
-    text = path.read_text() if path.exists() else ""
-    block = SECTION + "\n\n" + "\n".join(lines).rstrip("\n") + "\n"
-    start = text.find("\n" + SECTION + "\n")
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[: start + 1] + block + (text[end:] if end >= 0 else "")
-    else:
-        side = text.find("\n## Side by side")
-        if side >= 0:
-            text = text[: side + 1] + block + "\n" + text[side + 1 :]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
 # --------------------------------------------------------------------------- the command
 
 
@@ -1580,7 +1562,8 @@ def main(argv: list[str] | None = None) -> int:
         if sweep:
             PLOT.parent.mkdir(parents=True, exist_ok=True)
             PLOT.write_text(svg_plot(sweep, pols, title))
-        append_section(DOCS, docs_section(lines, command, prof, traffic, m, res))
+        section = docs_section(lines, command, prof, traffic, m, res)
+        docs_writer.put_sections(DOCS, SECTION + "\n\n" + "\n".join(section))
     checked = [*main_rows, *(r for rs in sweeps.values() for r in rs)]
     checked += [r for rs in by_rate.values() for r in rs]
     checked += [{"policy": x, "over_commits": 1, "busy_evictions": 0, "unserved": 0}

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import psutil
-from servers import BENCH_DIR
+from harness import BENCH_DIR
 
 LUA = BENCH_DIR / "post.lua"
 CHAT = "/v1/chat/completions"

@@ -31,15 +31,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
-import platform
 import shlex
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,8 +42,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
+import docs_writer
+import harness
 import loadgen
-import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "lora_switch.json"
@@ -82,9 +78,9 @@ def make_adapters(args: argparse.Namespace, tmp: Path) -> tuple[str, dict[str, P
     return str(model), folders
 
 
-def proxy_config(
+def lora_config(
     args: argparse.Namespace, tmp: Path, port: int, model: str, folders: dict[str, Path]
-) -> Path:
+) -> dict[str, Any]:
     engine: dict[str, Any] = {
         "transport": "tcp",
         "idle_timeout_s": 0,
@@ -93,7 +89,7 @@ def proxy_config(
         "port_range": [32000, 32999],
     }
     if args.engine == "fake":
-        engine["command"] = [servers.PYTHON, "-m", "fake_vllm"]
+        engine["command"] = harness.FAKE_ENGINE
         engine["env"] = {
             "FAKE_ENGINE_LORA_LOAD_DELAY": f"{args.load_delay:g}",
             "FAKE_ENGINE_TOKENS": "4",
@@ -103,16 +99,14 @@ def proxy_config(
         from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
         engine.update(args=CPU_ARGS, env=CPU_ENV, startup_timeout_s=300)
-    config = {
-        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp / "state"),
-                   "admin_open": True, "access_log": False, "drain_timeout_s": 2},
-        "engine": engine,
-        "models": {"base": {"model": model, "max_adapters": 1,
-                            "adapters": {n: str(p) for n, p in folders.items()}}},
-    }  # fmt: skip
-    path = tmp / "vllm-proxy.yaml"
-    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-    return path
+    adapters = {n: str(p) for n, p in folders.items()}
+    return harness.proxy_config(
+        port,
+        tmp / "state",
+        {"base": {"model": model, "max_adapters": 1, "adapters": adapters}},
+        server={"admin_open": True, "access_log": False, "drain_timeout_s": 2},
+        engine=engine,
+    )
 
 
 def body(model: str) -> dict[str, Any]:
@@ -126,7 +120,7 @@ async def post(http: aiohttp.ClientSession, url: str, payload: dict[str, Any]) -
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, tmp: Path, procs: servers.Procs) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, procs: harness.Procs) -> None:
         self.args, self.tmp, self.procs = args, tmp, procs
         self.proxy_url = ""
         self.engine_url = ""
@@ -136,14 +130,10 @@ class Bench:
 
     def start(self) -> None:
         model, self.folders = make_adapters(self.args, self.tmp)
-        (port,) = servers.pick_ports(1)
-        cfg = proxy_config(self.args, self.tmp, port, model, self.folders)
-        log = self.tmp / "proxy.log"
-        self.log = log
-        argv = [servers.PYTHON, "-m", "vllm_proxy", "--config", str(cfg), "--log-level", "info"]
-        proc = self.procs.start("proxy", argv, log)
-        servers.wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
-        self.proxy_url = f"http://127.0.0.1:{port}"
+        (port,) = harness.pick_ports(1)
+        config = lora_config(self.args, self.tmp, port, model, self.folders)
+        self.log = self.tmp / "proxy.log"
+        self.proxy_url = harness.start_proxy(self.procs, "proxy", config).url
 
     async def warm(self, http: aiohttp.ClientSession) -> None:
         """Start the engine through the proxy and find its port."""
@@ -252,52 +242,6 @@ def table(res: dict[str, Any]) -> list[str]:
     return lines
 
 
-def append_section(path: Path, lines: list[str], engine: str) -> None:
-    """The table as the `engine`'s part (``### <engine>``) of the section `SECTION` of `path`:
-    that part replaced when there, else added to the section; the section itself goes before
-    the side-by-side section (which ``compare_revisions.py --append`` keeps last), else at the
-    end. Nothing else of the file changes."""
-    text = path.read_text() if path.exists() else ""
-    part = f"### {HEADINGS[engine]}\n\n" + "\n".join(lines) + "\n"
-    start = text.find("\n" + SECTION + "\n")
-    if start < 0:
-        block = SECTION + "\n\n" + INTRO + "\n" + part
-        side = text.find("\n## Side by side")
-        if side >= 0:
-            text = text[: side + 1] + block + "\n" + text[side + 1 :]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-        path.write_text(text)
-        return
-    end = text.find("\n## ", start + 1)
-    end = len(text) if end < 0 else end + 1
-    section = text[start + 1 : end]
-    heading = f"### {HEADINGS[engine]}\n"
-    at = section.find(heading)
-    if at >= 0:
-        after = section.find("\n### ", at + 1)
-        section = section[:at] + part + ("\n" + section[after + 1 :] if after >= 0 else "\n")
-    else:
-        section = section.rstrip("\n") + "\n\n" + part + "\n"
-    text = (
-        text[: start + 1]
-        + section.rstrip("\n")
-        + "\n"
-        + ("\n" + text[end:] if end < len(text) else "")
-    )
-    path.write_text(text)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--engine", choices=("fake", "vllm"), default="fake")
@@ -308,34 +252,23 @@ def main() -> int:
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     p.add_argument("--keep-tmp", action="store_true", help="keep the config and the logs")
     args = p.parse_args()
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-lora-"))
-    procs = servers.Procs(tmp)
-    bench = Bench(args, tmp, procs)
-    load_before = os.getloadavg()[0]
-    try:
-        bench.start()
-        asyncio.run(bench.run())
-        loads = bench.loads()
-    except Exception:
-        with contextlib.suppress(AttributeError):
-            print(servers.tail(bench.log, 30), file=sys.stderr)
-        raise
-    finally:
-        procs.stop_all()
-        if args.keep_tmp:
-            servers.log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with harness.session("vllm-proxy-lora-", args.keep_tmp) as (tmp, procs):
+        bench = Bench(args, tmp, procs)
+        load_before = os.getloadavg()[0]
+        try:
+            bench.start()
+            asyncio.run(bench.run())
+            loads = bench.loads()
+        except Exception:
+            print(harness.tail(tmp / "proxy.log", 30), file=sys.stderr)
+            raise
     command = " ".join(
         shlex.quote(a) for a in [".venv/bin/python", "benchmarks/lora_switch.py", *sys.argv[1:]]
     )
     res = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git": head,
-        "machine": machine(),
+        "git": harness.git_head(),
+        "machine": harness.machine(),
         "command": command,
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": bench.rows,
@@ -348,7 +281,8 @@ def main() -> int:
     lines = table(res)
     print("\n" + "\n".join(lines))
     if args.append is not None:
-        append_section(args.append, lines, args.engine)
+        part = f"### {HEADINGS[args.engine]}\n\n" + "\n".join(lines)
+        docs_writer.put_part(args.append, SECTION, INTRO, part)
     return 0
 
 

@@ -21,20 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-CONF = """\
-worker_processes 1;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 16384; multi_accept on; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/client_body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 10000000;
-    keepalive_timeout 75s;
+import nginx_conf
+
+SERVER = """\
     server {{
         listen {host}:{port} backlog=4096;
         location = /health {{ return 200; }}
@@ -43,14 +32,13 @@ http {{
             return 200 '{body}';
         }}
     }}
-}}
 """
 
 
-def render(host: str, port: int, body: str, directory: str) -> str:
+def server_block(host: str, port: int, body: str) -> str:
     if "'" in body or "$" in body or "\\" in body:
         raise ValueError("the static body must not contain ', $ or \\ (nginx string syntax)")
-    return CONF.format(d=directory, host=host, port=port, body=body)
+    return SERVER.format(host=host, port=port, body=body)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,13 +54,10 @@ def main(argv: list[str] | None = None) -> int:
     directory = Path(base) / str(args.port)
     directory.mkdir(parents=True, exist_ok=True)
     body = Path(body_file).read_text().strip()
-    conf = directory / "nginx.conf"
-    conf.write_text(render(args.host, args.port, body, str(directory)))
+    conf = nginx_conf.write(directory, server_block(args.host, args.port, body))
     nginx = os.environ.get("NGINX_BIN", "nginx")
-    argv_ = [nginx, "-p", str(directory), "-e", str(directory / "error.log"), "-c", str(conf)]
-    argv_ += ["-g", "daemon off;"]
     sys.stdout.flush()
-    os.execvp(nginx, argv_)
+    os.execvp(nginx, nginx_conf.argv(directory, conf, nginx))
     return 127  # pragma: no cover - execvp does not return
 
 

@@ -20,14 +20,13 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen
-import run
-import servers
+from harness import PYTHON, Procs, arun, pick_ports, raise_nofile, session, start_proxy
+from servers import KEY, first_requests, static_proxy_config
 
 PROBE = Path(__file__).resolve().parent / "gc_probe.py"
 
@@ -83,20 +82,17 @@ def top_frames(raw: Path, n: int) -> list[str]:
     return out
 
 
-def one_run(args: argparse.Namespace, gc_mode: str, tmp: Path) -> None:
-    procs = servers.Procs(tmp)
+def one_run(args: argparse.Namespace, gc_mode: str, procs: Procs) -> None:
     try:
-        port, upstream = servers.pick_ports(2)
-        cfg = servers.static_proxy_config(tmp, port, upstream, run.KEY)
-        log_path = tmp / "proxy.log"
-        argv = [servers.PYTHON, str(PROBE), "--config", str(cfg), "--log-level", "warning"]
-        proxy = procs.start("vllm-proxy", argv, log_path, {"GC_PROBE_MODE": gc_mode})
-        servers.wait_http(f"http://127.0.0.1:{port}/health", 30, proxy)
-        url = f"http://127.0.0.1:{port}"
-        run.arun(run._first_requests([(url, "bench")]))
-        loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, args.conc, 2)  # warm-up
+        port, upstream = pick_ports(2)
+        config = static_proxy_config(procs.tmp, port, upstream)
+        proxy = start_proxy(procs, "vllm-proxy", config, log_level="warning",
+                            argv=[PYTHON, str(PROBE)], env={"GC_PROBE_MODE": gc_mode})  # fmt: skip
+        url = proxy.url
+        arun(first_requests([(url, "bench")]))
+        loadgen.run_wrk(url + loadgen.CHAT, "bench", KEY, args.conc, 2)  # warm-up
         spy = find_pyspy()
-        raw = tmp / "pyspy.txt"
+        raw = procs.tmp / "pyspy.txt"
         rec = None
         if spy and not args.no_pyspy:
             rec = subprocess.Popen(
@@ -104,7 +100,7 @@ def one_run(args: argparse.Namespace, gc_mode: str, tmp: Path) -> None:
                     spy,
                     "record",
                     "-p",
-                    str(proxy.pid),
+                    str(proxy.proc.pid),
                     "-d",
                     str(args.seconds),
                     "-r",
@@ -118,7 +114,7 @@ def one_run(args: argparse.Namespace, gc_mode: str, tmp: Path) -> None:
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
-        w = loadgen.run_wrk(url + loadgen.CHAT, "bench", run.KEY, args.conc, args.seconds)
+        w = loadgen.run_wrk(url + loadgen.CHAT, "bench", KEY, args.conc, args.seconds)
         print(
             f"\n=== vllm-proxy, gc mode '{gc_mode or 'default'}', wrk c={args.conc} "
             f"{args.seconds}s: {w['rps']:.0f} req/s, p50 {w['p50_us'] / 1e3:.2f} ms, "
@@ -135,6 +131,7 @@ def one_run(args: argparse.Namespace, gc_mode: str, tmp: Path) -> None:
             print("(py-spy not found: see benchmarks/README.md)")
     finally:
         procs.stop_all()
+    log_path = procs.tmp / "vllm-proxy.log"  # the probe's figures come as the proxy exits
     stats = [ln for ln in log_path.read_text().splitlines() if ln.startswith("GC_PROBE")]
     print(stats[-1] if stats else "(no GC statistics: the proxy did not exit cleanly)")
 
@@ -147,14 +144,11 @@ def main() -> int:
     p.add_argument("--gc-tuning", action="store_true", help="also run with GC tuned")
     p.add_argument("--no-pyspy", action="store_true")
     args = p.parse_args()
-    run.raise_nofile()
+    raise_nofile()
     modes = ["", "freeze,threshold"] if args.gc_tuning else [""]
     for mode in modes:
-        tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-profile-"))
-        try:
-            one_run(args, mode, tmp)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        with session("vllm-proxy-profile-") as (_, procs):
+            one_run(args, mode, procs)
     return 0
 
 

@@ -9,8 +9,8 @@ event is fed to each engine connection's current protocol in turn, round after r
 `data_received` would be called by the event loop; the client's transport is a stub whose
 `write` does nothing. So the figure is the proxy's own Python and parsing per event, warm and
 without any system call; `streams.py` measures the whole path. The trees take turns (the order
-alternating per round) and the table gives medians; `--base` is checked out into a temporary
-git worktree.
+alternating per round) and the table gives medians; `--base` is unpacked into a temporary
+folder (``git archive``).
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import ROOT, checkout, command_line, session
 
 CHILD = r"""
 import asyncio, json, sys, time
@@ -115,23 +116,15 @@ def main() -> int:
     p.add_argument("--events", type=int, default=200, help="events per relay per round")
     p.add_argument("--rounds", type=int, default=6)
     args = p.parse_args()
-    trees = {"work tree": ROOT}
-    tmp = Path(tempfile.mkdtemp(prefix="relay-micro-"))
-    try:
+    with session("relay-micro-") as (tmp, _):
+        trees = {"work tree": ROOT}
         if args.base:
-            tree = tmp / "base"
-            subprocess.run(["git", "worktree", "add", "--detach", "-f", str(tree), args.base],
-                           cwd=ROOT, check=True, capture_output=True)  # fmt: skip
-            trees = {f"base {args.base}": tree, **trees}
+            trees = {f"base {args.base}": checkout(args.base, tmp / "base"), **trees}
         got: dict[str, list[float]] = {name: [] for name in trees}
         for r in range(args.rounds):
             names = list(trees) if r % 2 == 0 else list(reversed(trees))
             for name in names:
                 got[name].append(measure(trees[name], args.relays, args.events))
-    finally:
-        if args.base:
-            subprocess.run(["git", "worktree", "remove", "--force", str(tmp / "base")],
-                           cwd=ROOT, capture_output=True)  # fmt: skip
     first = statistics.median(next(iter(got.values())))
     print("| tree | ns per event (median) | min | max | ratio to the first |")
     print("|---|---:|---:|---:|---:|")
@@ -140,7 +133,7 @@ def main() -> int:
         print(f"| {name} | {med:.0f} | {min(values):.0f} | {max(values):.0f} | {med / first:.3f} |")
     print()
     print(f"{args.rounds} rounds, {args.relays} relays x {args.events} events each per round: "
-          f"`.venv/bin/python benchmarks/relay_micro.py {' '.join(sys.argv[1:])}`")  # fmt: skip
+          f"`{command_line('relay_micro.py')}`")  # fmt: skip
     return 0
 
 

@@ -18,58 +18,43 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (
+    FAKE_ENGINE,
+    RESULTS,
+    Procs,
+    command_line,
+    pick_ports,
+    proxy_config,
+    session,
+    start_proxy,
+    static_gpu,
+)
+
 TOKENS, DELAY = 16, 0.02
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def config(tmp: Path, port: int, replicas: int, slots: int) -> dict[str, Any]:
     env = {"FAKE_ENGINE_TOKENS": str(TOKENS), "FAKE_ENGINE_TOKEN_DELAY": str(DELAY)}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "access_log": False,
-            "admin_open": True,
-        },
-        "engine": {
-            "command": [sys.executable, "-m", "fake_vllm"],
-            "idle_timeout_s": 0,
-            "port_range": [31000, 31999],
-        },
-        "gpu": {"monitor": "static", "devices": [{"id": i, "memory_mb": 1000} for i in range(4)]},
-        "models": {
-            "m": {
-                "model": "x",
-                "memory_mb": 600,
-                "replicas": replicas,
-                "env": env,
-                "args": {"max_num_seqs": slots},
-            }
-        },
-    }
+    model = {"model": "x", "memory_mb": 600, "replicas": replicas, "env": env,
+             "args": {"max_num_seqs": slots}}  # fmt: skip
+    return proxy_config(
+        port,
+        tmp / "state",
+        {"m": model},
+        server={"access_log": False, "admin_open": True},
+        engine={"command": FAKE_ENGINE, "idle_timeout_s": 0, "port_range": [31000, 31999]},
+        gpu=static_gpu(1000, 1000, 1000, 1000),
+    )
 
 
 async def wait_replicas(session: aiohttp.ClientSession, url: str, n: int) -> None:
@@ -118,46 +103,19 @@ async def load(url: str, clients: int, seconds: float) -> dict[str, float]:
     }
 
 
-def spawn(tmp: Path, replicas: int, slots: int) -> tuple[subprocess.Popen[bytes], int]:
-    """vllm-proxy as a real process (its own group), logging to the temp dir."""
-    port = free_port()
-    path = tmp / f"proxy-{replicas}.yaml"
-    path.write_text(yaml.safe_dump(config(tmp, port, replicas, slots)))
-    with open(tmp / f"proxy-{replicas}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_proxy.cli", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=ROOT,
-        )
-    return proc, port
-
-
 async def one(
-    tmp: Path, replicas: int, slots: int, clients: int, seconds: float
+    procs: Procs, replicas: int, slots: int, clients: int, seconds: float
 ) -> dict[str, float]:
-    proc, port = spawn(tmp, replicas, slots)
-    url = f"http://127.0.0.1:{port}"
+    (port,) = pick_ports(1)
+    cfg = config(procs.tmp, port, replicas, slots)
+    proxy = await asyncio.to_thread(start_proxy, procs, f"proxy-{replicas}", cfg)
     try:
-        async with aiohttp.ClientSession() as session:
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    async with session.get(url + "/health") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError("proxy did not come up")
-                await asyncio.sleep(0.05)
-            await wait_replicas(session, url, replicas)
-        await load(url, clients, 1.0)  # warm the connection pools
-        return await load(url, clients, seconds)
+        async with aiohttp.ClientSession() as http:
+            await wait_replicas(http, proxy.url, replicas)
+        await load(proxy.url, clients, 1.0)  # warm the connection pools
+        return await load(proxy.url, clients, seconds)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        await asyncio.to_thread(proc.wait, 30)
+        await asyncio.to_thread(procs.drop, proxy.proc, 30)
 
 
 async def main() -> None:
@@ -169,14 +127,14 @@ async def main() -> None:
     args = parser.parse_args()
     counts = (1, 2, 4)
     runs: dict[int, list[dict[str, float]]] = {n: [] for n in counts}
-    with tempfile.TemporaryDirectory(prefix="vllm-proxy-replicas-") as tmp:
+    with session("vllm-proxy-replicas-") as (_, procs):
         for _ in range(args.rounds):
             for n in counts:
-                runs[n].append(await one(Path(tmp), n, args.slots, args.clients, args.seconds))
+                runs[n].append(await one(procs, n, args.slots, args.clients, args.seconds))
     ceiling = args.slots / (TOKENS * DELAY)
     med = {n: {k: statistics.median(r[k] for r in runs[n]) for k in runs[n][0]} for n in counts}
     base = med[1]["rps"]
-    command = "python benchmarks/replicas.py " + " ".join(sys.argv[1:])
+    command = command_line("replicas.py")
     lines = [
         f"Fake engine: {TOKENS} tokens x {DELAY * 1000:g} ms, max_num_seqs {args.slots} "
         f"(one engine serves at most {ceiling:.1f} req/s); {args.clients} closed-loop clients, "

@@ -8,6 +8,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import docs_writer
 from loadgen import med
 
 LABEL = {
@@ -554,35 +555,7 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
         "p99 also carries the fake engine's own timer jitter (its tokens are 5 ms apart with "
         "about 0.1-1 ms of scheduling noise), which is why an *added* gap can come out negative."
     )
-    out.write_text("\n".join(L) + "\n" + kept_sections(out))
-
-
-#: Sections of the report that other scripts write (streams.py, compare_revisions.py --append):
-#: a new run of this one keeps them, in this order, at the end.
-OTHER_SECTIONS = (
-    "## Sleep and wake: time to first token",
-    "## Replicas: throughput with 1, 2 and 4 engines of one model",
-    "## Stream capacity",
-    "## Large request bodies",
-    "## Density: many models on one GPU",
-    "## LoRA adapter switch",
-    "## Side by side with an earlier revision",
-)
-
-
-def kept_sections(out: Path) -> str:
-    """The sections of the existing report at `out` that other scripts own."""
-    if not out.exists():
-        return ""
-    old = out.read_text()
-    kept = []
-    for heading in OTHER_SECTIONS:
-        start = old.find("\n" + heading + "\n")
-        if start < 0:
-            continue
-        end = old.find("\n## ", start + 1)
-        kept.append(old[start + 1 : end if end >= 0 else len(old)].rstrip("\n"))
-    return "".join("\n" + k + "\n" for k in kept)
+    docs_writer.put_report(out, "\n".join(L))
 
 
 def goal_rows(

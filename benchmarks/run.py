@@ -16,44 +16,47 @@ import hashlib
 import json
 import os
 import re
-import resource
 import shutil
-import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import loadgen
 import report
-from servers import (
+from harness import (
     BENCH_DIR,
-    PYTHON,
     ROOT,
-    STATIC_BODY,
     Procs,
     ProxyHandle,
+    arun,
+    attempt,
+    command_line,
+    exit_code,
     http_get,
     log,
     pick_ports,
     proc_rss,
+    raise_nofile,
+    session,
+    tree_rss,
+)
+from servers import (
+    KEY,
+    first_requests,
+    start_fake_proxy,
     start_litellm,
     start_nginx_proxy,
-    start_proxy,
-    tree_rss,
+    static_model,
     versions,
 )
 
 T = TypeVar("T")
-KEY = "sk-bench-" + os.urandom(16).hex()
 #: A wrk run during which other programs used more than this share of all cores is repeated.
 NOISY = 0.10
 
@@ -85,22 +88,9 @@ class Target:
     model: str
 
 
-def arun(coro: Coroutine[Any, Any, T]) -> T:
-    import uvloop
-
-    return uvloop.run(coro)
-
-
 def rotate(items: list[Target], r: int) -> list[Target]:
     k = r % len(items)
     return items[k:] + items[:k]
-
-
-def raise_nofile() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    want = hard if hard != resource.RLIM_INFINITY else 65536
-    if soft < want:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
 def check_tools(res: dict[str, Any]) -> None:
@@ -115,22 +105,10 @@ def check_tools(res: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- phases
 
 
-async def _first_requests(urls: list[tuple[str, str]]) -> list[tuple[int, bytes]]:
-    headers = {"Authorization": f"Bearer {KEY}"}
-    out = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        for url, model in urls:
-            # max_tokens 1: the "slow" model would otherwise take 16 x 0.5 s to answer.
-            body = {"model": model, "messages": loadgen.PROMPT, "max_tokens": 1}
-            async with s.post(url + loadgen.CHAT, json=body, headers=headers) as resp:
-                out.append((resp.status, await resp.read()))
-    return out
-
-
 def sanity(targets: list[Target], res: dict[str, Any]) -> list[Target]:
     """One request per target; a target that does not answer 200 with choices is dropped."""
     ok = []
-    answers = arun(_first_requests([(t.url, t.model) for t in targets]))
+    answers = arun(first_requests([(t.url, t.model) for t in targets]))
     for t, (status, body) in zip(targets, answers, strict=True):
         good = status == 200 and b'"choices"' in body
         if good:
@@ -292,32 +270,40 @@ def phase_cold(plan: Plan, tmp: Path, procs: Procs, ports: list[int], res: dict[
         env = {"FAKE_ENGINE_STARTUP_DELAY": "2", "FAKE_ENGINE_TOKENS": "16"}
         models[f"ready{i}"] = {"model": f"fake/ready{i}", "port_range": [rp, rp], "env": env}
         models[f"storm{i}"] = {"model": f"fake/storm{i}", "port_range": [sp, sp], "env": env}
-    cold = start_proxy(procs, tmp, "cold-proxy", ports[-1], KEY, models)
+    cold = start_fake_proxy(procs, "cold-proxy", ports[-1], models)
     for i in range(plan.cold_rounds):
-        name = f"ready{i}"
-        quiet_gate(res)
-        loadgen.METER.start()
-        r = arun(loadgen.readiness(cold.url, name, KEY, ready_ports[i]))
-        r["foreign_cpu"] = loadgen.METER.foreign()
-        r["engine_starts"] = cold.starts(name)
-        r["proxy_ready_after_s"] = _ready_after(cold, name)
-        res["readiness"].append({"round": i, **r})
+        model = f"ready{i}"
+        r = _cold(res, cold, "readiness", i, model,
+                  loadgen.readiness(cold.url, model, KEY, ready_ports[i]))  # fmt: skip
         log(
             f"readiness round {i + 1}: {r['readiness_ms']:.1f} ms (net {r['net_ms']:.1f} ms, "
             f"poll window {r['window_ms']:.1f} ms), status {r['status']}"
         )
-        name = f"storm{i}"
-        quiet_gate(res)
-        loadgen.METER.start()
-        s = arun(loadgen.storm(cold.url, name, KEY, plan.storm_n))
-        s["foreign_cpu"] = loadgen.METER.foreign()
-        s["engine_starts"] = cold.starts(name)
-        s["proxy_ready_after_s"] = _ready_after(cold, name)
-        res["storm"].append({"round": i, **s})
+        model = f"storm{i}"
+        s = _cold(res, cold, "storm", i, model, loadgen.storm(cold.url, model, KEY, plan.storm_n))
         log(
             f"storm round {i + 1}: {s['ok']}/{s['n']} served in {s['all_served_s']:.2f}s, "
             f"engine starts {s['engine_starts']}, engine pids seen {s['engine_pids_seen']}"
         )
+
+
+def _cold(
+    res: dict[str, Any],
+    cold: ProxyHandle,
+    kind: str,
+    rnd: int,
+    model: str,
+    measure: Coroutine[Any, Any, dict[str, Any]],
+) -> dict[str, Any]:
+    """One measurement of the cold `model` (`kind`: readiness or storm) on a quiet machine."""
+    quiet_gate(res)
+    loadgen.METER.start()
+    r = arun(measure)
+    r["foreign_cpu"] = loadgen.METER.foreign()
+    r["engine_starts"] = cold.starts(model)
+    r["proxy_ready_after_s"] = _ready_after(cold, model)
+    res[kind].append({"round": rnd, **r})
+    return r
 
 
 def _ready_after(proxy: ProxyHandle, model: str) -> float:
@@ -337,19 +323,9 @@ def run(plan: Plan, args: argparse.Namespace, tmp: Path, procs: Procs, res: dict
     ll_port = ports[8]
     cold_ports = ports[12:]
 
-    body_file = tmp / "static.json"
-    body_file.write_text(json.dumps(STATIC_BODY, separators=(",", ":")))
     fake_tokens = {"FAKE_ENGINE_TOKENS": "16"}
     models: dict[str, dict[str, object]] = {
-        "bench": {
-            "model": "static/bench",
-            "command": [PYTHON, str(BENCH_DIR / "nginx_engine.py")],
-            "port_range": [p_bench, p_bench],
-            "env": {
-                "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
-                "NGINX_ENGINE_BODY": str(body_file),
-            },
-        },
+        "bench": static_model(tmp, p_bench),
         "fake": {"model": "fake/fake", "port_range": [p_fake, p_fake], "env": fake_tokens},
         "stream": {
             "model": "fake/stream",
@@ -364,9 +340,9 @@ def run(plan: Plan, args: argparse.Namespace, tmp: Path, procs: Procs, res: dict
         },
     }
     log(f"temp dir {tmp}; starting vllm-proxy on 127.0.0.1:{proxy_port}")
-    proxy = start_proxy(procs, tmp, "vllm-proxy", proxy_port, KEY, models)
+    proxy = start_fake_proxy(procs, "vllm-proxy", proxy_port, models)
     # Cold-start every engine (the nginx static one included) with one request each.
-    first = arun(_first_requests([(proxy.url, m) for m in models]))
+    first = arun(first_requests([(proxy.url, m) for m in models]))
     for m, (status, body) in zip(models, first, strict=True):
         if status != 200:
             raise RuntimeError(
@@ -433,11 +409,7 @@ def run(plan: Plan, args: argparse.Namespace, tmp: Path, procs: Procs, res: dict
         procs.stop(litellm)
     procs.stop(nginx)
     phase_cold(plan, tmp, procs, cold_ports, res)
-    res["proxy_log_errors"] = [
-        line
-        for line in proxy.log_path.read_text(errors="replace").splitlines()
-        if " ERROR " in line or "Traceback" in line
-    ][:20]
+    res["proxy_log_errors"] = proxy.log_errors()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -491,31 +463,16 @@ def main(argv: list[str] | None = None) -> int:
         "quiet_waited_s": 0.0,
     }
     check_tools(res)
-    cmd = " ".join([".venv/bin/python", "benchmarks/run.py", *(argv or sys.argv[1:])])
     res["meta"] = {
-        "command": cmd,
+        "command": command_line("run.py", argv),
         "plan": plan.__dict__,
         "versions": versions(Path(args.litellm_venv)),
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-bench-"))
-    procs = Procs(tmp)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.monotonic()
-    failed = None
-    try:
-        run(plan, args, tmp, procs, res)
-    except (Exception, KeyboardInterrupt) as err:
-        failed = err
-        res["notes"].append(f"run aborted: {type(err).__name__}: {err}")
-        log(f"ABORTED: {type(err).__name__}: {err}")
-    finally:
+    with session("vllm-proxy-bench-", args.keep_tmp) as (tmp, procs):
+        failed = attempt(res["notes"], lambda: run(plan, args, tmp, procs, res))
         log("stopping every server ...")
-        procs.stop_all()
-        if args.keep_tmp:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     res["meta"]["runtime_s"] = time.monotonic() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
     raw = out.with_suffix(".json") if args.quick else BENCH_DIR / "results" / "latest.json"
@@ -523,9 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     raw.write_text(json.dumps(res, indent=1, default=str))
     report.write(res, out, plots)
     log(f"wrote {out}, {raw} and plots in {plots} ({res['meta']['runtime_s']:.0f}s)")
-    if isinstance(failed, KeyboardInterrupt):
-        return 130
-    return 1 if failed else 0
+    return exit_code(failed)
 
 
 if __name__ == "__main__":

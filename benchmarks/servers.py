@@ -1,9 +1,7 @@
-"""Start and stop every server a benchmark run needs, each on 127.0.0.1, each in its own group.
-
-Everything started here goes through `Procs`, which starts each program in a new session (its
-own process group) and, on `stop_all()`, SIGTERMs every group, waits a bounded time, SIGKILLs
-what is left, and finally sweeps any process whose command line mentions the run's temporary
-directory (engines started by a proxy live in the proxy's state dir under it).
+"""The servers the comparative benchmarks run: vllm-proxy with fake engines or the static nginx
+engine, nginx ``proxy_pass`` and the LiteLLM proxy, each on 127.0.0.1 and started through
+`harness.Procs` (its own process group, stopped at the end of the run); and the versions of
+everything measured, for the report.
 """
 
 from __future__ import annotations
@@ -11,25 +9,32 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
-import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
+import loadgen
+import nginx_conf
 import psutil
+from harness import (
+    BENCH_DIR,
+    FAKE_ENGINE,
+    PYTHON,
+    ROOT,
+    Procs,
+    ProxyHandle,
+    proxy_config,
+    start_proxy,
+    tail,
+    wait_http,
+    wait_port,
+    write_config,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH_DIR = ROOT / "benchmarks"
-PYTHON = sys.executable
-#: ``<model>#<n>: ready on port P after Ss`` (one line per engine instance).
-READY_RE = re.compile(r"(\S+)#\d+: ready on port (\d+) after ([0-9.]+)s")
+#: The API key of every proxy a benchmark starts (a new one each run).
+KEY = "sk-bench-" + os.urandom(16).hex()
 
 # A real (16-token) vLLM chat.completion as the fake engine renders it: every upstream answers
 # with this much JSON, so the proxies copy the same bytes whichever upstream they are in front of.
@@ -76,202 +81,20 @@ STATIC_BODY = {
 }
 
 
-def log(msg: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-# --------------------------------------------------------------------------- ports
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def pick_ports(n: int) -> list[int]:
-    """`n` free loopback ports below the ephemeral range.
-
-    Ports for engines started minutes later must not be taken meanwhile by one of the many
-    client sockets wrk opens, so they come from 20000-31999, not from the kernel's range.
-    """
-    lo, hi = 20000, 31999
-    out: list[int] = []
-    port = random.randrange(lo, hi - 2000)
-    while len(out) < n:
-        if _free(port):
-            out.append(port)
-        port += 1
-        if port > hi:
-            raise RuntimeError("no free ports in 20000-31999")
+async def first_requests(urls: list[tuple[str, str]]) -> list[tuple[int, bytes]]:
+    """One small request to each (base URL, model), in turn: a proxy starts the engine on it."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    out = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+        for url, model in urls:
+            # max_tokens 1: the "slow" model would otherwise take 16 x 0.5 s to answer.
+            body = {"model": model, "messages": loadgen.PROMPT, "max_tokens": 1}
+            async with s.post(url + loadgen.CHAT, json=body, headers=headers) as resp:
+                out.append((resp.status, await resp.read()))
     return out
 
 
-def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} before listening on {port}")
-        with socket.socket() as s:
-            s.settimeout(0.5)
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout:g}s")
-
-
-def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
-def wait_http(url: str, timeout: float, proc: subprocess.Popen[bytes] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    last = ""
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode} (waiting for {url})")
-        try:
-            status, _ = http_get(url, 1.0)
-            if status == 200:
-                return
-            last = f"HTTP {status}"
-        except OSError as err:
-            last = str(err)
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} not answering 200 after {timeout:g}s ({last})")
-
-
-def tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
-
-
-# --------------------------------------------------------------------------- processes
-
-
-class Procs:
-    """Every process group this run started; `stop_all()` is safe to call more than once."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.items: list[tuple[str, subprocess.Popen[bytes]]] = []
-
-    def start(
-        self, name: str, argv: list[str], log_path: Path, env: dict[str, str] | None = None
-    ) -> subprocess.Popen[bytes]:
-        fh = open(log_path, "ab")
-        try:
-            proc = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **(env or {})},
-                start_new_session=True,
-                cwd=str(self.tmp),
-            )
-        finally:
-            fh.close()
-        self.items.append((name, proc))
-        return proc
-
-    @staticmethod
-    def stop(proc: subprocess.Popen[bytes], grace: float = 8.0) -> None:
-        if proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        # The group may outlive its leader (nginx workers, uvicorn children): kill it whole.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(5)
-
-    def stop_all(self) -> None:
-        for _name, proc in reversed(self.items):
-            self.stop(proc)
-        self.items.clear()
-        self.sweep()
-
-    def sweep(self) -> None:
-        """Kill any process group left behind whose command line mentions our temp dir."""
-        marker = str(self.tmp)
-        me = os.getpid()
-        for p in psutil.process_iter(["pid", "cmdline"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-                if marker in cmd and p.info["pid"] != me:
-                    pgid = os.getpgid(p.info["pid"])
-                    if pgid != os.getpgid(me):
-                        os.killpg(pgid, signal.SIGKILL)
-                    else:
-                        p.kill()
-            except (psutil.Error, ProcessLookupError, PermissionError):
-                continue
-
-
-def tree_rss(pid: int) -> int:
-    """RSS in bytes of a process and all its descendants (0 when it is gone)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0
-    total = 0
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
-
-
-def proc_rss(pid: int) -> int:
-    try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except psutil.Error:
-        return 0
-
-
 # --------------------------------------------------------------------------- vllm-proxy
-
-
-@dataclass
-class ProxyHandle:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ready_lines(self) -> list[tuple[str, int, float]]:
-        text = self.log_path.read_text(errors="replace")
-        return [(m[1], int(m[2]), float(m[3])) for m in READY_RE.finditer(text)]
-
-    def engine_port(self, model: str, timeout: float = 30.0) -> int:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, port, _ in self.ready_lines():
-                if name == model:
-                    return port
-            time.sleep(0.02)
-        raise RuntimeError(f"no 'ready on port' line for {model}; log:\n{tail(self.log_path)}")
-
-    def starts(self, model: str) -> int:
-        text = self.log_path.read_text(errors="replace")
-        return len(re.findall(rf"\b{re.escape(model)}#\d+: STOPPED -> STARTING", text))
 
 
 def tcp_engines(tree: Path | None) -> dict[str, str]:
@@ -282,74 +105,49 @@ def tcp_engines(tree: Path | None) -> dict[str, str]:
     return {"transport": "tcp"} if "transport" in config.read_text() else {}
 
 
-def start_proxy(
-    procs: Procs,
+def bench_config(
     tmp: Path,
     name: str,
     port: int,
-    key: str,
+    models: dict[str, dict[str, object]],
+    tree: Path | None = None,
+    **engine: object,
+) -> dict[str, Any]:
+    """The config of a proxy under test: `models`, the key `KEY`, engines never stopped for
+    idling; `engine` adds to (or replaces) the engine defaults."""
+    return proxy_config(
+        port,
+        tmp / f"{name}-state",
+        models,
+        server={"api_keys": [KEY], "drain_timeout_s": 2},
+        engine={"idle_timeout_s": 0, "stop_timeout_s": 3, **tcp_engines(tree), **engine},
+    )
+
+
+def start_fake_proxy(
+    procs: Procs,
+    name: str,
+    port: int,
     models: dict[str, dict[str, object]],
     tree: Path | None = None,
 ) -> ProxyHandle:
-    """vllm-proxy with `models`; from the checkout at `tree` (through ``PYTHONPATH``) if given."""
-    state = tmp / f"{name}-state"
-    config = {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(state),
-            "api_keys": [key],
-            "drain_timeout_s": 2,
-            "access_log": False,  # like nginx's `access_log off` here
-        },
-        "engine": {
-            "command": [PYTHON, "-m", "fake_vllm"],
-            "idle_timeout_s": 0,
-            "stop_timeout_s": 3,
-            "startup_timeout_s": 60,
-            **tcp_engines(tree),
-        },
-        "models": models,
-    }
-    cfg = tmp / f"{name}.yaml"
-    cfg.write_text(json.dumps(config, indent=2))  # JSON is YAML
-    log_path = tmp / f"{name}.log"
-    exe = str(Path(PYTHON).parent / "vllm-proxy")
-    argv = [exe] if os.path.exists(exe) and tree is None else [PYTHON, "-m", "vllm_proxy"]
-    env = {"PYTHONPATH": str(tree)} if tree is not None else None
-    proc = procs.start(name, [*argv, "--config", str(cfg), "--log-level", "info"], log_path, env)
-    try:
-        wait_http(f"http://127.0.0.1:{port}/health", 30, proc)
-    except RuntimeError as err:
-        raise RuntimeError(f"{name} did not start: {err}\n{tail(log_path)}") from None
-    return ProxyHandle(proc, port, log_path)
+    """vllm-proxy with `models` of the fake engine (unless a model names its own command);
+    from the checkout at `tree` if given."""
+    config = bench_config(procs.tmp, name, port, models, tree,
+                          command=FAKE_ENGINE, startup_timeout_s=60)  # fmt: skip
+    config["server"]["access_log"] = False  # like nginx's `access_log off` here
+    return start_proxy(procs, name, config, tree=tree)
 
 
 # --------------------------------------------------------------------------- nginx
 
 
-NGINX_PROXY_CONF = """\
-worker_processes 1;
-worker_rlimit_nofile 20000;
-pid {d}/nginx.pid;
-error_log {d}/error.log warn;
-events {{ worker_connections 16384; multi_accept on; }}
-http {{
-    access_log off;
-    client_body_temp_path {d}/client_body;
-    proxy_temp_path {d}/proxy;
-    fastcgi_temp_path {d}/fastcgi;
-    uwsgi_temp_path {d}/uwsgi;
-    scgi_temp_path {d}/scgi;
-    keepalive_requests 10000000;
-    keepalive_timeout 75s;
+NGINX_PROXY_HTTP = """\
     proxy_http_version 1.1;
     proxy_set_header Connection "";
     proxy_read_timeout 600s;
     client_max_body_size 0;  # the large-body benchmark (streams.py) sends 10 MB requests:
     client_body_buffer_size 40m;  # buffered in memory, not in a temp file
-{blocks}
-}}
 """
 
 NGINX_BLOCK = """\
@@ -374,10 +172,8 @@ def start_nginx_proxy(
         NGINX_BLOCK.format(name=n, port=p, up=u, buffering="on" if buf else "off")
         for n, (p, u, buf) in routes.items()
     )
-    conf = d / "nginx.conf"
-    conf.write_text(NGINX_PROXY_CONF.format(d=d, blocks=blocks))
-    argv = ["nginx", "-p", str(d), "-e", str(d / "error.log"), "-c", str(conf)]
-    proc = procs.start("nginx-proxy", [*argv, "-g", "daemon off;"], tmp / "nginx-proxy.log")
+    conf = nginx_conf.write(d, NGINX_PROXY_HTTP + blocks, main="worker_rlimit_nofile 20000;\n")
+    proc = procs.start("nginx-proxy", nginx_conf.argv(d, conf), tmp / "nginx-proxy.log")
     for port, _, _ in routes.values():
         wait_port(port, 10, proc)
     return proc
@@ -437,12 +233,9 @@ def start_litellm(
         }
         for name, up in upstreams.items()
     ]
-    cfg = tmp / "litellm.yaml"
-    cfg.write_text(
-        json.dumps({"model_list": model_list, "litellm_settings": {"telemetry": False}}, indent=2)
-    )
-    log_cfg = tmp / "litellm-log.json"
-    log_cfg.write_text(json.dumps(LITELLM_LOG_CONFIG))
+    settings = {"model_list": model_list, "litellm_settings": {"telemetry": False}}
+    cfg = write_config(tmp / "litellm.yaml", settings)
+    log_cfg = write_config(tmp / "litellm-log.json", LITELLM_LOG_CONFIG)
     exe = venv / "bin" / "litellm"
     argv = [str(exe), "--config", str(cfg), "--host", "127.0.0.1", "--port", str(port)]
     argv += ["--num_workers", "1", "--log_config", str(log_cfg)]
@@ -512,32 +305,22 @@ def versions(litellm_venv: Path) -> dict[str, str]:
     }
 
 
-def static_proxy_config(tmp: Path, port: int, upstream: int, key: str) -> Path:
-    """A vllm-proxy config with one model, ``bench``, whose engine is the static nginx upstream
-    (`nginx_engine.py`) on port `upstream`; written to ``tmp/proxy.yaml``."""
+def static_model(tmp: Path, port: int) -> dict[str, object]:
+    """Model ``bench``: the static nginx upstream (`nginx_engine.py`) as its engine, on `port`,
+    answering every request with `STATIC_BODY`."""
     body = tmp / "static.json"
     body.write_text(json.dumps(STATIC_BODY, separators=(",", ":")))
-    config = {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "api_keys": [key],
-            "drain_timeout_s": 2,
-        },
-        "engine": {"idle_timeout_s": 0, "stop_timeout_s": 3, **tcp_engines(None)},
-        "models": {
-            "bench": {
-                "model": "static/bench",
-                "command": [PYTHON, str(BENCH_DIR / "nginx_engine.py")],
-                "port_range": [upstream, upstream],
-                "env": {
-                    "NGINX_ENGINE_DIR": str(tmp / "nginx-engine"),
-                    "NGINX_ENGINE_BODY": str(body),
-                },
-            }
-        },
+    return {
+        "model": "static/bench",
+        "command": [PYTHON, str(BENCH_DIR / "nginx_engine.py")],
+        "port_range": [port, port],
+        "env": {"NGINX_ENGINE_DIR": str(tmp / "nginx-engine"), "NGINX_ENGINE_BODY": str(body)},
     }
-    path = tmp / "proxy.yaml"
-    path.write_text(json.dumps(config))
-    return path
+
+
+def static_proxy_config(
+    tmp: Path, port: int, upstream: int, tree: Path | None = None
+) -> dict[str, Any]:
+    """A vllm-proxy config with one model, ``bench``, whose engine is the static nginx upstream
+    on port `upstream`."""
+    return bench_config(tmp, "proxy", port, {"bench": static_model(tmp, upstream)}, tree)

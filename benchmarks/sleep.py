@@ -43,13 +43,8 @@ import asyncio
 import contextlib
 import datetime
 import json
-import os
-import platform
 import re
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -57,8 +52,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import aiohttp
+import docs_writer
+import harness
 import loadgen
-import servers
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "sleep.json"
@@ -76,35 +72,27 @@ def engine_env(args: argparse.Namespace, case: str) -> dict[str, str]:
     return env
 
 
-def proxy_config(args: argparse.Namespace, tmp: Path, port: int) -> Path:
+def sleepy_config(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, Any]:
     models: dict[str, Any] = {}
     for case in CASES:
         models[case] = {"model": f"fake/{case}", "memory_mb": 1000, "env": engine_env(args, case)}
         if case != "cold":  # asleep only when the benchmark says so
             models[case]["sleep"] = {"level": int(case[1]), "after_idle_s": 3600}
-    config = {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "proxy-state"),
-            "admin_open": True,
-            "access_log": False,
-            "drain_timeout_s": 2,
-        },
-        "engine": {
-            "command": [servers.PYTHON, "-m", "fake_vllm"],
+    return harness.proxy_config(
+        port,
+        tmp / "proxy-state",
+        models,
+        server={"admin_open": True, "access_log": False, "drain_timeout_s": 2},
+        engine={
+            "command": harness.FAKE_ENGINE,
             "idle_timeout_s": 0,
             "stop_timeout_s": 3,
             "startup_timeout_s": 60,
             "sleep_memory_mb": 100,
             "port_range": [30000, 31999],
         },
-        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 8000}]},
-        "models": models,
-    }
-    path = tmp / "vllm-proxy.yaml"
-    path.write_text(json.dumps(config, indent=2))  # JSON is YAML
-    return path
+        gpu=harness.static_gpu(8000),
+    )
 
 
 # --------------------------------------------------------------------------- one request
@@ -179,36 +167,31 @@ async def transition_sum(http: aiohttp.ClientSession, url: str, model: str, kind
 
 
 class Bench:
-    def __init__(self, args: argparse.Namespace, tmp: Path, procs: servers.Procs) -> None:
+    def __init__(self, args: argparse.Namespace, tmp: Path, procs: harness.Procs) -> None:
         self.args = args
         self.tmp = tmp
         self.procs = procs
-        self.proxy: servers.ProxyHandle | None = None
+        self.proxy: harness.ProxyHandle | None = None
         self.direct: dict[str, int] = {}  # case -> port of its standalone engine
         self.cold_port = 0
         self.rows: list[dict[str, Any]] = []
 
     def engine_argv(self, case: str, port: int) -> list[str]:
-        argv = [servers.PYTHON, "-m", "fake_vllm", "--model", f"fake/{case}"]
+        argv = [harness.PYTHON, "-m", "fake_vllm", "--model", f"fake/{case}"]
         argv += ["--served-model-name", case, "--port", str(port)]
         return argv + (["--enable-sleep-mode"] if case != "cold" else [])
 
     def start(self) -> None:
-        proxy_port, cold_port, l1, l2 = servers.pick_ports(4)
+        proxy_port, cold_port, l1, l2 = harness.pick_ports(4)
         self.cold_port = cold_port
         self.direct = {"l1": l1, "l2": l2}
         for case, port in self.direct.items():
             env = {**engine_env(self.args, case), "VLLM_SERVER_DEV_MODE": "1"}
             log_path = self.tmp / f"direct-{case}.log"
             proc = self.procs.start(f"direct-{case}", self.engine_argv(case, port), log_path, env)
-            servers.wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
-        cfg = proxy_config(self.args, self.tmp, proxy_port)
-        exe = str(Path(servers.PYTHON).parent / "vllm-proxy")
-        argv = [exe] if os.path.exists(exe) else [servers.PYTHON, "-m", "vllm_proxy"]
-        log_path = self.tmp / "vllm-proxy.log"
-        proc = self.procs.start("vllm-proxy", [*argv, "--config", str(cfg)], log_path)
-        servers.wait_http(f"http://127.0.0.1:{proxy_port}/health", 30, proc)
-        self.proxy = servers.ProxyHandle(proc, proxy_port, log_path)
+            harness.wait_http(f"http://127.0.0.1:{port}/health", 60, proc)
+        config = sleepy_config(self.args, self.tmp, proxy_port)
+        self.proxy = harness.start_proxy(self.procs, "vllm-proxy", config)
 
     async def via_proxy(self, http: aiohttp.ClientSession, case: str) -> dict[str, float]:
         assert self.proxy is not None
@@ -254,8 +237,7 @@ class Bench:
             total = ready + first  # spawn -> first token
             warm = await ttft(http, f"http://127.0.0.1:{port}", "cold")
         finally:
-            servers.Procs.stop(proc, grace=5)
-            self.procs.items = [(n, p) for n, p in self.procs.items if p is not proc]
+            self.procs.drop(proc, grace=5)
         return {"ttft": total, "engine": ready, "warm": warm}
 
     async def direct_wake(self, http: aiohttp.ClientSession, case: str) -> dict[str, float]:
@@ -296,7 +278,7 @@ class Bench:
                         row["direct"] = await self.direct_wake(http, case)
                 row["added"] = row["proxy"]["ttft"] - row["direct"]["ttft"]
                 self.rows.append(row)
-                servers.log(
+                harness.log(
                     f"round {rnd + 1} {case}: via proxy {row['proxy']['ttft'] * 1000:.1f} ms,"
                     f" direct {row['direct']['ttft'] * 1000:.1f} ms,"
                     f" added {row['added'] * 1000:.1f} ms"
@@ -431,35 +413,6 @@ def table(res: dict[str, Any]) -> list[str]:
     return out
 
 
-def append_section(path: Path, lines: list[str]) -> None:
-    """Put the table into `path` as its own section: replaced in place when there, else
-    before the side-by-side section (which `compare_revisions.py --append` keeps last), else at
-    the end."""
-    text = path.read_text() if path.exists() else ""
-    block = SECTION + "\n\n" + "\n".join(lines) + "\n"
-    start = text.find("\n" + SECTION)
-    if start >= 0:
-        end = text.find("\n## ", start + 1)
-        text = text[: start + 1] + block + (text[end:] if end >= 0 else "")
-    else:
-        side = text.find("\n## Side by side")
-        if side >= 0:
-            text = text[: side + 1] + block + text[side:]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text)
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return f"{cpu}, {os.cpu_count()} cores, Linux {platform.release()}"
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=5)
@@ -470,31 +423,21 @@ def main() -> int:
     p.add_argument("--append", type=Path, help="also write the table as a section of this file")
     p.add_argument("--keep-tmp", action="store_true", help="keep the configs and every log")
     args = p.parse_args()
-    head = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-sleep-"))
-    procs = servers.Procs(tmp)
-    bench = Bench(args, tmp, procs)
-    try:
-        bench.start()
-        for rnd in range(args.rounds):
-            asyncio.run(bench.round(rnd))
-        starts, errors = bench.starts(), bench.log_errors()
-    except Exception:
-        if bench.proxy is not None:
-            print(servers.tail(bench.proxy.log_path, 30), file=sys.stderr)
-        raise
-    finally:
-        procs.stop_all()
-        if args.keep_tmp:
-            servers.log(f"kept {tmp} (configs, the proxy's and the engines' logs)")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
+    with harness.session("vllm-proxy-sleep-", args.keep_tmp) as (tmp, procs):
+        bench = Bench(args, tmp, procs)
+        try:
+            bench.start()
+            for rnd in range(args.rounds):
+                asyncio.run(bench.round(rnd))
+            starts, errors = bench.starts(), bench.log_errors()
+        except Exception:
+            if bench.proxy is not None:
+                print(harness.tail(bench.proxy.log_path, 30), file=sys.stderr)
+            raise
     res = {
         "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "git": head,
-        "machine": machine(),
+        "git": harness.git_head(),
+        "machine": harness.machine(),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "rows": bench.rows,
         "summary": summarize(bench.rows),
@@ -506,7 +449,7 @@ def main() -> int:
     lines = table(res)
     print("\n" + "\n".join(lines))
     if args.append is not None:
-        append_section(args.append, lines)
+        docs_writer.put_sections(args.append, SECTION + "\n\n" + "\n".join(lines))
     return 0
 
 

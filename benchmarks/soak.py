@@ -44,9 +44,7 @@ import random
 import re
 import select
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from http.client import HTTPConnection, HTTPException
 from pathlib import Path
@@ -56,7 +54,18 @@ import aiohttp
 import psutil
 from yarl import URL
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import (
+    FAKE_ENGINE,
+    Procs,
+    pick_ports,
+    proxy_config,
+    session,
+    start_proxy,
+    static_gpu,
+)
+
 MODELS = ("a", "b", "c", "d")
 #: Models with a sleep policy: the proxy checks /is_sleeping only for them (and only their
 #: engines serve /sleep at all: vLLM's dev routes come with sleep mode).
@@ -87,14 +96,6 @@ TAIL_LINES = 20
 TOKEN = re.compile(r"[A-Za-z0-9\-._:~+/=]{1,128}")
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def config(tmp: Path, port: int) -> dict[str, Any]:
     env = {"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_DELAY": "0.02"}
     models: dict[str, Any] = {m: {"model": f"fake/{m}", "memory_mb": 450} for m in MODELS}
@@ -103,19 +104,15 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
     # Requests that reach an engine asleep: c's get a 503 from it (the fake engine's default),
     # d's wait for a wake (as the newest vLLM does).
     models["d"]["env"] = {"FAKE_ENGINE_ASLEEP": "park"}
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": port,
-            "state_dir": str(tmp / "state"),
-            "admin_open": True,
-            "send_timeout_s": 2,
-            "drain_timeout_s": 5,
-            "max_bodies_mb": MAX_BODIES_MB,
-            "metrics_api_keys": [METRICS_KEY],
-        },
-        "engine": {
-            "command": [sys.executable, "-m", "fake_vllm"],
+    server = {"admin_open": True, "send_timeout_s": 2, "drain_timeout_s": 5,
+              "max_bodies_mb": MAX_BODIES_MB, "metrics_api_keys": [METRICS_KEY]}  # fmt: skip
+    return proxy_config(
+        port,
+        tmp / "state",
+        models,
+        server=server,
+        engine={
+            "command": FAKE_ENGINE,
             "idle_timeout_s": 20,
             "stop_timeout_s": 2,
             "startup_timeout_s": 30,
@@ -125,10 +122,9 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
             "backoff_max_s": 2,
             "env": env,
         },
-        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]},
-        "admission": {"queue_timeout_s": 20},
-        "models": models,
-    }
+        gpu=static_gpu(1000),
+        admission={"queue_timeout_s": 20},
+    )
 
 
 class Tally:
@@ -569,16 +565,14 @@ def engine_log(path: Path) -> str:
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-soak-"))
-    port = free_port()
-    path = tmp / "config.yaml"
-    path.write_text(json.dumps(config(tmp, port)))
+    with session("vllm-proxy-soak-", keep=True) as (tmp, procs):  # the log stays to be read
+        return await soak(args, tmp, procs)
+
+
+async def soak(args: argparse.Namespace, tmp: Path, procs: Procs) -> int:
+    (port,) = pick_ports(1)
     bodies = dense_bodies()
-    log = open(tmp / "proxy.log", "wb")  # noqa: ASYNC230
-    proxy = subprocess.Popen(  # noqa: ASYNC220 - started once, before the load
-        [sys.executable, "-m", "vllm_proxy", "--config", str(path), "--log-level", "info"],
-        stderr=log, cwd=ROOT, start_new_session=True,
-    )  # fmt: skip
+    proxy = start_proxy(procs, "proxy", config(tmp, port))  # once, before the load
     url = f"http://127.0.0.1:{port}"
     checks: list[tuple[str, bool, str]] = []
     tally = Tally()
@@ -588,17 +582,9 @@ async def main_async(args: argparse.Namespace) -> int:
     memory: dict[str, float] = {}
     took = 0.0
     try:
-        async with aiohttp.ClientSession() as http:
-            for _ in range(300):
-                try:
-                    async with http.get(url + "/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    await asyncio.sleep(0.1)
-        me = psutil.Process(proxy.pid)
+        me = psutil.Process(proxy.proc.pid)
         fds_before = me.num_fds()
-        memory["before"] = rss_mib(proxy.pid)[0]
+        memory["before"] = rss_mib(proxy.proc.pid)[0]
         probe = await asyncio.create_subprocess_exec(
             sys.executable, __file__, "--probe-health", url,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
@@ -661,7 +647,7 @@ async def main_async(args: argparse.Namespace) -> int:
         fds_after = me.num_fds()
         checks.append(("descriptors back near their level", fds_after <= fds_before + 20,
                        f"{fds_before} before, {fds_after} after"))  # fmt: skip
-        memory["after"], memory["peak"] = rss_mib(proxy.pid)
+        memory["after"], memory["peak"] = rss_mib(proxy.proc.pid)
         # Bodies held at once are capped at max_bodies_mb; what they leave free on the heap
         # is kept up to heap.TRIM_THRESHOLD (128 MiB) below their high mark before it is given
         # back, so the heap they can leave behind is at most max_bodies_mb. Beyond it: 32 MiB
@@ -678,9 +664,8 @@ async def main_async(args: argparse.Namespace) -> int:
         checks.append(("every engine process belongs to a live instance", groups <= live,
                        f"engine groups {sorted(groups)}, instances {sorted(live)}"))  # fmt: skip
     finally:
-        proxy.send_signal(signal.SIGTERM)
-        code = proxy.wait(timeout=60)
-        log.close()
+        procs.drop(proxy.proc, grace=60)  # SIGTERM first: the proxy stops its engines itself
+        code = proxy.proc.returncode
     await asyncio.sleep(1)
     left = [p for p in engine_pids(tmp) if _alive(p)]
     checks.append(("proxy exits 0 on SIGTERM", code == 0, str(code)))

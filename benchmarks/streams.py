@@ -36,13 +36,11 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,22 +51,28 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import docs_writer
 import loadgen
-from servers import (
+from harness import (
     BENCH_DIR,
     PYTHON,
     ROOT,
     Procs,
     ProxyHandle,
+    arun,
+    attempt,
+    checkout,
+    command_line,
+    cpu_times,
+    exit_code,
     log,
     pick_ports,
-    start_nginx_proxy,
-    start_proxy,
-    versions,
+    raise_nofile,
+    session,
     wait_port,
 )
+from servers import KEY, first_requests, start_fake_proxy, start_nginx_proxy, versions
 
-KEY = "sk-bench-" + os.urandom(16).hex()
 NODE = os.environ.get("NODE", "node")
 RESULTS = BENCH_DIR / "results"
 #: Targets in table order; "base" is vllm-proxy of an earlier revision (``--base``).
@@ -110,18 +114,6 @@ def listen_queue(port: int) -> int | None:
                 if struct.unpack_from("!H", data, msg + 4)[0] == port:
                     found = max(found or 0, struct.unpack_from("=I", data, msg + 56)[0])
                 offset += (length + 3) & ~3
-
-
-def cpu_times(pids: list[int]) -> tuple[float, float]:
-    """(user, system) CPU seconds of `pids`, from /proc/<pid>/stat."""
-    tck = os.sysconf("SC_CLK_TCK")
-    user = system = 0.0
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            user += int(fields[11]) / tck
-            system += int(fields[12]) / tck
-    return user, system
 
 
 def cpu_ns(pids: list[int]) -> int:
@@ -316,13 +308,11 @@ async def _bodies(urls: dict[str, str], body: bytes, rounds: int) -> dict[str, l
 
 
 def phase_bodies(urls: dict[str, str], args: argparse.Namespace, res: dict[str, Any]) -> None:
-    import uvloop
-
     for mb in args.body_mb:
         for model_first in (False, True):
             body = image_body(mb, model_first)
             loadgen.METER.start()
-            times = uvloop.run(_bodies(urls, body, args.body_requests))
+            times = arun(_bodies(urls, body, args.body_requests))
             foreign = loadgen.METER.foreign()
             row: dict[str, Any] = {
                 "mb": mb,
@@ -531,7 +521,7 @@ def markdown(res: dict[str, Any]) -> str:
             "moves the ratios by up to a third (compare targets within one run, not across runs)."
             + (
                 f" {LABEL['base']} is the same benchmark against that revision (run from a "
-                "git worktree, with an upstream process of its own)."
+                "checkout of that revision, with an upstream process of its own)."
                 if "base" in targets
                 else ""
             )
@@ -581,22 +571,6 @@ def markdown(res: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(L)
-
-
-def replace_sections(path: Path, text: str) -> None:
-    """Put this script's sections into `path`, replacing its old ones, before any "Side by
-    side" section (which compare_revisions.py keeps last)."""
-    old = path.read_text() if path.exists() else ""
-    for heading in SECTIONS:
-        start = old.find("\n" + heading + "\n")
-        if start < 0:
-            continue
-        end = old.find("\n## ", start + 1)
-        old = old[:start] + (old[end:] if end >= 0 else "\n")
-    old = old.rstrip("\n") + "\n"
-    tail_at = old.find("\n## Side by side")
-    head, tail = (old[:tail_at], old[tail_at:]) if tail_at >= 0 else (old, "")
-    path.write_text(head.rstrip("\n") + "\n\n" + text.rstrip("\n") + "\n" + tail)
 
 
 def plot(res: dict[str, Any], path: Path) -> bool:
@@ -676,10 +650,8 @@ def start_sse_proxy(
     procs: Procs, tmp: Path, name: str, port: int, up: int, rate: float, tree: Path | None = None
 ) -> ProxyHandle:
     """A vllm-proxy whose model ``sse`` has been started (a first request) on port `up`."""
-    import uvloop
-
-    proxy = start_proxy(procs, tmp, name, port, KEY, sse_model(up, rate), tree)
-    status, body = uvloop.run(first_request(proxy.url))
+    proxy = start_fake_proxy(procs, name, port, sse_model(up, rate), tree)
+    ((status, body),) = arun(first_requests([(proxy.url, "sse")]))
     if status != 200:
         raise RuntimeError(f"first request via {name}: HTTP {status} {body[:300]!r}")
     if proxy.engine_port("sse") != up:
@@ -728,11 +700,7 @@ def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) 
         "nginx": f"http://127.0.0.1:{ng}",
     }
     if args.base:
-        tree = tmp / "base-tree"
-        subprocess.run(
-            ["git", "worktree", "add", "--detach", "-f", str(tree), args.base],
-            cwd=ROOT, check=True, capture_output=True,
-        )  # fmt: skip
+        tree = checkout(args.base, tmp / "base-tree")
         log(f"starting vllm-proxy {args.base} on 127.0.0.1:{base_port}")
         base = start_sse_proxy(procs, tmp, "vllm-proxy-base", base_port, base_up, args.rate, tree)
         every["base"] = (base_port, target_pids("vllm-proxy", base.proc.pid))
@@ -742,20 +710,7 @@ def run(args: argparse.Namespace, tmp: Path, procs: Procs, res: dict[str, Any]) 
         phase_streams(targets, args, res)
     if args.body_mb and args.body_requests:
         phase_bodies({k: v for k, v in urls.items() if k == "direct" or k in targets}, args, res)
-    res["proxy_log_errors"] = [
-        line
-        for line in proxy.log_path.read_text(errors="replace").splitlines()
-        if " ERROR " in line or "Traceback" in line
-    ][:20]
-
-
-async def first_request(url: str) -> tuple[int, bytes]:
-    """One small request: vllm-proxy starts the engine on it."""
-    body = {"model": "sse", "messages": loadgen.PROMPT, "max_tokens": 1}
-    headers = {"Authorization": f"Bearer {KEY}"}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-        async with s.post(url + loadgen.CHAT, json=body, headers=headers) as resp:
-            return resp.status, await resp.read()
+    res["proxy_log_errors"] = proxy.log_errors()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -803,7 +758,7 @@ def write_out(res: dict[str, Any], docs: bool, failed: bool) -> None:
     (RESULTS / "streams.json").write_text(json.dumps(res, indent=1, default=str))
     (RESULTS / "streams.md").write_text(text + "\n")
     if docs and not failed:
-        replace_sections(ROOT / "docs" / "benchmarks.md", text)
+        docs_writer.put_sections(docs_writer.DOCS, text)
     print(text)
 
 
@@ -812,8 +767,6 @@ def main(argv: list[str] | None = None) -> int:
     for tool in (NODE, "nginx"):
         if shutil.which(tool) is None:
             sys.exit(f"missing {tool} (see benchmarks/README.md)")
-    from run import raise_nofile
-
     raise_nofile()
     if args.render:
         res = json.loads(Path(args.render).read_text())
@@ -825,41 +778,19 @@ def main(argv: list[str] | None = None) -> int:
     res: dict[str, Any] = {"streams": [], "bodies": [], "notes": []}
     if args.base:
         LABEL["base"] = f"vllm-proxy {args.base} (before)"
-    cmd = " ".join([".venv/bin/python", "benchmarks/streams.py", *(argv or sys.argv[1:])])
     res["meta"] = {
-        "command": cmd,
+        "command": command_line("streams.py", argv),
         "args": {k: v for k, v in vars(args).items()},
         "versions": {**versions(Path("/nonexistent")), "node": node_version()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
-    tmp = Path(tempfile.mkdtemp(prefix="vllm-proxy-streams-"))
-    procs = Procs(tmp)
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
     t0 = time.monotonic()
-    failed: BaseException | None = None
-    try:
-        run(args, tmp, procs, res)
-    except (Exception, KeyboardInterrupt) as err:
-        failed = err
-        res["notes"].append(f"run aborted: {type(err).__name__}: {err}")
-        log(f"ABORTED: {type(err).__name__}: {err}")
-    finally:
+    with session("vllm-proxy-streams-", args.keep_tmp) as (tmp, procs):
+        failed = attempt(res["notes"], lambda: run(args, tmp, procs, res))
         log("stopping every server ...")
-        procs.stop_all()
-        if args.base:
-            subprocess.run(
-                ["git", "worktree", "remove", "--force", str(tmp / "base-tree")],
-                cwd=ROOT, capture_output=True,
-            )  # fmt: skip
-        if args.keep_tmp:
-            log(f"kept {tmp}")
-        else:
-            shutil.rmtree(tmp, ignore_errors=True)
     res["meta"]["runtime_s"] = time.monotonic() - t0
     write_out(res, args.docs, failed is not None)
-    if isinstance(failed, KeyboardInterrupt):
-        return 130
-    return 1 if failed else 0
+    return exit_code(failed)
 
 
 if __name__ == "__main__":
