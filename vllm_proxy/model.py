@@ -578,11 +578,11 @@ class Model:
 
     def _back_off(self, grace: int = 0) -> None:
         """One more failure in a row; the next start waits 1, 2, 4 ... s (after `grace` free
-        failures), up to ``backoff_max_s``."""
+        failures), up to ``max_backoff_s``."""
         self.failures += 1
         if self.failures <= grace:
             return
-        delay = min(2.0 ** (self.failures - 1 - grace), self.spec.backoff_max_s)
+        delay = min(2.0 ** (self.failures - 1 - grace), self.spec.max_backoff_s)
         self._retry_at = asyncio.get_running_loop().time() + delay
         log.warning("%s: %d failed start(s) in a row; next start in %gs", self.name,
                     self.failures, delay)  # fmt: skip
@@ -753,7 +753,7 @@ class Model:
         return {
             "name": self.name,
             "model": self.spec.model,
-            "sleep": self.spec.sleep.model_dump() if self.spec.sleep is not None else None,
+            "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
             "replicas": self._replica_status(),
             "aliases": list(self.spec.aliases),
             "state": self.state().value,
