@@ -77,7 +77,7 @@ def sleepy_config(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, A
     for case in CASES:
         models[case] = {"model": f"fake/{case}", "memory_mb": 1000, "env": engine_env(args, case)}
         if case != "cold":  # asleep only when the benchmark says so
-            models[case]["sleep"] = {"level": int(case[1]), "after_idle_s": 3600}
+            models[case]["sleep"] = {"level": int(case[1]), "after_idle_s": 3600, "memory_mb": 100}
     return harness.proxy_config(
         port,
         tmp / "proxy-state",
@@ -88,7 +88,6 @@ def sleepy_config(args: argparse.Namespace, tmp: Path, port: int) -> dict[str, A
             "idle_timeout_s": 0,
             "stop_timeout_s": 3,
             "startup_timeout_s": 60,
-            "sleep_memory_mb": 100,
             "port_range": [30000, 31999],
         },
         gpu=harness.static_gpu(8000),

@@ -100,7 +100,7 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
     env = {"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_DELAY": "0.02"}
     models: dict[str, Any] = {m: {"model": f"fake/{m}", "memory_mb": 450} for m in MODELS}
     for m in SLEEPERS:  # asleep it holds 50 MiB: two sleepers and two engines fit
-        models[m].update(sleep={"level": 1, "after_idle_s": 600}, sleep_memory_mb=50)
+        models[m].update(sleep={"level": 1, "after_idle_s": 600, "memory_mb": 50})
     # Requests that reach an engine asleep: c's get a 503 from it (the fake engine's default),
     # d's wait for a wake (as the newest vLLM does).
     models["d"]["env"] = {"FAKE_ENGINE_ASLEEP": "park"}
@@ -119,7 +119,7 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
             "health_interval_s": HEALTH_INTERVAL_S,
             "health_timeout_s": HEALTH_TIMEOUT_S,
             "health_misses": 2,
-            "backoff_max_s": 2,
+            "max_backoff_s": 2,
             "env": env,
         },
         gpu=static_gpu(1000),

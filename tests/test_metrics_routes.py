@@ -130,7 +130,7 @@ async def test_a_huge_engine_metrics_page_is_left_out_without_stalling_the_proxy
     running = {f.name: f for f in text_string_to_metric_families(text)}["vllm:num_requests_running"]
     assert {s.labels["instance"] for s in running.samples} == {"ok#1"}
     warned = [r.getMessage() for r in caplog.records if "big#1" in r.getMessage()]
-    assert len(warned) == 1 and "server.engine_metrics_max_mb" in warned[0], warned
+    assert len(warned) == 1 and "server.max_engine_metrics_mb" in warned[0], warned
 
 
 async def test_an_engine_metrics_page_under_the_bound_is_parsed_off_the_loop(

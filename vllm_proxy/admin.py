@@ -3,7 +3,7 @@
 Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``admin_open: true``);
 `Proxy.middleware` enforces it. The status page at ``/`` is static and reads ``/admin/models``.
 
-``/metrics/engines`` reads every engine's own page, at most ``server.engine_metrics_max_mb`` of
+``/metrics/engines`` reads every engine's own page, at most ``server.max_engine_metrics_mb`` of
 each (a larger one is left out, with a warning), parses and renders them in a worker thread (a
 large page takes seconds to parse), and keeps the result for `ENGINE_METRICS_TTL_S`: scrapes in a
 burst share one round of engine reads.
@@ -66,7 +66,7 @@ class Admin:
 
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
-        self.engine_metrics_max = int(server.engine_metrics_max_mb * 1024 * 1024)
+        self.engine_metrics_max = int(server.max_engine_metrics_mb * 1024 * 1024)
 
     def close(self) -> None:
         """Cancel a round of engine reads under way (the proxy is closing)."""
@@ -247,7 +247,7 @@ class Admin:
         self._too_large.add(inst.id)
         shown = f" ({size / 2**20:.1f} MiB)" if size is not None else ""
         log.warning(
-            "%s: engine metrics page%s is over server.engine_metrics_max_mb (%g): left out of "
+            "%s: engine metrics page%s is over server.max_engine_metrics_mb (%g): left out of "
             "/metrics/engines", inst.id, shown, self.engine_metrics_max / 2**20,
         )  # fmt: skip
 

@@ -288,7 +288,7 @@ async def create_app(
     manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
     manager.start()
     upstream = UpstreamPool(
-        config.server.max_upstream_connections, slot_wait_s=config.server.connection_wait_s
+        config.server.max_upstream_connections, slot_wait_s=config.server.connection_queue_timeout_s
     )
     upstream.set_shares(specs)
     proxy = Proxy(manager, metrics, upstream, config.server)

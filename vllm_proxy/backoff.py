@@ -4,7 +4,7 @@ Bookkeeping on a clock (`time.monotonic` unless told otherwise), with no timers 
 loop: the model reports what became of its instances and asks whether a start may go now.
 
 * Every failed start is one more failure in a row; after the n-th the next start waits 1, 2,
-  4 ... s (``2 ** (n - 1)``), at most the model's ``backoff_max_s``. Meanwhile requests are
+  4 ... s (``2 ** (n - 1)``), at most the model's ``max_backoff_s``. Meanwhile requests are
   refused at once: 503, ``Retry-After``, the last cause (`refusal`).
 * An instance that started is on probation for `STABLE_S`: dying within it counts as a failed
   start, but the first such death in a row is free (its requests are retried at once). An

@@ -1,13 +1,30 @@
 """Configuration schema, every default in one place, and `load_config(path)`.
 
-The YAML has three sections: ``server`` (the listening socket and proxy-wide limits), ``engine``
-(defaults for every model) and ``models`` (one entry per served model; any ``engine`` key may be
-overridden per model). `load_config` validates everything up front and raises `ConfigError` with
-the dotted path of the offending key, so a bad file fails at start, never at request time.
+The YAML has five sections: ``server`` (the listening socket and proxy-wide limits), ``engine``
+(defaults for every model), ``gpu``, ``admission`` and ``models`` (one entry per served model;
+any ``engine`` key may be overridden per model). `load_config` validates everything up front and
+raises `ConfigError` with the dotted path of the offending key, so a bad file fails at start,
+never at request time.
+
+Every engine key is declared once, in `EngineKeys` (type, default, bounds, meaning); a model
+entry overrides the keys it sets (`ModelConfig`), and `Config.specs` merges the two into a
+`ModelSpec` with one loop.
+
+Key names follow one rule:
+
+* a limit is ``max_<what>[_<unit>]`` (``max_body_mb``, ``max_log_mb``, ``max_queue``);
+* a bound on a wait is ``<what>_timeout_s`` (``read_timeout_s``, ``queue_timeout_s``);
+* a period is ``<what>_interval_s`` (``health_interval_s``);
+* any other duration says what it is (``sleep.after_idle_s``, ``min_resident_s``);
+* sizes are in MiB (``_mb``), durations in seconds (``_s``).
+
+Keys renamed to follow it (`RENAMED`, `SLEEP_KEYS`) are still read for one release, with one
+warning per old key naming the new one; giving both the old and the new name is an error.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import importlib.metadata
 import json
@@ -183,7 +200,7 @@ class ServerConfig(_Strict):
     #: between the models ...
     max_upstream_connections: int = Field(4096, ge=1)
     #: ... and how long a request waits for a free connection of its model's share (then 503).
-    connection_wait_s: float = Field(30, gt=0)
+    connection_queue_timeout_s: float = Field(30, gt=0)
     #: Keys for /admin/*; with none, the admin API is refused unless admin_open is true.
     admin_api_keys: list[str] = []
     admin_open: bool = False
@@ -208,7 +225,7 @@ class ServerConfig(_Strict):
     #: Host header values (names, or name:port) the proxy answers; empty: any.
     allowed_hosts: list[str] = []
     #: /metrics/engines reads at most this much of each engine's page.
-    engine_metrics_max_mb: float = Field(4, gt=0)
+    max_engine_metrics_mb: float = Field(4, gt=0)
 
     @field_validator("api_keys", mode="before")
     @classmethod
@@ -261,11 +278,25 @@ class SleepPolicy(_Strict):
     Level 1 moves the weights to host RAM and drops the KV cache; level 2 drops both (a wake
     reloads the weights from disk). After `after_idle_s` with no request in flight the engine
     is put to sleep; it is stopped only after ``idle_timeout_s`` of total idleness, or when
-    eviction needs the memory it still holds.
+    eviction needs the memory it still holds. A model's ``sleep`` replaces the engine's whole
+    (``sleep: null`` turns sleep mode off for that model).
     """
 
     level: Literal[1, 2] = 1
     after_idle_s: float = Field(60, ge=0)
+    #: GPU memory a sleeping engine still holds on each device (CUDA context, cuBLAS, NCCL,
+    #: CUDA graphs): the planning guess until the engine's first sleep is measured. Unset:
+    #: the context overhead plus 512 MiB.
+    memory_mb: int | None = Field(None, ge=0)
+    #: Bounds on a /sleep call and on a whole wake (wake_up, reloads, warm-up); past them the
+    #: engine is stopped (and cold-started when it is needed again). Unset: they grow with the
+    #: checkpoint's size on disk (see `auto_timeouts`).
+    timeout_s: float | None = Field(None, gt=0)
+    wake_timeout_s: float | None = Field(None, gt=0)
+
+    def status(self) -> dict[str, object]:
+        """The policy as the admin API shows it: when and how deep the engine sleeps."""
+        return self.model_dump(include={"level", "after_idle_s"})
 
 
 class AutoscaleConfig(_Strict):
@@ -288,61 +319,58 @@ class AutoscaleConfig(_Strict):
         return self
 
 
-class _EngineKeys(_Strict):
-    """Keys that `engine` sets for every model and a model entry may override."""
+class EngineKeys(_Strict):
+    """Keys that `engine` sets for every model and a model entry may override: each declared
+    once, here, with its type, default, bounds and meaning."""
 
+    #: The engine program (None: `default_engine_command`).
     command: list[str] | None = None
+    #: Unset: grows with the checkpoint's size on disk (see `auto_timeouts`).
     startup_timeout_s: float | None = Field(None, gt=0)
-    stop_timeout_s: float | None = Field(None, ge=0)
-    idle_timeout_s: float | None = Field(None, ge=0)
+    stop_timeout_s: float = Field(30, ge=0)
+    idle_timeout_s: float = Field(600, ge=0)
     #: After a start or a wake the engine is not put to sleep or stopped for another model for
     #: this long while it is in use (see `admission`), unless a waiter's reorder window ends.
-    min_resident_s: float | None = Field(None, ge=0)
+    min_resident_s: float = Field(30, ge=0)
     #: uds: the engine serves on ``<state_dir>/sockets/<model>.<n>.sock`` (``--uds``) in a
     #: directory of mode 0700, so no other user of the host can reach it; tcp: on a loopback
     #: port from `port_range` (``--host 127.0.0.1 --port N``), for engines without ``--uds``.
-    transport: Transport | None = None
-    port_range: tuple[int, int] | None = None
+    transport: Transport = "uds"
+    port_range: tuple[int, int] = (8001, 8999)
     #: Bound on a silent upstream read (seconds without a byte from the engine).
-    read_timeout_s: float | None = Field(None, gt=0)
+    read_timeout_s: float = Field(600, gt=0)
     #: Health watcher: probe every RUNNING engine this often (0 = off) ...
-    health_interval_s: float | None = Field(None, ge=0)
+    health_interval_s: float = Field(5, ge=0)
     #: ... each probe bounded by this ...
-    health_timeout_s: float | None = Field(None, gt=0)
+    health_timeout_s: float = Field(5, gt=0)
     #: ... and this many failed probes in a row mark the engine unhealthy (killed, restarted).
-    health_misses: int | None = Field(None, ge=1)
+    health_misses: int = Field(3, ge=1)
     #: Crash loops: after consecutive failed starts the next waits 1, 2, 4 ... up to this.
-    backoff_max_s: float | None = Field(None, ge=0)
+    max_backoff_s: float = Field(60, ge=0)
+    #: Unset: ``<state_dir>/logs``.
     log_dir: str | None = None
-    log_max_mb: float | None = Field(None, gt=0)
-    log_backups: int | None = Field(None, ge=0)
+    max_log_mb: float = Field(20, gt=0)
+    log_backups: int = Field(2, ge=0)
     #: Sleep mode (None: off, the engine is only ever stopped).
     sleep: SleepPolicy | None = None
-    #: GPU memory a sleeping engine still holds on each device (CUDA context, cuBLAS, NCCL,
-    #: CUDA graphs): the planning guess until the engine's first sleep is measured. Unset:
-    #: the context overhead plus 512 MiB.
-    sleep_memory_mb: int | None = Field(None, ge=0)
-    #: Bounds on a /sleep call and on a whole wake (wake_up, reloads, warm-up); past them the
-    #: engine is stopped (and cold-started when it is needed again). Unset: they grow with the
-    #: checkpoint's size on disk (see `auto_timeouts`).
-    sleep_timeout_s: float | None = Field(None, gt=0)
-    wake_timeout_s: float | None = Field(None, gt=0)
     #: Start the model when the proxy starts (and put it to sleep once up, with a sleep policy).
-    preload: bool | None = None
+    preload: bool = False
     #: Send one 1-token completion after a start or a wake before the instance serves.
-    warmup: bool | None = None
+    warmup: bool = False
     #: While a streaming request waits for a start or a wake: an SSE comment this often ...
-    keepalive_s: float | None = Field(None, gt=0)
+    loading_keepalive_interval_s: float = Field(10, gt=0)
     #: ... or, with this, visible progress chunks (for chat UIs) instead of comments.
-    loading_progress: bool | None = None
+    loading_progress: bool = False
+    #: Merged key by key over the engine's (a model's entries win) ...
     env: dict[str, str] = {}
     args: dict[str, ArgValue] = {}
+    #: ... and appended to the engine's.
     extra_args: list[str] = []
 
     @field_validator("port_range")
     @classmethod
-    def _range_ok(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
-        if v is not None and not (1024 <= v[0] <= v[1] <= 65535):
+    def _range_ok(cls, v: tuple[int, int]) -> tuple[int, int]:
+        if not (1024 <= v[0] <= v[1] <= 65535):
             raise ValueError("must be [low, high] with 1024 <= low <= high <= 65535")
         return v
 
@@ -371,23 +399,8 @@ class _EngineKeys(_Strict):
         return v
 
 
-class EngineConfig(_EngineKeys):
-    transport: Transport = "uds"
-    stop_timeout_s: float = Field(30, ge=0)
-    idle_timeout_s: float = Field(600, ge=0)
-    min_resident_s: float = Field(30, ge=0)
-    port_range: tuple[int, int] = (8001, 8999)
-    read_timeout_s: float = Field(600, gt=0)
-    health_interval_s: float = Field(5, ge=0)
-    health_timeout_s: float = Field(5, gt=0)
-    health_misses: int = Field(3, ge=1)
-    backoff_max_s: float = Field(60, ge=0)
-    log_max_mb: float = Field(20, gt=0)
-    log_backups: int = Field(2, ge=0)
-    preload: bool = False
-    warmup: bool = False
-    keepalive_s: float = Field(10, gt=0)
-    loading_progress: bool = False
+class EngineConfig(EngineKeys):
+    """The ``engine`` section: the engine keys every model gets unless it sets its own."""
 
 
 class AdapterConfig(_Strict):
@@ -398,7 +411,10 @@ class AdapterConfig(_Strict):
     aliases: list[str] = []
 
 
-class ModelConfig(_EngineKeys):
+class ModelConfig(EngineKeys):
+    """One entry of ``models``. Of the engine keys, only those the entry sets
+    (``model_fields_set``) override the engine's; read them merged, from `Config.specs`."""
+
     model: str = Field(min_length=1)
     aliases: list[str] = []
     #: GPU memory the engine takes on each of its devices; wins over every estimate.
@@ -429,6 +445,18 @@ class ModelConfig(_EngineKeys):
     #: Adapters one engine keeps registered; the least recently used idle one is unloaded
     #: for another. Unset: args.max_loras, else 4. Also --max-loras unless args give it.
     max_adapters: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_inherits(cls, data: Any) -> Any:
+        """An engine key set to null on a model takes the engine's value (``sleep: null``
+        alone means something: sleep mode off)."""
+        if isinstance(data, dict):
+            return {
+                k: v for k, v in data.items()
+                if v is not None or k == "sleep" or k not in EngineKeys.model_fields
+            }  # fmt: skip
+        return data
 
     @model_validator(mode="after")
     def _one_scaling(self) -> ModelConfig:
@@ -543,9 +571,9 @@ class Config(_Strict):
         """Keys that contradict each other once the engine defaults are merged in."""
         problems = []
         for name, m in self.models.items():
-            args = {_arg_name(k): v for k, v in {**self.engine.args, **m.args}.items()}
-            sleep = m.sleep if "sleep" in m.model_fields_set else self.engine.sleep
-            problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, sleep)]
+            keys = merged_engine_keys(m, self.engine)
+            args = {_arg_name(k): v for k, v in keys["args"].items()}
+            problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, keys["sleep"])]
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -585,44 +613,44 @@ class ModelSpec:
     name: str
     model: str
     aliases: tuple[str, ...]
+    # The engine keys (`EngineKeys`), merged; the ones the merge resolves take their runtime
+    # form here: tuples, the default command, timeouts and log dir filled in.
     command: tuple[str, ...]
-    args: tuple[tuple[str, ArgValue], ...]
-    extra_args: tuple[str, ...]
-    env: tuple[tuple[str, str], ...]
     startup_timeout_s: float
     stop_timeout_s: float
     idle_timeout_s: float
-    read_timeout_s: float
+    min_resident_s: float
+    #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
+    transport: Transport
     port_range: tuple[int, int]
+    read_timeout_s: float
     health_interval_s: float
     health_timeout_s: float
     health_misses: int
-    backoff_max_s: float
+    max_backoff_s: float
     log_dir: str
-    log_max_bytes: int
+    max_log_mb: float
     log_backups: int
+    #: With its timeouts filled in (see `auto_timeouts`).
+    sleep: SleepPolicy | None
+    preload: bool
+    warmup: bool
+    loading_keepalive_interval_s: float
+    loading_progress: bool
+    env: tuple[tuple[str, str], ...]
+    args: tuple[tuple[str, ArgValue], ...]
+    extra_args: tuple[str, ...]
+    # The model's own keys.
     memory_mb: int | None
     #: ``<state_dir>/sockets`` (absolute): the engines' sockets under transport uds (0700).
     socket_dir: str
-    #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
-    transport: Transport = "uds"
-    pinned: bool = False
-    priority: int = 0
-    min_resident_s: float = 0.0
-    devices: tuple[int, ...] | None = None
-    params_b: float | None = None
-    sleep: SleepPolicy | None = None
-    #: None: the planner's guess (context overhead + 512 MiB) until a sleep is measured.
-    sleep_memory_mb: int | None = None
-    sleep_timeout_s: float = 60.0
-    wake_timeout_s: float = 120.0
-    preload: bool = False
-    warmup: bool = False
-    keepalive_s: float = 10.0
-    loading_progress: bool = False
-    replicas: int | None = None
-    autoscale: AutoscaleConfig | None = None
-    affinity_header: str | None = None
+    pinned: bool
+    priority: int
+    devices: tuple[int, ...] | None
+    params_b: float | None
+    replicas: int | None
+    autoscale: AutoscaleConfig | None
+    affinity_header: str | None
     #: Configured LoRA adapters (names, paths made absolute, aliases) ...
     adapters: tuple[AdapterSpec, ...] = ()
     #: ... and the folder where more are found by name (absolute).
@@ -632,6 +660,27 @@ class ModelSpec:
     #: ``--max-lora-rank``: args' value, else the largest adapter rank known at load (vLLM's
     #: allowed values), else vLLM's default.
     max_lora_rank: int = 0
+
+    @property
+    def log_max_bytes(self) -> int:
+        """`max_log_mb` in bytes: the engine log's rotation size."""
+        return int(self.max_log_mb * 1024 * 1024)
+
+    @property
+    def sleep_memory_mb(self) -> int | None:
+        """``sleep.memory_mb``: None without it (the planner's guess, context overhead +
+        512 MiB, until a sleep is measured) or without a sleep policy."""
+        return self.sleep.memory_mb if self.sleep is not None else None
+
+    @property
+    def sleep_timeout_s(self) -> float:
+        """``sleep.timeout_s`` in effect (0 without a sleep policy: the engine never sleeps)."""
+        return (self.sleep.timeout_s or 0.0) if self.sleep is not None else 0.0
+
+    @property
+    def wake_timeout_s(self) -> float:
+        """``sleep.wake_timeout_s`` in effect (0 without a sleep policy: nothing to wake)."""
+        return (self.sleep.wake_timeout_s or 0.0) if self.sleep is not None else 0.0
 
     @property
     def lora(self) -> bool:
@@ -827,55 +876,56 @@ def state_dir(server: ServerConfig) -> str:
     return str(Path(base) / "vllm-proxy" / str(server.port))
 
 
-def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> ModelSpec:
-    def pick(key: str) -> Any:
-        own = getattr(m, key)
-        return own if own is not None else getattr(e, key)
+def merged_engine_keys(m: ModelConfig, e: EngineConfig) -> dict[str, Any]:
+    """Every engine key's value for model `m`: the model's where it sets the key, else the
+    engine's; ``env`` and ``args`` are merged key by key, ``extra_args`` appended."""
+    keys: dict[str, Any] = {}
+    for key in EngineKeys.model_fields:
+        own, default = getattr(m, key), getattr(e, key)
+        if key in ("env", "args"):
+            keys[key] = {**default, **own}
+        elif key == "extra_args":
+            keys[key] = [*default, *own]
+        else:
+            keys[key] = own if key in m.model_fields_set else default
+    return keys
 
+
+def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> ModelSpec:
+    keys = merged_engine_keys(m, e)
     state = Path(state_dir(server))
-    log_dir = pick("log_dir") or str(state / "logs")
     auto = auto_timeouts(checkpoint_gib(m.model, m.params_b))
+    sleep: SleepPolicy | None = keys["sleep"]
+    if sleep is not None:  # the values in effect: unset timeouts grow with the checkpoint
+        sleep = sleep.model_copy(update={
+            "timeout_s": sleep.timeout_s or auto["sleep_timeout_s"],
+            "wake_timeout_s": sleep.wake_timeout_s or auto["wake_timeout_s"],
+        })  # fmt: skip
+    keys.update(
+        command=tuple(keys["command"] or default_engine_command()),
+        args=tuple(keys["args"].items()),
+        extra_args=tuple(keys["extra_args"]),
+        env=tuple(keys["env"].items()),
+        startup_timeout_s=keys["startup_timeout_s"] or auto["startup_timeout_s"],
+        port_range=tuple(keys["port_range"]),
+        log_dir=str(Path(keys["log_dir"] or state / "logs").expanduser()),
+        sleep=sleep,
+    )
     return ModelSpec(
         name=name,
         model=m.model,
         aliases=tuple(m.aliases),
-        command=tuple(pick("command") or default_engine_command()),
-        args=tuple({**e.args, **m.args}.items()),
-        extra_args=(*e.extra_args, *m.extra_args),
-        env=tuple({**e.env, **m.env}.items()),
-        startup_timeout_s=pick("startup_timeout_s") or auto["startup_timeout_s"],
-        stop_timeout_s=pick("stop_timeout_s"),
-        idle_timeout_s=pick("idle_timeout_s"),
-        read_timeout_s=pick("read_timeout_s"),
-        health_interval_s=pick("health_interval_s"),
-        health_timeout_s=pick("health_timeout_s"),
-        health_misses=pick("health_misses"),
-        backoff_max_s=pick("backoff_max_s"),
-        port_range=tuple(pick("port_range")),
-        log_dir=str(Path(log_dir).expanduser()),
-        log_max_bytes=int(pick("log_max_mb") * 1024 * 1024),
-        log_backups=pick("log_backups"),
+        **keys,
         memory_mb=m.memory_mb,
         socket_dir=os.path.abspath(state / "sockets"),
-        transport=pick("transport"),
         pinned=m.pinned,
         priority=m.priority,
-        min_resident_s=pick("min_resident_s"),
         devices=tuple(m.devices) if m.devices is not None else None,
         params_b=m.params_b,
-        # `sleep: null` on a model turns off a sleep policy set under `engine`.
-        sleep=m.sleep if "sleep" in m.model_fields_set else e.sleep,
-        sleep_memory_mb=pick("sleep_memory_mb"),
-        sleep_timeout_s=pick("sleep_timeout_s") or auto["sleep_timeout_s"],
-        wake_timeout_s=pick("wake_timeout_s") or auto["wake_timeout_s"],
-        preload=pick("preload"),
-        warmup=pick("warmup"),
-        keepalive_s=pick("keepalive_s"),
-        loading_progress=pick("loading_progress"),
         replicas=m.replicas,
         autoscale=m.autoscale,
         affinity_header=m.affinity_header,
-        **_lora_fields(m, {_arg_name(k): v for k, v in {**e.args, **m.args}.items()}),
+        **_lora_fields(m, {_arg_name(k): v for k, v in keys["args"]}),
     )
 
 
@@ -979,13 +1029,114 @@ def _format_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
+#: Keys renamed to follow the naming rule, by section (``models`` stands for every model);
+#: the old names are read for one release.
+RENAMED = {
+    "server": {
+        "connection_wait_s": "connection_queue_timeout_s",
+        "engine_metrics_max_mb": "max_engine_metrics_mb",
+    },
+    "engine": {
+        "keepalive_s": "loading_keepalive_interval_s",
+        "backoff_max_s": "max_backoff_s",
+        "log_max_mb": "max_log_mb",
+    },
+}
+RENAMED["models"] = RENAMED["engine"]
+#: Flat sleep keys of ``engine`` and of a model, now in its ``sleep`` mapping.
+SLEEP_KEYS = {
+    "sleep_memory_mb": "memory_mb",
+    "sleep_timeout_s": "timeout_s",
+    "wake_timeout_s": "wake_timeout_s",
+}
+
+
+class _OldNames:
+    """A document with its old key names (`RENAMED`, `SLEEP_KEYS`) read as the new ones:
+    `moved` lists (old path, new path) for each found, `problems` the old names given beside
+    their new ones. The flat sleep keys keep their meaning: the engine's apply to its sleep
+    policy and to every model's own (a model's ``sleep`` replaces the engine's whole), a
+    model's to the policy in effect for it; where none is, they had no effect."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = copy.deepcopy(data)
+        self.moved: list[tuple[str, str]] = []
+        self.problems: list[str] = []
+        raw = self.data.get("models")
+        models = raw.items() if isinstance(raw, dict) else ()
+        self.models = {n: m for n, m in models if isinstance(m, dict)}
+        engine = self.data.get("engine")
+        self.engine = engine if isinstance(engine, dict) else {}
+
+    def read(self) -> dict[str, Any]:
+        """The document with the new names."""
+        places = [(s, self.data.get(s), s) for s in ("server", "engine")]
+        places += [("models", m, f"models.{n}") for n, m in self.models.items()]
+        for section, where, path in places:
+            for old, new in RENAMED[section].items():
+                if isinstance(where, dict) and old in where:
+                    given = new in where
+                    self._found(f"{path}.{old}", f"{path}.{new}", given)
+                    if not given:
+                        where[new] = where.pop(old)
+        self._sleep_keys()
+        return self.data
+
+    def _sleep_keys(self) -> None:
+        policy = self.engine.get("sleep")
+        policy = policy if isinstance(policy, dict) else None
+        own = [n for n, m in self.models.items() if isinstance(m.get("sleep"), dict)]
+        targets = (["engine"] if policy is not None else []) + [f"models.{n}" for n in own]
+        defaults = self._flat(self.engine, "engine", policy or {}, targets or ["engine"])
+        if policy is not None:
+            policy = self.engine["sleep"] = {**policy, **defaults}
+        for name, m in self.models.items():
+            path = f"models.{name}"
+            keys = self._flat(m, path, m["sleep"] if name in own else {}, [path])
+            if name in own:
+                m["sleep"] = {**defaults, **m["sleep"], **keys}
+            elif keys and "sleep" not in m and policy is not None:
+                m["sleep"] = {**policy, **keys}  # it had the engine's policy with its own keys
+
+    def _flat(
+        self, where: dict[str, Any], path: str, given: dict[str, Any], targets: list[str]
+    ) -> dict[str, Any]:
+        """Take `where`'s flat sleep keys out; their values by new name (null: unset)."""
+        out = {}
+        for old, new in SLEEP_KEYS.items():
+            if old in where:
+                self._found(f"{path}.{old}", ", ".join(f"{t}.sleep.{new}" for t in targets),
+                            new in given, f"{path}.sleep.{new}")  # fmt: skip
+                value = where.pop(old)
+                if value is not None and new not in given:
+                    out[new] = value
+        return out
+
+    def _found(self, old: str, new: str, given: bool, beside: str | None = None) -> None:
+        if given:
+            beside = beside or new
+            self.problems.append(
+                f"{old}: the old name of {beside}, which is given too; keep {beside} only"
+            )
+        else:
+            self.moved.append((old, new))
+
+
 def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> Config:
     """Validate an already-parsed YAML document; relative ``key_file`` paths are taken from
-    `config_dir` (else the working directory)."""
+    `config_dir` (else the working directory). Old key names are read as the new ones, with
+    one warning each."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
+    old_names = _OldNames(data)
+    data = old_names.read()
+    if old_names.problems:
+        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(old_names.problems))
+    for old, new in old_names.moved:
+        log.warning("%s: an old name, read as %s; rename it (old names are read for this"
+                    " release only)", old, new)  # fmt: skip
     try:
         return Config.model_validate(data, context={"config_dir": config_dir})
     except ValidationError as err:

@@ -488,7 +488,7 @@ class Model:
                 failed=failed,
                 ran=inst.ready_at != 0,
                 stopped=old is State.STOPPING,
-                max_s=self.spec.backoff_max_s,
+                max_s=self.spec.max_backoff_s,
             )
         summary = self.state()
         if summary is not self._summary:
@@ -644,7 +644,7 @@ class Model:
         return {
             "name": self.name,
             "model": self.spec.model,
-            "sleep": self.spec.sleep.model_dump() if self.spec.sleep is not None else None,
+            "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
             "replicas": {
                 **self.autoscaler.status(),
                 "affinity_header": self.spec.affinity_header,

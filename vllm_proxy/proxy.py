@@ -689,21 +689,22 @@ class Proxy:
         adapter: AdapterSpec | None = None,
     ) -> web.StreamResponse:
         """A stream that may wait (no serving instance: it starts or wakes; or the admission
-        queue holds it behind a swap): if no instance serves within ``keepalive_s``, answer 200
-        with ``text/event-stream`` and send an SSE comment (``: loading <model>``) every
-        ``keepalive_s`` so balancers and clients in between keep the connection; with
-        ``loading_progress`` a chat stream gets visible progress (``reasoning_content``
-        chunks) instead. Then the engine's stream follows byte for byte;
-        a failure after the 200 is an SSE error event and ``data: [DONE]``."""
+        queue holds it behind a swap): if no instance serves within
+        ``loading_keepalive_interval_s``, answer 200 with ``text/event-stream`` and send an SSE
+        comment (``: loading <model>``) every ``loading_keepalive_interval_s`` so balancers and
+        clients in between keep the connection; with ``loading_progress`` a chat stream gets
+        visible progress (``reasoning_content`` chunks) instead. Then the engine's stream
+        follows byte for byte; a failure after the 200 is an SSE error event and
+        ``data: [DONE]``."""
         lease = self.manager.lease(model, session, priority, adapter.name if adapter else None)
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")
         resp: web.StreamResponse | None = None
-        waited = 0.0
+        waited, every = 0.0, spec.loading_keepalive_interval_s
         try:
-            while not (await asyncio.wait({acquiring}, timeout=spec.keepalive_s))[0]:
-                waited += spec.keepalive_s
+            while not (await asyncio.wait({acquiring}, timeout=every))[0]:
+                waited += every
                 if resp is None:
                     resp = _sse_response(request)
                     await resp.prepare(request)
