@@ -21,6 +21,8 @@ from .config import ModelSpec
 from .engine import EngineProcess, PortInUse, prune_logs
 from .errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
 from .instance import (
+    ASLEEP_OR_FALLING,
+    DORMANT,
     DOWN,
     EngineContext,
     Instance,
@@ -30,7 +32,7 @@ from .instance import (
     State,
     Stopped,
     WakeFailed,
-    retrieve,
+    consume_exception,
 )
 from .queueing import Rank
 
@@ -52,7 +54,7 @@ STABLE_S = 30.0
 #: Affinity sessions remembered per model (the least recently seen are forgotten first).
 SESSIONS_KEPT = 10_000
 #: Instance states that count as kept by the model (for the replica floor).
-_KEPT = frozenset({State.STARTING, State.RUNNING, State.SLEEPING, State.WAKING})
+_KEPT = frozenset({State.STARTING, State.RUNNING, *DORMANT})
 
 #: After an out-of-memory start: evict one more idle instance on these devices (False: none).
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
@@ -139,7 +141,7 @@ class Model:
         age out. Never one that is starting, waking, asleep, stopping or unhealthy."""
         best: Instance | None = None
         for inst in self.instances:
-            if inst.state is State.RUNNING and not inst.retired:
+            if inst.routable:
                 if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
                     best = inst
         return best
@@ -158,7 +160,7 @@ class Model:
         if session is None or self.spec.affinity_header is None:
             return self.serving()
         sticky = self._sessions.get(session)
-        if sticky is not None and sticky.state is State.RUNNING and not sticky.retired:
+        if sticky is not None and sticky.routable:
             self._sessions.move_to_end(session)
             return sticky
         inst = self.serving()
@@ -175,7 +177,7 @@ class Model:
         are at the autoscaler's target, as Ray Serve falls back when they are full)."""
         best: Instance | None = None
         for inst in self.instances:
-            if inst.state is State.RUNNING and not inst.retired and inst.adapters.holds(adapter):
+            if inst.routable and inst.adapters.holds(adapter):
                 if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
                     best = inst
         return best
@@ -291,7 +293,7 @@ class Model:
     def _replicas(self) -> list[Instance]:
         """Live replicas that count toward the model's size: not retired, not on their way
         out, not asleep (an asleep one is woken before a new one is started)."""
-        counted = (State.STARTING, State.RUNNING, State.WAKING)
+        counted = (State.STARTING, State.RUNNING, State.WAKE_WAITING, State.WAKING)
         return [i for i in self.instances if i.state in counted and not i.retired]
 
     def desired_replicas(self) -> int:
@@ -300,7 +302,7 @@ class Model:
         scale = self.spec.autoscale
         if scale is None:
             return ceiling if self._scaled else 1
-        running = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
+        running = [i for i in self.instances if i.routable]
         ongoing = sum(i.leases for i in running) + self.waiting
         return min(ceiling, max(floor, 1, math.ceil(ongoing / scale.target_ongoing_requests)))
 
@@ -330,7 +332,7 @@ class Model:
         ones (each placed by the memory rules, on devices of its own where it can)."""
         if self.backoff_s() > 0:
             return
-        sleepers = [i for i in self.instances if i.state is State.SLEEPING and not i.retired]
+        sleepers = [i for i in self.instances if i.state in ASLEEP_OR_FALLING and not i.retired]
         for _ in range(count):
             if sleepers:
                 inst = sleepers.pop()
@@ -358,7 +360,7 @@ class Model:
         of them has served for ``idle_timeout_s``; an autoscaled model keeps `min_replicas`."""
         floor, _ = self.spec.replica_bounds()
         if self.spec.replicas is not None:
-            cutoff = time.time() - self.spec.idle_timeout_s
+            cutoff = time.monotonic() - self.spec.idle_timeout_s
             return all(i.leases == 0 and i.last_used <= cutoff for i in self._replicas())
         others = [i for i in self.instances if i is not inst and i.state in _KEPT and not i.retired]
         return len(others) >= floor
@@ -371,9 +373,8 @@ class Model:
         scale = self.spec.autoscale
         if scale is None or inst.state is not State.RUNNING or inst.leases > 0:
             return True
-        awake = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
-        leaving = [i for i in self.instances if i.state is State.STOPPING
-                   or (i.state is State.SLEEPING and not i.asleep)]  # fmt: skip
+        awake = [i for i in self.instances if i.routable]
+        leaving = [i for i in self.instances if i.state in (State.STOPPING, State.FALLING_ASLEEP)]
         # The load decides, not this replica's idleness: streams stay where they started, so
         # a replica the load asks for can sit idle while another carries the requests.
         if len(awake) <= max(scale.min_replicas, self.desired_replicas()) or leaving:
@@ -392,7 +393,7 @@ class Model:
         if self._bringup is task:
             self._bringup = None
             self._bringing = None
-        retrieve(task)
+        consume_exception(task)
 
     async def _wait_bringup(self, task: asyncio.Task[None], rank: Rank, arrived: float) -> None:
         if self.waiting >= self.max_queue:
@@ -434,7 +435,7 @@ class Model:
         """The newest sleeping (or waking) instance that is not retired: woken before any
         cold start."""
         for inst in reversed(self.instances):
-            if inst.state in (State.SLEEPING, State.WAKING) and not inst.retired:
+            if inst.state in DORMANT and not inst.retired:
                 return inst
         return None
 
@@ -550,7 +551,7 @@ class Model:
             stable = self._stable.pop(inst, None)
             if stable is not None:
                 stable.cancel()
-            if inst.state is State.ERROR:
+            if inst.state.public is State.ERROR:
                 if inst.last_error:
                     self.last_error = inst.last_error
                 if inst.ready_at == 0:  # failed to start
@@ -596,11 +597,11 @@ class Model:
     def state(self) -> State:
         """One state for the model: RUNNING while any instance serves, else the most advanced
         live one, else how the last one ended."""
-        live = {i.state for i in self.instances}
+        live = {i.state.public for i in self.instances}
         for s in (State.RUNNING, State.WAKING, State.STARTING, State.SLEEPING, State.STOPPING):
             if s in live:
                 return s
-        if self.last_ended is not None and self.last_ended.state is State.ERROR:
+        if self.last_ended is not None and self.last_ended.state.public is State.ERROR:
             return State.ERROR
         return State.STOPPED
 
@@ -617,7 +618,7 @@ class Model:
                 inst.rearm_idle()
             self._resize(drain_timeout_s)
             return
-        was_up = any(i.state in (State.RUNNING, State.STARTING) for i in self.instances)
+        was_up = any(i.state.public in (State.RUNNING, State.STARTING) for i in self.instances)
         self.retire_all(drain_timeout_s)
         if was_up:
             self.ensure_started()
@@ -632,7 +633,7 @@ class Model:
             kept,
             key=lambda i: (
                 i is self._bringing,
-                i.state is not State.SLEEPING,
+                i.state not in ASLEEP_OR_FALLING,
                 i.leases,
                 -i.last_used,
             ),
@@ -767,9 +768,8 @@ class Model:
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,
-            "last_used": max((i.last_used for i in self.instances), default=0.0)
-            or (last.last_used if last else None)
-            or None,
+            "last_used": max((i.last_used_wall or 0.0 for i in self.instances), default=0.0)
+            or (last.last_used_wall if last else None),
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
             "adapters": self.adapter_status(),
