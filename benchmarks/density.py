@@ -104,7 +104,15 @@ from vllm_proxy.queueing import (  # noqa: E402
     protected,
     turn,
 )
-from vllm_proxy.scheduler import Demand, DeviceView, ModelView, NoFit, Plan, plan  # noqa: E402
+from vllm_proxy.scheduler import (  # noqa: E402
+    Demand,
+    DeviceView,
+    InstanceView,
+    NoFit,
+    Phase,
+    Plan,
+    plan,
+)
 
 PROFILE = Path(__file__).resolve().parent / "density_profile.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "density.json"
@@ -417,6 +425,16 @@ COLD, STARTING, AWAKE, FALLING, ASLEEP, WAKING, STOPPING = (
 )  # fmt: skip
 #: States in which a model has a process (its requests get the warm SLO).
 WARM = frozenset({AWAKE, FALLING, ASLEEP, WAKING})
+#: The planner's phase of each engine state (a cold engine appears once its start claimed memory).
+PHASES = {
+    COLD: Phase.STARTING,
+    STARTING: Phase.STARTING,
+    AWAKE: Phase.RUNNING,
+    FALLING: Phase.FALLING_ASLEEP,
+    ASLEEP: Phase.ASLEEP,
+    WAKING: Phase.WAKING,
+    STOPPING: Phase.STOPPING,
+}
 ARRIVE, LEASE_END, DONE, TICK = 0, 1, 2, 3
 
 
@@ -884,7 +902,7 @@ class PlanSim(Sim):
 
     def views(
         self, protect_for: Waiter | None = None, drained: bool = False, extra: Engine | None = None
-    ) -> tuple[list[DeviceView], list[ModelView]]:
+    ) -> tuple[list[DeviceView], list[InstanceView]]:
         """The device and the models as plan() sees them now. `drained`: as if every request
         in flight had ended; `extra`: a cold or asleep engine as if its bring-up had claimed
         its memory."""
@@ -905,15 +923,14 @@ class PlanSim(Sim):
                 busy = in_use(e.leases, 0, e.last_used, now, self.rules)
                 prot = protected(e.resident_since, st.min_resident_s, busy, now, protect_for,
                                  self.rules)  # fmt: skip
+            phase = PHASES[state]
+            if state == ASLEEP and committed:  # its wake has claimed its memory
+                phase = Phase.WAKING
             views.append(
-                ModelView(e.name, held or e.size.footprint_mib, (0,), state == AWAKE, leases,
-                          now if e.leases else e.last_used, False,
-                          starting=state in (COLD, STARTING), stopping=state == STOPPING,
-                          sleep_mb=e.size.residue_mib if state == AWAKE else None,
-                          asleep=state == ASLEEP,
-                          waking=state == WAKING or (state == ASLEEP and committed),
-                          falling_asleep=state == FALLING, protected=prot,
-                          start_s=e.start_s, wake_s=e.wake_s)
+                InstanceView(e.name, held or e.size.footprint_mib, (0,), phase, leases,
+                             now if e.leases else e.last_used, False,
+                             sleep_mb=e.size.residue_mib if state == AWAKE else None,
+                             protected=prot, start_s=e.start_s, wake_s=e.wake_s)
             )  # fmt: skip
         return [replace(self.device, used_mb=used, pending_mb=pending)], views
 

@@ -28,7 +28,7 @@ from vllm_proxy.queueing import (
     overdue,
     protected,
 )
-from vllm_proxy.scheduler import Demand, DeviceView, ModelView, Plan, plan
+from vllm_proxy.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
 
 # -- pure rules -------------------------------------------------------------------------------
 
@@ -106,8 +106,8 @@ async def test_queue_groups_tickets_by_model_and_skips_held_ones() -> None:
     assert [w.model for w in queue.waiters(bringing=["a"])] == ["a"]
 
 
-def view(name: str, last: float, **kw: Any) -> ModelView:
-    return ModelView(name, 400, (0,), True, 0, last, False, **kw)
+def view(name: str, last: float, **kw: Any) -> InstanceView:
+    return InstanceView(name, 400, (0,), Phase.RUNNING, 0, last, False, **kw)
 
 
 def test_the_victim_is_the_cheapest_to_bring_back_not_the_least_recently_used() -> None:
@@ -297,7 +297,7 @@ async def test_an_idle_model_is_taken_at_once_despite_its_minimum_residency(
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("a", max_tokens=2)).status == 200
     a = proxy.instance("a")
-    await wait_for(lambda: time.monotonic() - a.used_at > 0.2, what="a idle past its grace")
+    await wait_for(lambda: time.monotonic() - a.last_used > 0.2, what="a idle past its grace")
     sent = time.monotonic()
     assert (await proxy.chat("b", max_tokens=2)).status == 200
     assert time.monotonic() - sent < 10, "b did not wait for a's residency or its window"

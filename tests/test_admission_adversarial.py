@@ -25,7 +25,7 @@ from vllm_proxy.config import parse_config
 from vllm_proxy.instance import State
 from vllm_proxy.model import Model
 from vllm_proxy.queueing import Rank
-from vllm_proxy.scheduler import Demand, DeviceView, ModelView, NoFit, Plan, plan
+from vllm_proxy.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 
 #: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
 SLOW = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.03"}
@@ -186,13 +186,13 @@ class Watch:
         per_device: dict[int, int] = {}
         holders = []
         for inst in self.proxy.manager.all_instances():
-            cut = inst.leases > 0 and inst.state in (State.STOPPING, State.SLEEPING)
+            cut = inst.leases > 0 and inst.state.public in (State.STOPPING, State.SLEEPING)
             if cut and self.leases:
                 self.broken.append(f"{inst.id} is {inst.state.name} with {inst.leases} lease(s)")
             claim = memory.claims.get(inst.id)
             if claim is None:
                 continue
-            live = inst.state in (State.RUNNING, State.STARTING, State.WAKING) or inst.asleep
+            live = inst.state.public in (State.RUNNING, State.STARTING, State.WAKING) or inst.asleep
             if not live:
                 continue
             holders.append(f"{inst.id}:{inst.state.name}:{memory.held_mb(inst.id)}")
@@ -651,11 +651,11 @@ async def test_replicas_under_a_hold_keep_serving_and_give_one_engine_up(
 def test_a_replica_is_never_the_victim_of_its_own_model() -> None:
     """Stopping r#2 to start r#3 gains nothing: the plan takes the other model, or waits."""
     devices = [DeviceView(0, 1000, 900)]
-    r2 = ModelView("r#2", 300, (0,), True, 0, 10.0, False)
-    b1 = ModelView("b#1", 600, (0,), True, 0, 20.0, False)
+    r2 = InstanceView("r#2", 300, (0,), Phase.RUNNING, 0, 10.0, False)
+    b1 = InstanceView("b#1", 600, (0,), Phase.RUNNING, 0, 20.0, False)
     demand = Demand("r#3", 300, 1, None, 0, siblings=("r#2",))
     assert plan(demand, devices, [r2, b1], now=30.0) == Plan((0,), ("b#1",))
-    busy_b = ModelView("b#1", 600, (0,), True, 1, 20.0, False)
+    busy_b = InstanceView("b#1", 600, (0,), Phase.RUNNING, 1, 20.0, False)
     decision = plan(demand, devices, [r2, busy_b], now=30.0)
     assert isinstance(decision, NoFit) and "another replica of the same model" in decision.reason
 
@@ -766,7 +766,7 @@ async def test_queue_timeout_zero_answers_at_once_and_holds_nothing(
     assert a2.complete and a2.took < 1
     assert (await stream).complete
     await no_tickets(proxy)
-    await wait_for(lambda: time.monotonic() - proxy.instance("a").used_at > 2.5, what="a idle")
+    await wait_for(lambda: time.monotonic() - proxy.instance("a").last_used > 2.5, what="a idle")
     assert (await ask(proxy, "b")).complete
     assert watch.peak_held["a"] == 0
     await watch.close()

@@ -86,13 +86,18 @@ class Replica:
         leases: int = 0,
         last_used: float = 0.0,
         retired: bool = False,
-        asleep: bool = True,
         sleeps: bool = False,
     ) -> None:
         self.id = "m#?"
+        if retired and state is State.RUNNING:
+            state = State.DRAINING  # as `Instance.retire` does
         self.state, self.leases, self.last_used = state, leases, last_used
-        self.retired, self.asleep, self._sleeps = retired, asleep, sleeps
+        self.retired, self._sleeps = retired, sleeps
         self.asked: list[str] = []
+
+    @property
+    def routable(self) -> bool:
+        return self.state is State.RUNNING
 
     def sleep(self, reason: str) -> object | None:
         self.asked.append(f"sleep:{reason}")
@@ -113,7 +118,7 @@ class Owner:
         self.grown: list[int] = []
 
     def serving(self) -> Any:
-        running = [i for i in self.instances if i.state is State.RUNNING and not i.retired]
+        running = [i for i in self.instances if i.routable]
         return running[0] if running else None
 
     def grow(self, count: int) -> None:
@@ -197,8 +202,8 @@ def test_idle_stops_keep_the_floor() -> None:
 
 def test_fixed_replicas_stop_together_once_none_has_served_for_the_idle_timeout() -> None:
     model = spec(replicas=2, idle_timeout_s=60)
-    old = time.time() - 120
-    quiet, busy = Replica(last_used=old), Replica(last_used=time.time())
+    old = time.monotonic() - 120
+    quiet, busy = Replica(last_used=old), Replica(last_used=time.monotonic())
     assert not scaler(Owner(model, quiet, busy)).may_idle_stop(quiet)
     assert scaler(Owner(model, quiet, Replica(last_used=old))).may_idle_stop(quiet)
     assert not scaler(Owner(model, quiet, Replica(last_used=old, leases=1))).may_idle_stop(quiet)
@@ -218,7 +223,7 @@ def test_downscale_keeps_a_replica_the_load_asks_for_and_goes_one_at_a_time() ->
     model = auto(max_replicas=3, target_ongoing_requests=1)
     idle = Replica()
     assert not scaler(Owner(model, idle, Replica(leases=2))).downscale(idle), "2 in flight: 2"
-    falling_asleep = Replica(state=State.SLEEPING, asleep=False)
+    falling_asleep = Replica(state=State.FALLING_ASLEEP)
     assert not scaler(Owner(model, idle, Replica(), falling_asleep)).downscale(idle)
     assert not scaler(Owner(model, idle, Replica(), Replica(state=State.STOPPING))).downscale(idle)
     assert idle.asked == []

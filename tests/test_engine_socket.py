@@ -231,7 +231,7 @@ async def test_a_sleep_the_proxy_did_not_order_is_found_within_one_health_interv
         async with engine.post("http://localhost/sleep?level=1") as r:
             assert r.status == 200
     slept = time.monotonic()
-    await wait_for(lambda: first.state is State.ERROR, timeout=interval * 3, what="the fault")
+    await wait_for(lambda: first.state is State.UNHEALTHY, timeout=interval * 3, what="the fault")
     assert time.monotonic() - slept <= interval + 0.5, "found at the next probe"
     assert first.unhealthy and "put to sleep by someone else" in (first.last_error or "")
 
@@ -299,7 +299,7 @@ async def test_a_socket_replaced_while_running_marks_the_engine_unhealthy(
     with socket.socket(socket.AF_UNIX) as other:
         other.bind(path)
         other.listen()
-        await wait_for(lambda: inst.state is State.ERROR, what="marked unhealthy")
+        await wait_for(lambda: inst.state is State.UNHEALTHY, what="marked unhealthy")
     assert inst.unhealthy and "socket path is no longer held" in (inst.last_error or "")
     assert (await proxy.chat("m1")).status == 200
 

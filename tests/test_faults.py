@@ -41,7 +41,7 @@ async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: S
     assert err["code"] == "engine_unhealthy" and "health checks" in err["message"]
     body = (await asyncio.wait_for(stream.read(), 30)).decode()
     assert '"engine_unhealthy"' in body and body.endswith("data: [DONE]\n\n")
-    assert hung.state is State.ERROR and hung.unhealthy
+    assert hung.state is State.UNHEALTHY and hung.unhealthy
     await wait_for(lambda: not group_alive(pgid), what="the hung group killed")
 
     resp = await proxy.chat("m1", max_tokens=1)
@@ -94,7 +94,7 @@ async def test_a_port_taken_over_while_running_marks_the_engine_unhealthy(
     first = proxy.instance("m1")
     assert first.engine is not None and first.engine.listener_unchanged()
     monkeypatch.setattr(first.engine, "listener_unchanged", lambda: False)
-    await wait_for(lambda: first.state is State.ERROR, what="marked unhealthy")
+    await wait_for(lambda: first.state is State.UNHEALTHY, what="marked unhealthy")
     assert first.unhealthy and "no longer held" in (first.last_error or "")
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
     assert proxy.instance("m1") is not first

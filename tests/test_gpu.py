@@ -425,7 +425,7 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
     labels = {"model_id": "m", "instance": "m#1"}
     sample = memory.metrics.registry.get_sample_value
     assert sample("vllm_proxy_instance_memory_measured_mb", labels) == 25_000
-    memory.vacate("m#1")  # the instance is gone: its measurement and series go
+    memory.release_claim("m#1")  # the instance is gone: its measurement and series go
     assert memory.measured == {}
     assert sample("vllm_proxy_instance_memory_measured_mb", labels) is None
     assert memory.footprint("m") == 25_000  # the next instance of the same engine plans with it
@@ -497,7 +497,7 @@ def test_budgets_stay_constant_across_restarts_whatever_is_measured(tmp_path: Pa
     utils = []
     for n in range(1, 21):
         placement = memory.placement(spec, (0,))
-        memory.occupy(f"a#{n}", placement)
+        memory.claim(f"a#{n}", placement)
         util = placement.overrides["gpu_memory_utilization"]
         utils.append(util)
         # What vLLM really holds: its whole budget (KV fills it) plus a context outside it.
@@ -505,7 +505,7 @@ def test_budgets_stay_constant_across_restarts_whatever_is_measured(tmp_path: Pa
         fake.procs = {0: [(os.getpid(), held * MIB)]}
         memory.snapshots = memory.source.read()
         memory.measure({f"a#{n}": (os.getpgid(0), 0.0)})
-        memory.vacate(f"a#{n}")
+        memory.release_claim(f"a#{n}")
     assert len(set(utils)) == 1, utils
     # Accounting follows the measurement: the planner now expects what the engine really holds.
     assert memory.footprint("a") == math.ceil(utils[0] * 24_000) + 900

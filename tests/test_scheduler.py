@@ -7,8 +7,9 @@ import pytest
 from vllm_proxy.scheduler import (
     Demand,
     DeviceView,
-    ModelView,
+    InstanceView,
     NoFit,
+    Phase,
     Plan,
     never_fits,
     plan,
@@ -26,10 +27,9 @@ def mdl(
     last: float = 0.0,
     leases: int = 0,
     pinned: bool = False,
-    running: bool = True,
-    starting: bool = False,
-) -> ModelView:
-    return ModelView(name, mb, devices, running, leases, last, pinned, starting)
+    phase: Phase = Phase.RUNNING,
+) -> InstanceView:
+    return InstanceView(name, mb, devices, phase, leases, last, pinned)
 
 
 def want(mb: int, tp: int = 1, allowed: tuple[int, ...] | None = None, reserve: int = 0) -> Demand:
@@ -70,7 +70,7 @@ PLANS = [
     ),
     pytest.param(
         [dev(0, 24_000, 20_000)],
-        [mdl("a", 10_000, last=1, starting=True), mdl("b", 10_000, last=2)],
+        [mdl("a", 10_000, last=1, phase=Phase.STARTING), mdl("b", 10_000, last=2)],
         want(10_000),
         Plan((0,), ("b",)),
         id="skip-starting",
@@ -154,17 +154,17 @@ PLANS = [
     ),
     pytest.param(
         [dev(0, 30_000, 20_000)],
-        [mdl("idle", 10_000, last=0, running=False), mdl("a", 10_000, last=1)],
+        [mdl("idle", 10_000, last=0, phase=Phase.STOPPING), mdl("a", 10_000, last=1)],
         want(20_000),
         Plan((0,), ("a",)),
-        id="stopped-models-are-ignored",
+        id="stopping-instances-are-not-taken",
     ),
 ]
 
 
 @pytest.mark.parametrize(("devices", "models", "demand", "expected"), PLANS)
 def test_plan(
-    devices: list[DeviceView], models: list[ModelView], demand: Demand, expected: Plan
+    devices: list[DeviceView], models: list[InstanceView], demand: Demand, expected: Plan
 ) -> None:
     assert plan(demand, devices, models) == expected
 
@@ -188,7 +188,7 @@ NO_FITS = [
     ),
     pytest.param(
         [dev(0, 30_000, 20_000)],
-        [mdl("warming", 10_000, last=1, starting=True)],
+        [mdl("warming", 10_000, last=1, phase=Phase.STARTING)],
         want(15_000),
         ("warming",),
         ["starting"],
@@ -224,7 +224,7 @@ NO_FITS = [
 @pytest.mark.parametrize(("devices", "models", "demand", "blockers", "phrases"), NO_FITS)
 def test_no_fit(
     devices: list[DeviceView],
-    models: list[ModelView],
+    models: list[InstanceView],
     demand: Demand,
     blockers: tuple[str, ...],
     phrases: list[str],
@@ -275,7 +275,7 @@ def test_handover_counts_the_old_and_the_new_instance() -> None:
 def test_a_stopping_model_blocks_rather_than_reads_as_foreign_memory() -> None:
     """Memory of an engine being stopped comes back soon: wait for it (a blocker), never answer
     at once as if someone outside the proxy held it."""
-    stopping = ModelView("a#1", 600, (0,), False, 0, 0.0, False, stopping=True)
+    stopping = InstanceView("a#1", 600, (0,), Phase.STOPPING, 0, 0.0, False)
     decision = plan(want(600), [dev(0, 1000, used=600)], [stopping])
     assert isinstance(decision, NoFit) and decision.blockers == ("a#1",)
     assert "stopping" in decision.reason and "outside the proxy" not in decision.reason
@@ -284,14 +284,16 @@ def test_a_stopping_model_blocks_rather_than_reads_as_foreign_memory() -> None:
 # -- the sleep tier: sleep before stop, stop sleepers LRU, never a busy one --------------------
 
 
-def sleeper(name: str, held: int, last: float = 0.0, **kw: object) -> ModelView:
+def sleeper(name: str, held: int, last: float = 0.0, **kw: object) -> InstanceView:
     """An asleep instance holding `held` MiB."""
-    return ModelView(name, held, (0,), False, 0, last, False, asleep=True, **kw)  # type: ignore[arg-type]
+    return InstanceView(name, held, (0,), Phase.ASLEEP, 0, last, False, **kw)  # type: ignore[arg-type]
 
 
-def sleepable(name: str, mb: int, sleep_mb: int, last: float = 0.0, leases: int = 0) -> ModelView:
+def sleepable(
+    name: str, mb: int, sleep_mb: int, last: float = 0.0, leases: int = 0
+) -> InstanceView:
     """A RUNNING instance with a sleep policy: asleep it would hold `sleep_mb`."""
-    return ModelView(name, mb, (0,), True, leases, last, False, sleep_mb=sleep_mb)
+    return InstanceView(name, mb, (0,), Phase.RUNNING, leases, last, False, sleep_mb=sleep_mb)
 
 
 SLEEP_PLANS = [
@@ -329,29 +331,38 @@ SLEEP_PLANS = [
 
 
 @pytest.mark.parametrize(("models", "demand", "expected"), SLEEP_PLANS)
-def test_sleep_tier_plans(models: list[ModelView], demand: Demand, expected: Plan) -> None:
+def test_sleep_tier_plans(models: list[InstanceView], demand: Demand, expected: Plan) -> None:
     used = sum(m.footprint_mb for m in models)
     assert plan(demand, [dev(0, 1000, used)], models) == expected
 
 
-@pytest.mark.parametrize("flag", ["waking", "falling_asleep"])
-def test_waking_and_falling_asleep_hold_their_memory(flag: str) -> None:
-    moving = ModelView("w", 600, (0,), False, 0, 0.0, False, **{flag: True})  # type: ignore[arg-type]
+@pytest.mark.parametrize(
+    ("phase", "why"),
+    [
+        (Phase.STARTING, "starting"),
+        (Phase.WAKING, "waking"),
+        (Phase.FALLING_ASLEEP, "going to sleep"),
+        (Phase.STOPPING, "stopping"),
+    ],
+)
+def test_instances_on_the_move_hold_their_memory(phase: Phase, why: str) -> None:
+    """Starting, waking, falling asleep or stopping: never taken, the demand waits for it."""
+    moving = InstanceView("w", 600, (0,), phase, 0, 0.0, False)
     result = plan(want(600), [dev(0, 1000, 600)], [moving])
     assert isinstance(result, NoFit) and result.blockers == ("w",)
-    assert ("waking" if flag == "waking" else "going to sleep") in result.reason
+    assert why in result.reason
 
 
 def test_a_replica_prefers_a_device_of_its_own_even_at_the_cost_of_an_idle_model() -> None:
     """GPU0 holds a sibling replica and has room; GPU1 holds an idle model of another kind:
     the new replica takes GPU1 (sleeping the idle one there) rather than share GPU0."""
     devices = [dev(0, 1000, 400), dev(1, 1000, 700)]
-    other = ModelView("other", 700, (1,), True, 0, 1.0, False, sleep_mb=100)
+    other = InstanceView("other", 700, (1,), Phase.RUNNING, 0, 1.0, False, sleep_mb=100)
     models = [mdl("sibling", 400, (0,), leases=1), other]
     demand = Demand("new", 400, 1, None, 0, avoid_devices=(0,))
     assert plan(demand, devices, models) == Plan((1,), (), ("other",))
     # Without siblings, the same snapshot fits on GPU0 with nothing touched.
     assert plan(want(400), devices, models) == Plan((0,), ())
     # A busy model on the other device: sharing is better than waiting.
-    busy = [models[0], ModelView("other", 700, (1,), True, 2, 1.0, False, sleep_mb=100)]
+    busy = [models[0], InstanceView("other", 700, (1,), Phase.RUNNING, 2, 1.0, False, sleep_mb=100)]
     assert plan(demand, devices, busy) == Plan((0,), ())

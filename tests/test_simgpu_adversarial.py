@@ -198,7 +198,7 @@ async def measured_settled(proxy: RunningProxy, ledger: Ledger) -> None:
 
     def settled() -> bool:
         for inst in proxy.manager.all_instances():
-            if inst.state is State.RUNNING and inst.engine is not None:
+            if inst.state.public is State.RUNNING and inst.engine is not None:
                 held = held_by_instance(ledger, inst)
                 assert held, f"{inst.id} runs and holds nothing on the ledger"
                 if inst.id not in memory.by_process:

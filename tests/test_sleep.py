@@ -442,7 +442,7 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
             inst.state = State.STARTING
             decision = manager.admission.plan_for(inst)
             assert isinstance(decision, Plan) and decision.evict == ()
-            memory.occupy(inst.id, memory.placement(inst.spec, decision.devices))
+            memory.claim(inst.id, memory.placement(inst.spec, decision.devices))
             inst.state = State.RUNNING  # ready; the device reading has not caught up
             inst.last_used = len(placed)
             placed.append(inst)

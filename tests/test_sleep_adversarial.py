@@ -89,7 +89,7 @@ async def proxy_metrics(proxy: RunningProxy) -> dict[str, float]:
 
 
 def falling_asleep(inst: Instance) -> bool:
-    return inst.state is State.SLEEPING and not inst.asleep
+    return inst.state is State.FALLING_ASLEEP
 
 
 def engine_pid(inst: Instance) -> int:
@@ -117,7 +117,7 @@ def engine_mb(proxy: RunningProxy, waking: set[int], device: int = 0) -> int:
         if claim is None:
             total += memory.footprint(inst.name)  # an engine alive without a claim: a bug
         elif device in claim.devices:
-            if inst.state is State.WAKING and engine.port not in waking:
+            if inst.state.public is State.WAKING and engine.port not in waking:
                 total += min(inst.spec.sleep_memory_mb, claim.footprint_mb)
             else:
                 total += memory.asleep.get(inst.id, claim.footprint_mb)

@@ -29,7 +29,7 @@ from . import __version__
 from .config import ServerConfig
 from .engine import read_tail
 from .errors import BadRequest, NotFound
-from .instance import Instance, State
+from .instance import AWAKE, Instance
 from .manager import Manager
 from .model import Model
 
@@ -210,7 +210,7 @@ class Admin:
     async def _read_engines(self) -> bytes:
         running = [
             i for i in self.manager.all_instances()
-            if (i.state is State.RUNNING or i.asleep) and i.engine is not None
+            if (i.state in AWAKE or i.asleep) and i.engine is not None
         ]  # fmt: skip
         self._too_large &= {i.id for i in running}
         pages = await asyncio.gather(*(self._scrape(i) for i in running))

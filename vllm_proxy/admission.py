@@ -26,13 +26,25 @@ from typing import Any
 from . import queueing
 from .config import ModelSpec
 from .errors import Unavailable
-from .instance import EngineContext, Instance, State, Stopped
+from .instance import AWAKE, EngineContext, Instance, State, Stopped
 from .memory import Memory, Placement
 from .model import Model, rank_of
 from .queueing import Queue, Rank, Waiter
-from .scheduler import Demand, ModelView, NoFit, Plan, plan
+from .scheduler import Demand, InstanceView, NoFit, Phase, Plan, plan
 
 log = logging.getLogger(__name__)
+
+#: The planner's phase of each state of a placed instance (one that holds a memory claim).
+PHASES = {
+    State.STARTING: Phase.STARTING,
+    State.RUNNING: Phase.RUNNING,
+    State.DRAINING: Phase.RUNNING,
+    State.FALLING_ASLEEP: Phase.FALLING_ASLEEP,
+    State.SLEEPING: Phase.ASLEEP,
+    State.WAKE_WAITING: Phase.WAKING,
+    State.WAKING: Phase.WAKING,
+    State.STOPPING: Phase.STOPPING,
+}
 
 
 class Admission:
@@ -73,50 +85,50 @@ class Admission:
 
     def _views(
         self, waiter: Waiter | None = None, drained: bool = False, protect: bool = True
-    ) -> tuple[list[ModelView], dict[int, int]]:
+    ) -> tuple[list[InstanceView], dict[int, int]]:
         """The planner's view of every placed instance (a model's old and new instance during a
         handover both count), and memory promised to starting or waking instances that they
         have not allocated yet. Minimum residencies are weighed against `waiter`; `drained`:
         as if every request in flight had ended (what a waiter's turn would take)."""
         memory = self.memory
         assert memory is not None
-        views: list[ModelView] = []
+        views: list[InstanceView] = []
         pending: dict[int, int] = {}
         pinned = {m.name: m.pinned for m in self._models().values()}
         rules = self.queue.rules
         now = time.monotonic()
         for i in self._all():
             claim = memory.claims.get(i.id)
-            if claim is None:
+            phase = PHASES.get(i.state)
+            if claim is None or phase is None:
                 continue
             held = memory.held_mb(i.id)
             state = i.state
-            sleepy = i.spec.sleep is not None and state is State.RUNNING
+            # A draining instance is not put to sleep: it is about to stop.
+            sleepy = i.spec.sleep is not None and i.routable
             load = 0 if drained else i.leases + i.queued()
             kept = (
                 protect
                 and not drained
-                and state is State.RUNNING
+                and state in AWAKE
                 and queueing.protected(
                     i.running_since, i.spec.min_resident_s,
-                    queueing.in_use(i.leases, i.queued(), i.used_at, now, rules),
+                    queueing.in_use(i.leases, i.queued(), i.last_used, now, rules),
                     now, waiter, rules,
                 )
             )  # fmt: skip
             views.append(
-                ModelView(i.id, held, claim.devices, state is State.RUNNING,
-                          load, i.last_used, pinned.get(i.name, False),
-                          starting=state is State.STARTING, stopping=state is State.STOPPING,
-                          sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
-                          asleep=i.asleep, waking=state is State.WAKING,
-                          falling_asleep=state is State.SLEEPING and not i.asleep,
-                          priority=i.spec.priority, protected=kept,
-                          start_s=self._timing(i.spec, "start"),
-                          wake_s=self._timing(i.spec, "wake"))
+                InstanceView(i.id, held, claim.devices, phase,
+                             load, i.last_used, pinned.get(i.name, False),
+                             sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
+                             priority=i.spec.priority, protected=kept,
+                             start_s=self._timing(i.spec, "start"),
+                             wake_s=self._timing(i.spec, "wake"))
             )  # fmt: skip
-            # Growth still to come; a wake not yet admitted holds what NVML already shows.
-            roused = state is State.WAKING and i.id not in memory.asleep
-            growing = state is State.STARTING or roused
+            # Growth still to come: a start's, or a wake's once its claim is made (while its
+            # victims free memory, and after); before that it holds what NVML already shows.
+            woken = state in (State.WAKE_WAITING, State.WAKING) and i.id not in memory.asleep
+            growing = state is State.STARTING or woken
             if growing and memory.kind == "nvml":
                 pgid = i.engine.pid if i.engine is not None else None
                 for d in claim.devices:
@@ -131,7 +143,7 @@ class Admission:
         memory = self.memory
         assert memory is not None
         views, pending = self._views(self._waiter(inst.name), drained, protect)
-        if inst.state is State.WAKING:  # its own devices; it already holds its sleep memory
+        if inst.state is State.WAKE_WAITING:  # its own devices; it holds its sleep memory
             claim = memory.claims[inst.id]
             need = memory.wake_need(inst.id)
             demand = Demand(inst.id, need, len(claim.devices), claim.devices, memory.reserve_mb)
@@ -141,13 +153,14 @@ class Admission:
             demand = memory.demand(inst.spec, inst.id, avoid)
         # Its own model's other replicas are never its victims.
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in self._siblings(inst)))
-        decision = plan(demand, memory.device_views(pending), views, time.time())
+        now = time.monotonic()
+        decision = plan(demand, memory.device_views(pending), views, now)
         if protect and isinstance(decision, Plan):
             # A plan that went around protected engines: wait for them (until they are idle
             # or the waiter's window ends) when without the protection it would be another,
             # cheaper one (it would have taken them), rather than stop what is at hand.
             bare = plan(demand, memory.device_views(pending), self._views(None, drained,
-                        protect=False)[0], time.time())  # fmt: skip
+                        protect=False)[0], now)  # fmt: skip
             kept = tuple(v.name for v in views if v.protected)
             if bare != decision and kept:
                 return NoFit(
@@ -229,9 +242,9 @@ class Admission:
         """Seconds until a window, residency or idle grace runs out (None: none pending)."""
         now = time.monotonic()
         residents = [
-            (i.running_since, i.spec.min_resident_s, i.used_at)
+            (i.running_since, i.spec.min_resident_s, i.last_used)
             for i in self._all()
-            if i.state is State.RUNNING
+            if i.state in AWAKE
         ]
         at = queueing.next_deadline(self.queue.waiters(), residents, now, self.queue.rules)
         return None if at is None else at - now
@@ -244,17 +257,17 @@ class Admission:
 
         def claim(decision: Plan) -> Placement:
             placement = memory.placement(inst.spec, decision.devices)
-            memory.occupy(inst.id, placement)
+            memory.claim(inst.id, placement)
             return placement
 
         def unclaim() -> None:
-            memory.vacate(inst.id)
+            memory.release_claim(inst.id)
 
         return await self._reclaim(inst, State.STARTING, claim, unclaim)
 
     async def readmit(self, inst: Instance) -> None:
-        """A wake: wait until the instance's whole footprint fits on its devices again (same
-        rules as a start), then claim it."""
+        """A wake (the instance is WAKE_WAITING): wait until its whole footprint fits on its
+        devices again (same rules as a start), then claim it."""
         memory = self.memory
         assert memory is not None
 
@@ -262,13 +275,13 @@ class Admission:
         level = memory.slept_level.get(inst.id)
 
         def claim(decision: Plan) -> Placement:
-            memory.rouse(inst.id)
+            memory.wake_claim(inst.id)
             return memory.claims[inst.id]
 
         def unclaim() -> None:
-            memory.doze(inst.id, asleep_mb, level)
+            memory.sleep_claim(inst.id, asleep_mb, level)
 
-        await self._reclaim(inst, State.WAKING, claim, unclaim)
+        await self._reclaim(inst, State.WAKE_WAITING, claim, unclaim)
 
     async def _reclaim(
         self,
@@ -350,7 +363,7 @@ class Admission:
             remaining = deadline - loop.time()
             if remaining <= 0 or (isinstance(decision, NoFit) and not decision.blockers):
                 wait_metric.observe(loop.time() - started)
-                what = "wake" if state is State.WAKING else "start"
+                what = "wake" if state is State.WAKE_WAITING else "start"
                 why = (
                     f"{what}: not enough GPU memory: {decision.reason}"
                     if isinstance(decision, NoFit)
@@ -400,7 +413,7 @@ class Admission:
         """What must be free on the devices before the engine allocates: a start's footprint,
         or what a wake adds to what the sleeping engine still holds (taken before the claim)."""
         assert self.memory is not None
-        if inst.state is State.WAKING:
+        if inst.state is State.WAKE_WAITING:
             return self.memory.wake_need(inst.id)
         return self.memory.footprint(inst.spec.name)
 
@@ -424,7 +437,7 @@ class Admission:
         idle = [
             i for i in self._all()
             if i.id in claims and set(devices) & set(claims[i.id].devices)
-            and (i.asleep or (i.state is State.RUNNING and i.leases == 0))
+            and (i.asleep or (i.state in AWAKE and i.leases == 0))
             and i.name not in pinned
         ]  # fmt: skip
         for victim in sorted(idle, key=lambda i: i.last_used):

@@ -26,15 +26,15 @@ import time
 from typing import Protocol
 
 from .config import ModelSpec
-from .instance import Instance, State
+from .instance import ASLEEP_OR_FALLING, DORMANT, Instance, State
 
 log = logging.getLogger(__name__)
 
 #: Instance states that count as kept by the model (for the replica floor and the ceiling).
-KEPT = frozenset({State.STARTING, State.RUNNING, State.SLEEPING, State.WAKING})
+KEPT = frozenset({State.STARTING, State.RUNNING, *DORMANT})
 #: Instance states that count toward the model's size (an asleep one is woken before a new
 #: one is started).
-COUNTED = frozenset({State.STARTING, State.RUNNING, State.WAKING})
+COUNTED = frozenset({State.STARTING, State.RUNNING, State.WAKE_WAITING, State.WAKING})
 
 
 def scaled(spec: ModelSpec) -> bool:
@@ -112,7 +112,7 @@ class Autoscaler:
     def desired(self) -> int:
         """How many replicas the load asks for now, within the model's bounds."""
         m = self._model
-        running = [i for i in m.instances if i.state is State.RUNNING and not i.retired]
+        running = [i for i in m.instances if i.routable]
         return desired(m.spec, sum(i.leases for i in running) + m.waiting)
 
     def _may_grow(self) -> bool:
@@ -147,7 +147,9 @@ class Autoscaler:
         """After a reload lowered the ceiling: the replicas to retire, asleep ones first, then
         the least busy; never `keep` (the one waiting requests are brought up on)."""
         kept = [i for i in self._model.instances if i.state in KEPT and not i.retired]
-        kept.sort(key=lambda i: (i is keep, i.state is not State.SLEEPING, i.leases, -i.last_used))
+        kept.sort(
+            key=lambda i: (i is keep, i.state not in ASLEEP_OR_FALLING, i.leases, -i.last_used)
+        )
         return kept[: surplus_count(self._model.spec, len(kept))]
 
     def status(self) -> dict[str, object]:
@@ -171,7 +173,7 @@ class Autoscaler:
         spec = self._model.spec
         floor, _ = spec.replica_bounds()
         if spec.replicas is not None:
-            cutoff = time.time() - spec.idle_timeout_s
+            cutoff = time.monotonic() - spec.idle_timeout_s
             return all(i.leases == 0 and i.last_used <= cutoff for i in self.replicas())
         others = [i for i in self._model.instances
                   if i is not inst and i.state in KEPT and not i.retired]  # fmt: skip
@@ -185,9 +187,8 @@ class Autoscaler:
         if scale is None or inst.state is not State.RUNNING or inst.leases > 0:
             return True
         instances = self._model.instances
-        awake = [i for i in instances if i.state is State.RUNNING and not i.retired]
-        leaving = [i for i in instances if i.state is State.STOPPING
-                   or (i.state is State.SLEEPING and not i.asleep)]  # fmt: skip
+        awake = [i for i in instances if i.routable]
+        leaving = [i for i in instances if i.state in (State.STOPPING, State.FALLING_ASLEEP)]
         # The load decides, not this replica's idleness: streams stay where they started, so
         # a replica the load asks for can sit idle while another carries the requests.
         if not may_shrink(self._model.spec, len(awake), self.desired(), len(leaving)):

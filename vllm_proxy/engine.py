@@ -1,8 +1,9 @@
-"""One engine process: spawn (under its guard), readiness, stop, logs, and where it serves
-(a Unix socket in a private directory, or an allocated loopback port).
+"""One engine process: spawn (under its guard), readiness, health probes, vLLM's sleep, wake
+and warm-up calls, stop, logs, and where it serves (a Unix socket in a private directory, or an
+allocated loopback port).
 
-Nothing here knows about model states or requests; `manager.Instance` drives an `EngineProcess`
-through its life and decides what its exit means.
+Nothing here knows about instance states or requests; `instance.Instance` drives an
+`EngineProcess` through its life and decides what its exit means.
 """
 
 from __future__ import annotations

@@ -68,31 +68,82 @@ RUNTIME_POOL_MB = 512
 
 
 class State(enum.Enum):
-    STOPPED = "stopped"
+    """Every state an instance can be in; `public` is the coarser one operators see."""
+
+    #: Created, not started yet (no process, no memory).
+    NEW = "new"
+    #: In admission, spawned, or waiting for readiness and the warm-up.
     STARTING = "starting"
+    #: Serving: takes new requests.
     RUNNING = "running"
+    #: Retired (a reload, a removed model): takes no new request, its leases run out.
+    DRAINING = "draining"
+    #: The /sleep call is in flight: its memory still counts as awake.
+    FALLING_ASLEEP = "falling_asleep"
+    #: Asleep (the /sleep call returned): it holds only what the sleep left.
     SLEEPING = "sleeping"
+    #: A wake in admission: queued for memory, or its victims freeing it; nothing sent yet.
+    WAKE_WAITING = "wake_waiting"
+    #: The wake was admitted: /wake_up (and the warm-up) in flight.
     WAKING = "waking"
     STOPPING = "stopping"
+    #: Ended after a stop, or a start that admission refused (no process was started).
+    STOPPED = "stopped"
+    #: Ended: killed after failed health checks (or put to sleep by someone else).
+    UNHEALTHY = "unhealthy"
+    #: Ended: crashed, or failed to start.
     ERROR = "error"
 
+    @property
+    def public(self) -> State:
+        """The state operators see (metrics labels, the admin API's ``state``): one of
+        stopped, starting, running, sleeping, waking, stopping, error."""
+        return _PUBLIC.get(self, self)
 
-#: States in which the instance holds no process and no memory: it is done.
-DOWN = frozenset({State.STOPPED, State.ERROR})
+
+_PUBLIC = {
+    State.NEW: State.STOPPED,
+    State.DRAINING: State.RUNNING,
+    State.FALLING_ASLEEP: State.SLEEPING,
+    State.WAKE_WAITING: State.WAKING,
+    State.UNHEALTHY: State.ERROR,
+}
+#: States in which the instance has ended: no process, no memory; it never runs again.
+DOWN = frozenset({State.STOPPED, State.UNHEALTHY, State.ERROR})
 #: States with a live engine process that may be asked to sleep, wake or stop.
-LIVE = frozenset({State.RUNNING, State.SLEEPING, State.WAKING})
-#: The allowed transitions. An instance starts once (STOPPED -> STARTING) and ends in STOPPED or
-#: ERROR; a restart is a new instance. SLEEPING and WAKING sit between RUNNING and STOPPING.
+LIVE = frozenset(
+    {State.RUNNING, State.DRAINING, State.FALLING_ASLEEP, State.SLEEPING, State.WAKE_WAITING,
+     State.WAKING}
+)  # fmt: skip
+#: RUNNING or DRAINING: up and awake, its leases served.
+AWAKE = frozenset({State.RUNNING, State.DRAINING})
+#: Put to sleep by the proxy, or on the way back: woken before any cold start.
+DORMANT = frozenset({State.FALLING_ASLEEP, State.SLEEPING, State.WAKE_WAITING, State.WAKING})
+#: Put to sleep by the proxy: asleep, or its /sleep call in flight.
+ASLEEP_OR_FALLING = frozenset({State.FALLING_ASLEEP, State.SLEEPING})
+_LIVE_END = frozenset({State.STOPPING, State.UNHEALTHY, State.ERROR})
+#: The allowed transitions. An instance starts once (NEW -> STARTING) and ends in STOPPED,
+#: UNHEALTHY or ERROR; a restart is a new instance. Every live state may crash (ERROR) or be
+#: stopped (STOPPING).
 TRANSITIONS: dict[State, frozenset[State]] = {
-    State.STOPPED: frozenset({State.STARTING}),
+    State.NEW: frozenset({State.STARTING}),
     # STARTING -> STOPPED: admission refused (no GPU memory in time); no process was started.
-    State.STARTING: frozenset({State.RUNNING, State.STOPPING, State.ERROR, State.STOPPED}),
-    State.RUNNING: frozenset({State.SLEEPING, State.STOPPING, State.ERROR}),
-    # SLEEPING from the moment /sleep is called; its memory counts as awake until it returns.
-    State.SLEEPING: frozenset({State.WAKING, State.STOPPING, State.ERROR}),
-    # WAKING -> SLEEPING: no GPU memory for the wake in time (nothing was sent to the engine).
-    State.WAKING: frozenset({State.RUNNING, State.SLEEPING, State.STOPPING, State.ERROR}),
+    # STARTING -> DRAINING: it became ready after it was retired.
+    State.STARTING: frozenset(
+        {State.RUNNING, State.DRAINING, State.STOPPING, State.ERROR, State.STOPPED}
+    ),
+    State.RUNNING: frozenset({State.DRAINING, State.FALLING_ASLEEP, *_LIVE_END}),
+    State.DRAINING: _LIVE_END,
+    # A wake asked for meanwhile waits for the call to return (`Instance.wake_asked`).
+    State.FALLING_ASLEEP: frozenset({State.SLEEPING, *_LIVE_END}),
+    State.SLEEPING: frozenset({State.WAKE_WAITING, *_LIVE_END}),
+    # WAKE_WAITING -> SLEEPING: no GPU memory for the wake in time (nothing was sent).
+    State.WAKE_WAITING: frozenset({State.WAKING, State.SLEEPING, State.STOPPING, State.ERROR}),
+    # WAKING -> DRAINING: awake again after it was retired.
+    State.WAKING: frozenset({State.RUNNING, State.DRAINING, State.STOPPING, State.ERROR}),
     State.STOPPING: frozenset({State.STOPPED}),
+    State.STOPPED: frozenset(),
+    State.UNHEALTHY: frozenset(),
     State.ERROR: frozenset(),
 }
 
@@ -153,16 +204,16 @@ class EngineContext:
     #: Waits until the instance may start; returns where (None: memory is not managed).
     admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
     #: Gives a stopped engine's memory back to the budget (memory managed only).
-    vacate: Callable[[str], None] = lambda _iid: None
+    release_claim: Callable[[str], None] = lambda _iid: None
     #: Serialises starts per device (memory managed only).
     memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
     #: Serialises a wake with starts on the same devices (memory managed only).
     device_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
-    #: A sleeping instance now holds this many MiB per device (None: what its model is
-    #: expected to hold asleep), asleep at that level (memory managed only).
-    doze: Callable[[str, int | None, int | None], None] = lambda _iid, _mb, _level: None
+    #: An instance whose /sleep call returned now holds this many MiB per device (None: what
+    #: its model is expected to hold asleep), asleep at that level (memory managed only).
+    sleep_claim: Callable[[str, int | None, int | None], None] = lambda _iid, _mb, _level: None
     #: A fresh reading of an engine's devices (NVML only) ...
     usage: Callable[[int | None, tuple[int, ...]], Awaitable[Usage | None]] = _no_usage
     #: ... what an instance holds after its /sleep, from readings before and after ...
@@ -220,10 +271,11 @@ class Instance:
         self.id = iid
         self.ctx = ctx
         self._on_state = on_state
-        self.state = State.STOPPED
+        self.state = State.NEW
         self.engine: EngineProcess | None = None
         self.leases = 0
-        #: Wall-clock time of the last lease release (or of readiness); for LRU eviction.
+        #: When its last request ended, or it became RUNNING (monotonic; 0: never): the idle
+        #: grace, and least recent use for the planner. Shown as wall time (`status`).
         self.last_used = 0.0
         self.last_error: str | None = None
         #: Set by admission: where the engine runs and the memory it was given (None when down).
@@ -231,22 +283,21 @@ class Instance:
         #: The devices it was placed on; kept after it is down (for the out-of-memory retry).
         self.devices: tuple[int, ...] = ()
         self.ready_at = 0.0
-        #: Replaced by a reload or its model removed: takes no new request, drains, stops.
+        #: Replaced by a reload or its model removed: takes no new request, drains (DRAINING
+        #: while it runs), stops.
         self.retired = False
-        #: Killed by the health watcher (hung, stopped, its port taken over, or put to sleep
-        #: by someone else), and the reason counted for it.
-        self.unhealthy = False
+        #: Why the health watcher killed it (UNHEALTHY): the reason counted for it.
         self.unhealthy_reason = ""
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
         #: The sleep level it was put to (0: awake) ...
         self.sleep_level = 0
-        #: ... and the /sleep call while it is in flight (the memory still counts as awake).
+        #: ... and the /sleep call, and the measurement after it, while FALLING_ASLEEP.
         self._sleep_call: asyncio.Task[None] | None = None
         self._wake_task: asyncio.Task[None] | None = None
-        #: Holds its devices' lock (starting, waking or falling asleep): its own stop must not
-        #: wait for that lock.
+        #: Holds its devices' lock (spawning, waking, falling asleep, or stopping under it): a
+        #: stop begun meanwhile runs without the lock and is awaited before it goes.
         self._owns_devices = False
         #: Waiting for its devices' lock to start: a stop need not wait for the start task.
         self._awaiting_devices = False
@@ -255,8 +306,6 @@ class Instance:
         #: When it last became RUNNING (monotonic): readings older than this are not of it,
         #: and its minimum residency counts from it.
         self.running_since = 0.0
-        #: When its last request ended, or it became RUNNING (monotonic): the idle grace.
-        self.used_at = 0.0
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
         self._policy = policy
@@ -267,7 +316,7 @@ class Instance:
         self._downscale_timer: asyncio.TimerHandle | None = None
         #: The LoRA adapters this engine holds (a new instance starts with none).
         self.adapters = Registrations(iid, ctx.metrics, lambda: ctx.queue.timeout_s)
-        ctx.metrics.set_instance_state(spec.name, iid, None, self.state.value)
+        ctx.metrics.set_instance_state(spec.name, iid, None, self.state.public.value)
 
     @property
     def name(self) -> str:
@@ -276,8 +325,8 @@ class Instance:
 
     @property
     def done(self) -> bool:
-        """Started and ended: its process is gone and it will never run again."""
-        return self._start_task is not None and self.state in DOWN
+        """Ended: its process is gone (or was never started) and it will never run again."""
+        return self.state in DOWN
 
     @property
     def log_path(self) -> Path:
@@ -289,27 +338,51 @@ class Instance:
 
     @property
     def asleep(self) -> bool:
-        """SLEEPING and its /sleep call has returned: it holds only its sleep memory now."""
-        return self.state is State.SLEEPING and self._sleep_call is None
+        """SLEEPING: its /sleep call has returned, it holds only its sleep memory now."""
+        return self.state is State.SLEEPING
+
+    @property
+    def routable(self) -> bool:
+        """RUNNING: new requests may be sent here (not draining, asleep, starting or ended)."""
+        return self.state is State.RUNNING
+
+    @property
+    def unhealthy(self) -> bool:
+        """Killed by the health watcher (hung, its listener taken over, or put to sleep by
+        someone else)."""
+        return self.state is State.UNHEALTHY
+
+    @property
+    def wake_asked(self) -> bool:
+        """A wake was asked for and has not ended (it may wait for the /sleep call in flight):
+        a request waits for this instance, it is not idle."""
+        return self._wake_task is not None
+
+    @property
+    def last_used_wall(self) -> float | None:
+        """`last_used` as a Unix timestamp, for display (None: never used)."""
+        if not self.last_used:
+            return None
+        return time.time() - (time.monotonic() - self.last_used)
 
     # -- state ---------------------------------------------------------------------------
 
     def _set_state(self, new: State) -> None:
         old = self.state
-        if new is State.RUNNING:
-            self.running_since = self.used_at = time.monotonic()
         if new not in TRANSITIONS[old]:
             raise InvalidTransition(f"{self.id}: {old.name} -> {new.name} is not allowed")
+        if new in AWAKE and old not in AWAKE:
+            self.running_since = self.last_used = time.monotonic()
         self.state = new
         log.info("%s: %s -> %s", self.id, old.name, new.name)
         metrics = self.ctx.metrics
         if new in DOWN:
             metrics.forget_instance(self.name, self.id)
             self.placement = None
-            self.ctx.vacate(self.id)
+            self.ctx.release_claim(self.id)
             self.ctx.on_capacity()
-        else:
-            metrics.set_instance_state(self.name, self.id, old.value, new.value)
+        elif new.public is not old.public:
+            metrics.set_instance_state(self.name, self.id, old.public.value, new.public.value)
         self._changed.set()
         self._changed = asyncio.Event()
         self._on_state(self, old)
@@ -323,7 +396,7 @@ class Instance:
     def acquire(self) -> EngineProcess:
         """Hold a lease on a RUNNING instance (synchronous, so nothing can stop it between the
         caller's check and the lease); pair with `release()` in ``finally``."""
-        if self.state is not State.RUNNING or self.engine is None:
+        if not self.routable or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
         if self._idle_timer or self._sleep_timer or self._downscale_timer:
@@ -333,13 +406,12 @@ class Instance:
     def release(self) -> None:
         """Give a lease back; arms the idle timer at zero."""
         self.leases -= 1
-        self.last_used = time.time()
-        self.used_at = time.monotonic()
+        self.last_used = time.monotonic()
         if self._released is not None:
             self._released.set()
             self._released = None
         if self.leases == 0:
-            if self.state is State.RUNNING and not self.retired:
+            if self.routable:
                 self._arm_idle_timer()
             self.ctx.on_capacity()
 
@@ -377,7 +449,7 @@ class Instance:
     def _downscale_due(self) -> None:
         self._downscale_timer = None
         scale = self.spec.autoscale
-        if scale is None or self._policy is None or self.state is not State.RUNNING:
+        if scale is None or self._policy is None or not self.routable:
             return
         if not self._policy.downscale(self):
             loop = asyncio.get_running_loop()
@@ -391,8 +463,9 @@ class Instance:
 
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
-        if self.state in (State.RUNNING, State.SLEEPING) and self.leases == 0:
-            if not self.retired and self._wake_task is None:  # a wake: a request waits
+        idle = (State.RUNNING, State.FALLING_ASLEEP, State.SLEEPING)
+        if self.state in idle and self.leases == 0:
+            if not self.retired and not self.wake_asked:  # a wake: a request waits
                 self._arm_idle_timer()
 
     # -- start ---------------------------------------------------------------------------
@@ -407,7 +480,7 @@ class Instance:
         assert self._start_task is None, f"{self.id} is started once"
         self._set_state(State.STARTING)
         self._start_task = asyncio.ensure_future(self._start())
-        self._start_task.add_done_callback(retrieve)
+        self._start_task.add_done_callback(consume_exception)
         return self._start_task
 
     async def _start(self) -> None:
@@ -477,8 +550,7 @@ class Instance:
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = time.monotonic()
-        self.last_used = time.time()
-        self._set_state(State.RUNNING)
+        self._set_state(self._awake_state())
         if engine.exit_code is not None:  # died in the moment after its healthy answer
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._exited(engine, "exited right after becoming ready")
@@ -487,7 +559,7 @@ class Instance:
             self._arm_idle_timer()
         if self.spec.health_interval_s > 0:
             watcher = asyncio.ensure_future(self._watch_health(engine))
-            watcher.add_done_callback(retrieve)
+            watcher.add_done_callback(consume_exception)
 
     async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
@@ -558,21 +630,25 @@ class Instance:
                 code="engine_start_failed",
             ) from None
 
+    def _awake_state(self) -> State:
+        """Where a start or a wake ends: RUNNING, or DRAINING when it was retired meanwhile."""
+        return State.DRAINING if self.retired else State.RUNNING
+
     def _raise_if_stopped(self) -> None:
         if self.state is not State.STARTING:
             raise Stopped(f"model '{self.name}' was stopped while starting", code="stopped")
 
-    def _fail(self, message: str) -> None:
-        """The engine is gone or unusable: ERROR (unless a stop got there first)."""
+    def _fail(self, message: str, end: State = State.ERROR) -> None:
+        """The engine is gone or unusable: ERROR, or `end` (unless a stop got there first)."""
         if self.state not in (State.STARTING, *LIVE):
             return
         self.last_error = message
         self._cancel_idle_timer()
         log.error("%s: %s", self.id, message)
-        self._set_state(State.ERROR)
+        self._set_state(end)
 
     async def _monitor(self, engine: EngineProcess) -> None:
-        """Watch the engine process until it exits; a RUNNING engine that exits is an ERROR."""
+        """Watch the engine process until it exits; a live engine that exits is an ERROR."""
         await engine.wait_exit()
         assert engine.pid is not None
         if self.state in LIVE and self.engine is engine:
@@ -604,7 +680,7 @@ class Instance:
             await asyncio.sleep(spec.health_interval_s)
             if self.state not in LIVE or self.engine is not engine:
                 return
-            if self.state is State.WAKING or self._sleep_call is not None:
+            if self.state in (State.FALLING_ASLEEP, State.WAKE_WAITING, State.WAKING):
                 continue  # a wake or sleep call is bounded on its own
             if not engine.listener_unchanged():
                 where = "socket path" if engine.socket_path else "port"
@@ -613,7 +689,7 @@ class Instance:
             client = engine.client(self.ctx.session)
             healthy = await engine.probe(client, spec.health_timeout_s)
             misses = 0 if healthy else misses + 1
-            if misses >= spec.health_misses and self.state in (State.RUNNING, State.SLEEPING):
+            if misses >= spec.health_misses and self.state in (*AWAKE, *ASLEEP_OR_FALLING):
                 why = f"no answer to {misses} health probes in a row"
                 self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
                 return
@@ -626,19 +702,13 @@ class Instance:
                     return
 
     def _awake(self, engine: EngineProcess) -> bool:
-        """RUNNING on `engine` as far as the proxy knows: none of its sleeps or wakes under way."""
-        return (
-            self.state is State.RUNNING
-            and self.engine is engine
-            and self._sleep_call is None
-            and self._wake_task is None
-        )
+        """Awake on `engine` as far as the proxy knows: none of its sleeps or wakes under way."""
+        return self.state in AWAKE and self.engine is engine and not self.wake_asked
 
     def _unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
-        self.unhealthy = True
         self.unhealthy_reason = reason
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
-        self._fail(f"model '{self.name}': engine not healthy: {why}; killed")
+        self._fail(f"model '{self.name}': engine not healthy: {why}; killed", State.UNHEALTHY)
         engine.kill()
 
     def upstream_failure(
@@ -684,19 +754,20 @@ class Instance:
         The stop runs as a task of its own: a caller that is cancelled (a client gone during an
         unload) does not leave the instance half-stopped.
         """
-        if self.state in DOWN:
+        if self.state in DOWN or self.state is State.NEW:
             return
         task = self._stopping if self.state is State.STOPPING else self._begin_stop()
         assert task is not None
         await asyncio.shield(task)
 
     def evict(self, reason: str) -> asyncio.Task[None] | None:
-        """Stop now if RUNNING with no lease, or SLEEPING, else do nothing; decided without
-        yielding.
+        """Stop now if awake (RUNNING or DRAINING) with no lease, or put to sleep (asleep or
+        falling asleep), else do nothing;
+        decided without yielding.
 
         Returns the task finishing the stop, or None when the instance was not evictable.
         """
-        if self.state not in (State.RUNNING, State.SLEEPING) or self.leases > 0:
+        if self.state not in (*AWAKE, *ASLEEP_OR_FALLING) or self.leases > 0:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
         return self._begin_stop()
@@ -710,7 +781,7 @@ class Instance:
         None when it may not sleep now.
         """
         if (
-            self.state is not State.RUNNING
+            not self.routable
             or self.spec.sleep is None
             or self.leases > 0
             or self._queued() > 0
@@ -721,9 +792,9 @@ class Instance:
         if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
             self._sleep_timer.cancel()
             self._sleep_timer = None
-        self._set_state(State.SLEEPING)
+        self._set_state(State.FALLING_ASLEEP)
         self._sleep_call = asyncio.ensure_future(self._fall_asleep(self.engine, chosen, reason))
-        self._sleep_call.add_done_callback(retrieve)
+        self._sleep_call.add_done_callback(consume_exception)
         return self._sleep_call
 
     def _choose_level(self, level: int) -> int:
@@ -773,7 +844,7 @@ class Instance:
             self.ctx.host.settle(self.id)
         if failed:
             return
-        if self.state is not State.SLEEPING or self.engine is not engine:
+        if self.state is not State.FALLING_ASLEEP or self.engine is not engine:
             return  # stopped meanwhile
         seconds = time.monotonic() - started
         self.sleep_level = level
@@ -781,11 +852,10 @@ class Instance:
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
-        self.ctx.doze(self.id, residue, level)
-        self._changed.set()  # memory came back; waiters re-plan
-        self._changed = asyncio.Event()
+        self.ctx.sleep_claim(self.id, residue, level)
+        self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
         self.ctx.on_capacity()
-        idle = self.leases == 0 and not self.retired and self._wake_task is None
+        idle = self.leases == 0 and not self.retired and not self.wake_asked
         if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
 
@@ -794,7 +864,7 @@ class Instance:
         lock is kept until it is down)."""
         if not isinstance(err, CallFailed | TimeoutError):
             log.error("%s: sleep failed", self.id, exc_info=err)
-        if self.state is State.SLEEPING and self.engine is engine:
+        if self.state is State.FALLING_ASLEEP and self.engine is engine:
             why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
             log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
             self.ctx.metrics.restarts.labels(self.name, "sleep_failed").inc()
@@ -817,14 +887,15 @@ class Instance:
                 self._owns_devices = False
 
     def wake(self) -> asyncio.Task[None]:
-        """Wake a SLEEPING instance (one wake for every caller): the memory first, then
-        /wake_up (level 2: reload the weights, reset the prefix cache), a check that it is
-        awake, and the warm-up. Raises `WakeFailed` after stopping the engine when any step
-        fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for the wake
-        did not come in time (it stays asleep)."""
+        """Wake an instance put to sleep (one wake for every caller; one still falling asleep
+        is woken once its /sleep call has returned): the memory first (WAKE_WAITING), then
+        /wake_up (WAKING; level 2: wake the weights, reload them, then the KV cache), a check
+        that it is awake, and the warm-up. Raises `WakeFailed` after stopping the engine when
+        any step fails or takes longer than ``wake_timeout_s``; `Unavailable` when memory for
+        the wake did not come in time (it stays asleep)."""
         # (A wake that has just failed, its callback not yet run, is not joined: a new one.)
         if self._wake_task is None or self._wake_task.done():
-            if self.state is State.SLEEPING:  # a request waits for it: it is not idle
+            if self.state in ASLEEP_OR_FALLING:  # a request waits for it: it is not idle
                 self._cancel_idle_timer()
             self._wake_task = asyncio.ensure_future(self._wake())
             self._wake_task.add_done_callback(self._wake_done)
@@ -833,22 +904,22 @@ class Instance:
     def _wake_done(self, task: asyncio.Task[None]) -> None:
         if self._wake_task is task:
             self._wake_task = None
-        retrieve(task)
+        consume_exception(task)
 
     async def _wake(self) -> None:
         if self._sleep_call is not None:  # let the /sleep call finish first
             await asyncio.wait({self._sleep_call})
-        if self.state is State.RUNNING:
+        if self.state in AWAKE:
             return
         if self.state is not State.SLEEPING or self.engine is None:
             raise Stopped(f"model '{self.name}' was stopped while asleep", code="stopped")
         engine = self.engine
         self._cancel_idle_timer()
-        self._set_state(State.WAKING)
+        self._set_state(State.WAKE_WAITING)
         try:
             await self.ctx.readmit(self)
         except ProxyError:
-            if self.state is State.WAKING:
+            if self.state is State.WAKE_WAITING:
                 self._set_state(State.SLEEPING)
                 if self.leases == 0 and not self.retired:
                     self._arm_idle_timer()
@@ -856,8 +927,9 @@ class Instance:
         except Exception as err:  # a bug or an OS error: never left half-woken
             log.exception("%s: admission of the wake failed", self.id)
             return await self._wake_failed(type(err).__name__)
-        if self.state is not State.WAKING:
+        if self.state is not State.WAKE_WAITING:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+        self._set_state(State.WAKING)
         started = time.monotonic()
         level = self.sleep_level
         failure: str | None = None
@@ -895,14 +967,13 @@ class Instance:
         if level >= 2:  # the adapters' GPU copies went with the weights: registered again
             self.adapters.reset()
         self.sleep_level = 0
-        self.last_used = time.time()
-        self._set_state(State.RUNNING)
-        if self.leases == 0 and not self.retired:
+        self._set_state(self._awake_state())
+        if self.leases == 0 and self.routable:
             self._arm_idle_timer()
 
     def _abandon_wake(self, why: str) -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""
-        if self.state is State.WAKING:
+        if self.state in (State.WAKE_WAITING, State.WAKING):
             log.error("%s: wake failed (%s); stopping the engine", self.id, why)
             self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
             self._woken_in_vain = True
@@ -910,7 +981,7 @@ class Instance:
 
     async def _wake_failed(self, why: str) -> None:
         """Never serve from a half-woken engine: stop it; the caller cold-starts a new one."""
-        if self.state is State.WAKING:
+        if self.state in (State.WAKE_WAITING, State.WAKING):
             self._abandon_wake(why)
         elif not self._woken_in_vain:  # stopped meanwhile (unload, shutdown, eviction)
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
@@ -932,7 +1003,7 @@ class Instance:
     async def drained(self, timeout: float) -> bool:
         """Wait up to `timeout` for the leases to run out; True when none is left."""
         deadline = time.monotonic() + timeout
-        while self.leases > 0 and self.state is State.RUNNING:
+        while self.leases > 0 and self.state in AWAKE:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
@@ -943,22 +1014,25 @@ class Instance:
         return self.leases == 0
 
     def retire(self, timeout: float) -> asyncio.Task[None]:
-        """Take no new requests from now on; drain for up to `timeout`, then stop."""
+        """Take no new requests from now on (DRAINING while it runs); drain for up to
+        `timeout`, then stop."""
         self.retired = True
         self._cancel_idle_timer()
+        if self.state is State.RUNNING:
+            self._set_state(State.DRAINING)
         task = asyncio.ensure_future(self.drain_and_stop(timeout))
-        task.add_done_callback(retrieve)
+        task.add_done_callback(consume_exception)
         return task
 
     def _begin_stop(self) -> asyncio.Task[None]:
         """Enter STOPPING synchronously (no new lease from here on) and start the stop task."""
         starting = self.state is State.STARTING
-        if self.sleep_level or self.state is State.SLEEPING:
+        if self.sleep_level or self.state in ASLEEP_OR_FALLING:
             _forget(self.ctx.metrics.sleep_level, self.name, self.id)
         self._cancel_idle_timer()
         self._set_state(State.STOPPING)
         self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
-        self._stopping.add_done_callback(retrieve)
+        self._stopping.add_done_callback(consume_exception)
         return self._stopping
 
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
@@ -1001,17 +1075,18 @@ class Instance:
         """What an operator sees of this instance; pid and port only while its process lives."""
         engine = self.engine
         live = engine is not None and engine.exit_code is None and self.state not in DOWN
-        up = self.state is State.RUNNING and live
+        up = self.state in AWAKE and live
         return {
             "id": self.id,
-            "state": self.state.value,
-            "sleep_level": self.sleep_level if self.state is State.SLEEPING else 0,
+            "state": self.state.public.value,
+            "phase": self.state.value,
+            "sleep_level": self.sleep_level if self.state in ASLEEP_OR_FALLING else 0,
             "pid": engine.pid if live and engine else None,
             "port": engine.tcp_port if live and engine else None,
             "socket": engine.socket_path if live and engine else None,
             "devices": list(self.devices) if self.state not in DOWN else [],
             "leases": self.leases,
-            "last_used": self.last_used or None,
+            "last_used": self.last_used_wall,
             "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
             "retired": self.retired,
             "last_error": self.last_error,
@@ -1030,8 +1105,9 @@ async def _nothing() -> AsyncIterator[None]:
     yield
 
 
-def retrieve(task: asyncio.Task[None]) -> None:
-    """Done-callback for background tasks: proxy errors are already reported, others are bugs."""
+def consume_exception(task: asyncio.Task[None]) -> None:
+    """Done-callback for background tasks: takes their exception so that asyncio does not warn
+    of it; proxy errors are already reported, others are bugs and are logged."""
     if task.cancelled():
         return
     exc = task.exception()

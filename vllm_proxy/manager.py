@@ -24,7 +24,7 @@ from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
 from .footprint import footprint_for_spec, lora_host_mb
-from .instance import EngineContext, Instance, State, retrieve
+from .instance import AWAKE, EngineContext, Instance, consume_exception
 from .memory import Memory
 from .model import Model
 from .queueing import Queue, Rules
@@ -95,8 +95,8 @@ class Manager:
             ctx.timed = adm.timed
             ctx.memory_lock = memory.starting_on
             ctx.device_lock = memory.device_lock
-            ctx.vacate = memory.vacate
-            ctx.doze = memory.doze
+            ctx.release_claim = memory.release_claim
+            ctx.sleep_claim = memory.sleep_claim
             ctx.usage = memory.usage
             ctx.residue = memory.residue
             ctx.wait_released = memory.wait_released
@@ -166,16 +166,17 @@ class Manager:
             def done(t: asyncio.Task[None], name: str = name) -> None:
                 if self.preloading.get(name) is t:
                     del self.preloading[name]
-                retrieve(t)
+                consume_exception(t)
 
             task.add_done_callback(done)
 
     def _engine_groups(self) -> dict[str, tuple[int, float]]:
-        """Every RUNNING engine's process group, with when it (last) became RUNNING."""
+        """Every awake (RUNNING or DRAINING) engine's process group, with when it (last) woke
+        or became ready."""
         return {
             i.id: (i.engine.pid, i.running_since)
             for i in self.all_instances()
-            if i.state is State.RUNNING and i.engine is not None and i.engine.pid is not None
+            if i.state in AWAKE and i.engine is not None and i.engine.pid is not None
         }
 
     def resolve(self, requested: str, visible: Callable[[Model], bool] | None = None) -> Model:
@@ -357,7 +358,7 @@ class Manager:
                 return True
             updates[inst.id] = new
         for iid, new in updates.items():  # the same engines, a new budget
-            self.memory.occupy(iid, new)
+            self.memory.claim(iid, new)
         return False
 
     def _remove(self, model: Model, drain_timeout_s: float) -> None:
@@ -377,7 +378,7 @@ class Manager:
             self.removed.discard(model)
             self._forget_model(model.name)
 
-        asyncio.ensure_future(gone()).add_done_callback(retrieve)
+        asyncio.ensure_future(gone()).add_done_callback(consume_exception)
 
     def _forget_model(self, name: str) -> None:
         """Drop a model's gauges once nothing of that name is configured or still draining (a

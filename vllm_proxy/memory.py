@@ -1,7 +1,8 @@
 """GPU memory as the admission path sees it: the source, footprints, placements, device locks.
 
 `Memory` answers "how much does this model take", "what is used where now" and "where may it go";
-the decision itself is `scheduler.plan()` (pure). The manager drives admission with it.
+the decision itself is `scheduler.plan()` (pure). `admission.Admission` drives admission with
+it; instances report their sleeps and wakes to it (`sleep_claim`, `wake_claim`).
 
 Budgets and measurements are kept apart. The budget an engine is started with
 (``--gpu-memory-utilization``) comes from the model's config alone: the estimate, ``memory_mb``
@@ -389,10 +390,10 @@ class Memory:
         base = self.baseline.get(instance_id, {}).get(device)
         return max(snap.used_mb - base, 0) if base is not None else 0
 
-    def doze(self, instance_id: str, mb: int | None, level: int | None = None) -> None:
-        """The instance is asleep (at `level`, when given): from now on it holds `mb` per device
-        (measured after its /sleep returned), or the model's expected sleep memory when nothing
-        could be measured."""
+    def sleep_claim(self, instance_id: str, mb: int | None, level: int | None = None) -> None:
+        """The instance's /sleep call returned (at `level`, when given): from now on its claim
+        is `mb` per device (measured after the call), or the model's expected sleep memory when
+        nothing could be measured. Also what a wake gives back when its memory did not come."""
         claim = self.claims.get(instance_id)
         if claim is None:
             return
@@ -408,7 +409,7 @@ class Memory:
         if isinstance(self.source, StaticBudget):
             self.source.set_usage(instance_id, claim.devices, held)
 
-    def rouse(self, instance_id: str) -> None:
+    def wake_claim(self, instance_id: str) -> None:
         """A wake was admitted: the instance claims its model's whole footprint again (measured
         anew once it runs)."""
         claim = self.claims.get(instance_id)
@@ -474,7 +475,7 @@ class Memory:
                 overrides["gpu_memory_utilization"] = utilization_for(self.budget(spec.name), total)
         return Placement(devices, mb, overrides, env)
 
-    def occupy(self, instance_id: str, placement: Placement) -> None:
+    def claim(self, instance_id: str, placement: Placement) -> None:
         """Claim the placement's memory for the instance (replacing an earlier claim); the
         planner counts every claim, and the static budget's "used" is their sum. An asleep
         instance keeps holding only its sleep memory until it wakes."""
@@ -483,8 +484,9 @@ class Memory:
             mb = self.asleep.get(instance_id, placement.footprint_mb)
             self.source.set_usage(instance_id, placement.devices, mb)
 
-    def vacate(self, instance_id: str) -> None:
-        """The instance is down: its claim and measurement go."""
+    def release_claim(self, instance_id: str) -> None:
+        """The instance is down (or its start gave its turn back): its claim and measurement
+        go."""
         self.claims.pop(instance_id, None)
         self.asleep.pop(instance_id, None)
         self.slept_level.pop(instance_id, None)
@@ -526,8 +528,10 @@ class Memory:
 
     @contextlib.asynccontextmanager
     async def device_lock(self, devices: tuple[int, ...]) -> AsyncIterator[None]:
-        """The per-device start locks, without a measurement: a wake reallocates its memory and
-        must not overlap another engine's start (and its memory profiling) on those devices."""
+        """The per-device locks, without a measurement: held by every memory change an engine
+        makes there that the proxy orders (a wake reallocates, a sleep or a stop frees), so that
+        none overlaps another engine's start (and its memory profiling) on those devices.
+        `starting_on` takes the same locks for a start."""
         locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
         async with contextlib.AsyncExitStack() as stack:
             for lock in locks:

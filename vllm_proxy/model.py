@@ -27,6 +27,9 @@ from .config import ModelSpec
 from .engine import EngineProcess, PortInUse, prune_logs
 from .errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
 from .instance import (
+    ASLEEP_OR_FALLING,
+    AWAKE,
+    DORMANT,
     DOWN,
     EngineContext,
     Instance,
@@ -36,7 +39,7 @@ from .instance import (
     State,
     Stopped,
     WakeFailed,
-    retrieve,
+    consume_exception,
 )
 from .queueing import Rank
 
@@ -140,12 +143,12 @@ class Model:
     # -- routing -------------------------------------------------------------------------
 
     def serving(self) -> Instance | None:
-        """The instance a new request goes to: among RUNNING, not retired instances the one with
+        """The instance a new request goes to: among routable (RUNNING) instances the one with
         the fewest requests in flight; ties go to the most recently used, so idle replicas can
         age out. Never one that is starting, waking, asleep, stopping or unhealthy."""
         best: Instance | None = None
         for inst in self.instances:
-            if inst.state is State.RUNNING and not inst.retired:
+            if inst.routable:
                 if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
                     best = inst
         return best
@@ -165,7 +168,7 @@ class Model:
         if session is None or self.spec.affinity_header is None:
             return self.serving()
         sticky = self._sessions.get(session)
-        if sticky is not None and sticky.state is State.RUNNING and not sticky.retired:
+        if sticky is not None and sticky.routable:
             self._sessions.move_to_end(session)
             return sticky
         inst = self.serving()
@@ -182,7 +185,7 @@ class Model:
         are at the autoscaler's target, as Ray Serve falls back when they are full)."""
         best: Instance | None = None
         for inst in self.instances:
-            if inst.state is State.RUNNING and not inst.retired and inst.adapters.holds(adapter):
+            if inst.routable and inst.adapters.holds(adapter):
                 if best is None or (inst.leases, -inst.last_used) < (best.leases, -best.last_used):
                     best = inst
         return best
@@ -290,7 +293,7 @@ class Model:
         where it can). Not while a crash loop backs off."""
         if self.backoff_s() > 0:
             return
-        sleepers = [i for i in self.instances if i.state is State.SLEEPING and not i.retired]
+        sleepers = [i for i in self.instances if i.state in ASLEEP_OR_FALLING and not i.retired]
         for _ in range(count):
             if sleepers:
                 inst = sleepers.pop()
@@ -321,7 +324,7 @@ class Model:
         if self._bringup is task:
             self._bringup = None
             self._bringing = None
-        retrieve(task)
+        consume_exception(task)
 
     async def _wait_bringup(self, task: asyncio.Task[None], rank: Rank, arrived: float) -> None:
         if self.waiting >= self.max_queue:
@@ -363,7 +366,7 @@ class Model:
         """The newest sleeping (or waking) instance that is not retired: woken before any
         cold start."""
         for inst in reversed(self.instances):
-            if inst.state in (State.SLEEPING, State.WAKING) and not inst.retired:
+            if inst.state in DORMANT and not inst.retired:
                 return inst
         return None
 
@@ -480,7 +483,7 @@ class Model:
                 for key in [k for k, v in self._sessions.items() if v is inst]:
                     del self._sessions[key]
             self.last_ended = inst
-            failed = inst.state is State.ERROR
+            failed = inst.state.public is State.ERROR
             if failed and inst.last_error:
                 self.last_error = inst.last_error
             self.backoff.ended(
@@ -508,11 +511,11 @@ class Model:
     def state(self) -> State:
         """One state for the model: RUNNING while any instance serves, else the most advanced
         live one, else how the last one ended."""
-        live = {i.state for i in self.instances}
+        live = {i.state.public for i in self.instances}
         for s in (State.RUNNING, State.WAKING, State.STARTING, State.SLEEPING, State.STOPPING):
             if s in live:
                 return s
-        if self.last_ended is not None and self.last_ended.state is State.ERROR:
+        if self.last_ended is not None and self.last_ended.state.public is State.ERROR:
             return State.ERROR
         return State.STOPPED
 
@@ -530,7 +533,7 @@ class Model:
                 inst.rearm_idle()
             self._resize(drain_timeout_s)
             return
-        was_up = any(i.state in (State.RUNNING, State.STARTING) for i in self.instances)
+        was_up = any(i.state.public in (State.RUNNING, State.STARTING) for i in self.instances)
         self.retire_all(drain_timeout_s)
         if was_up:
             self.ensure_started()
@@ -595,7 +598,7 @@ class Model:
         self._drains += 1
         self._drains_begun += 1
         try:
-            instances = [i for i in self.instances if i.state is State.RUNNING]
+            instances = [i for i in self.instances if i.state in AWAKE]
             await asyncio.gather(*(i.drained(timeout) for i in instances))
             busy = [i.id for i in instances if i.leases > 0]
             if busy:
@@ -661,9 +664,8 @@ class Model:
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,
-            "last_used": max((i.last_used for i in self.instances), default=0.0)
-            or (last.last_used if last else None)
-            or None,
+            "last_used": max((i.last_used_wall or 0.0 for i in self.instances), default=0.0)
+            or (last.last_used_wall if last else None),
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
             "adapters": self.adapter_status(),

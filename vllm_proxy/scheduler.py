@@ -1,9 +1,10 @@
 """Pure placement decisions: where a model starts and which idle models make room for it.
 
-Everything here is a function of a snapshot (devices, models, the demand) and returns a value:
-no asyncio, no I/O, no clock. The manager builds the snapshot, calls `plan()`, stops the models
-named in `Plan.evict` (least recently used first), waits for their memory to come back and then
-starts the engine on `Plan.devices`.
+Everything here is a function of a snapshot (devices, instances, the demand) and returns a
+value: no asyncio, no I/O, no clock. Admission (`admission.py`) builds the snapshot (one
+`InstanceView` per placed instance, its `Phase` read from the instance's state), calls `plan()`,
+puts to sleep and stops the instances named in `Plan.sleep` and `Plan.evict`, waits for their
+memory to come back and then starts the engine on `Plan.devices`.
 
 Memory rule, per device: ``free = total - used - pending - reserve``; a demand fits a device set
 when ``free >= footprint`` on every device of the set. ``used`` is what the device reports now
@@ -12,9 +13,9 @@ allocated it yet, ``reserve`` is headroom the proxy never hands out.
 
 Reclaim policy (sleep before stop, never a busy engine):
 
-* only idle instances (RUNNING with no lease and nothing queued, or asleep), not pinned, may be
-  touched; starting, waking, stopping and falling-asleep ones hold memory that comes back (or
-  is needed) soon, so a demand that needs it waits;
+* only idle instances (`Phase.RUNNING` with no lease and nothing queued, or `Phase.ASLEEP`),
+  not pinned, may be touched; starting, waking, stopping and falling-asleep ones (`MOVING`)
+  hold memory that comes back (or is needed) soon, so a demand that needs it waits;
 * instances inside their minimum residency that are still in use (``protected``: the caller
   decides, see `admission`) are not touched either;
 * victims are taken cheapest first. The price of a victim is what bringing it back costs per
@@ -47,6 +48,7 @@ shares fewer devices wins even when it takes putting idle instances to sleep or 
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -68,27 +70,43 @@ class DeviceView:
     pending_mb: int = 0
 
 
-@dataclass(frozen=True)
-class ModelView:
-    """One configured model: its per-device footprint, where it runs and whether it may go."""
+class Phase(enum.Enum):
+    """Where an instance is, as far as memory goes."""
 
+    #: Awake (serving, or draining): holds its footprint; idle, it may be put to sleep or stopped.
+    RUNNING = "running"
+    #: Admitted, allocating: holds (or is promised) its footprint; never touched.
+    STARTING = "starting"
+    #: Being stopped: its memory comes back soon, so a demand that needs it waits.
+    STOPPING = "stopping"
+    #: Asleep (its /sleep call returned): `footprint_mb` is what it still holds; it may be
+    #: stopped.
+    ASLEEP = "asleep"
+    #: Its /sleep call is in flight: its memory still counts as awake; never touched.
+    FALLING_ASLEEP = "falling_asleep"
+    #: A wake waiting for memory or in flight: holds what it holds; never touched.
+    WAKING = "waking"
+
+
+#: Phases whose memory is about to change: never touched, and a demand that needs it waits.
+MOVING = frozenset({Phase.STARTING, Phase.STOPPING, Phase.FALLING_ASLEEP, Phase.WAKING})
+
+
+@dataclass(frozen=True)
+class InstanceView:
+    """One placed instance: its per-device footprint, where it runs and whether it may go."""
+
+    #: The instance id (``<model>#<n>``).
     name: str
     footprint_mb: int
     devices: tuple[int, ...]
-    running: bool
+    phase: Phase
     leases: int
+    #: When it was last used (any clock, the one `plan()`'s ``now`` is on).
     last_used: float
     pinned: bool
-    starting: bool = False
-    #: Being stopped: its memory comes back soon, so a demand that needs it waits.
-    stopping: bool = False
-    #: What it would hold asleep, per device, when it has a sleep policy (None: it has none).
+    #: What it would hold asleep, per device, when it may be put to sleep (None: it may not).
     sleep_mb: int | None = None
-    #: Asleep (its /sleep call returned): `footprint_mb` is what it still holds.
-    asleep: bool = False
-    #: Waking, or its /sleep call is in flight: it holds its memory and may not be touched.
-    waking: bool = False
-    falling_asleep: bool = False
     #: Lower values matter more (vLLM's rule for request priorities): among the idle, the
     #: highest value is put to sleep or stopped first.
     priority: int = 0
@@ -181,22 +199,23 @@ MIN_RESTORE_S = 4.0
 def plan(
     demand: Demand,
     devices: Sequence[DeviceView],
-    models: Sequence[ModelView],
+    instances: Sequence[InstanceView],
     now: float | None = None,
 ) -> Plan | NoFit:
     """Choose devices for `demand`, evicting idle models if needed (see the module docstring).
 
-    `now` (the clock of ``last_used``) turns on the price order of victims; without it they are
-    taken least recently used first. Returns a `Plan`, or a `NoFit` whose reason says what is
-    missing and whose blockers name the busy, pinned, protected, starting or stopping models
-    that hold memory on the allowed devices.
+    `now` (on the clock of ``last_used``; admission uses ``time.monotonic()``) turns on the
+    price order of victims; without it they are taken least recently used first. Returns a
+    `Plan`, or a `NoFit` whose reason says what is missing and whose blockers name the busy,
+    pinned, protected, starting, waking or stopping instances that hold memory on the allowed
+    devices.
     """
     by_id = {d.id: d for d in devices}
     reason = never_fits(demand, {d.id: d.total_mb for d in devices})
     if reason is not None:
         return NoFit(reason, ())
     free = {i: _free(d, demand.reserve_mb) for i, d in by_id.items()}
-    evictable = _evictable(demand, models)
+    evictable = _evictable(demand, instances)
     prices = _Prices(now)
     best: tuple[tuple[int, int, int, int, int, tuple[int, ...]], Plan] | None = None
     for ids in combinations(_allowed(demand, by_id), demand.tp):
@@ -211,7 +230,7 @@ def plan(
             best = (key, plan_)
     if best is not None:
         return best[1]
-    return _no_fit(demand, _allowed(demand, by_id), free, models, evictable)
+    return _no_fit(demand, _allowed(demand, by_id), free, instances, evictable)
 
 
 def _allowed(demand: Demand, present: Iterable[int]) -> list[int]:
@@ -225,16 +244,15 @@ def _free(device: DeviceView, reserve_mb: int) -> int:
     return device.total_mb - device.used_mb - device.pending_mb - reserve_mb
 
 
-def _evictable(demand: Demand, models: Sequence[ModelView]) -> list[ModelView]:
+def _evictable(demand: Demand, instances: Sequence[InstanceView]) -> list[InstanceView]:
     """Instances that may be put to sleep or stopped, least recently used first (name breaks
     ties): idle RUNNING ones and asleep ones, never pinned or protected ones, the demand
     itself or its siblings."""
     ok = [
         m
-        for m in models
-        if ((m.running and m.leases == 0) or m.asleep)
-        and not (m.pinned or m.protected or m.starting or m.waking or m.falling_asleep)
-        and not m.stopping
+        for m in instances
+        if ((m.phase is Phase.RUNNING and m.leases == 0) or m.phase is Phase.ASLEEP)
+        and not (m.pinned or m.protected)
         and m.name != demand.name
         and m.name not in demand.siblings
     ]
@@ -255,36 +273,36 @@ class _Prices:
     def __init__(self, now: float | None) -> None:
         self.now = now
 
-    def key(self, m: ModelView, stop: bool) -> tuple[int, float, float, str]:
+    def key(self, m: InstanceView, stop: bool) -> tuple[int, float, float, str]:
         if self.now is None:
             return (-m.priority, 0.0, m.last_used, m.name)
         wake = m.wake_s if m.wake_s is not None else DEFAULT_WAKE_S
         start = m.start_s if m.start_s is not None else DEFAULT_START_S
         if not stop:
             restore = wake
-        elif m.asleep:
+        elif m.phase is Phase.ASLEEP:
             restore = max(start - wake, 0.0)  # it would have needed a wake anyway
         else:
             restore = start
         idle = max(self.now - m.last_used, MIN_IDLE_S)
         return (-m.priority, _coarse(restore) / idle, m.last_used, m.name)
 
-    def order(self, models: Iterable[ModelView], stop: bool) -> list[ModelView]:
+    def order(self, models: Iterable[InstanceView], stop: bool) -> list[InstanceView]:
         return sorted(models, key=lambda m: self.key(m, stop))
 
 
-def _sleep_gain(m: ModelView) -> int:
+def _sleep_gain(m: InstanceView) -> int:
     """MiB per device that putting `m` to sleep frees (0 when it cannot sleep)."""
-    if not m.running or m.sleep_mb is None:
+    if m.phase is not Phase.RUNNING or m.sleep_mb is None:
         return 0
     return max(m.footprint_mb - m.sleep_mb, 0)
 
 
-Reclaim = tuple[tuple[ModelView, ...], tuple[ModelView, ...]]
+Reclaim = tuple[tuple[InstanceView, ...], tuple[InstanceView, ...]]
 
 
 def _reclaim(
-    footprint: int, free: dict[int, int], evictable: list[ModelView], prices: _Prices
+    footprint: int, free: dict[int, int], evictable: list[InstanceView], prices: _Prices
 ) -> Reclaim | None:
     """(to sleep, to stop) so that `footprint` fits on every device of `free`, or None."""
     deficit = {i: footprint - f for i, f in free.items()}
@@ -292,22 +310,22 @@ def _reclaim(
     def short() -> bool:
         return any(v > 0 for v in deficit.values())
 
-    def touches(m: ModelView) -> bool:
+    def touches(m: InstanceView) -> bool:
         return any(deficit.get(i, 0) > 0 for i in m.devices)
 
-    def gain(m: ModelView, mb: int) -> None:
+    def gain(m: InstanceView, mb: int) -> None:
         for i in m.devices:
             if i in deficit:
                 deficit[i] -= mb
 
-    slept: list[ModelView] = []
+    slept: list[InstanceView] = []
     for m in prices.order(evictable, stop=False):  # first: sleep, cheapest first
         if not short():
             break
         if _sleep_gain(m) > 0 and touches(m):
             slept.append(m)
             gain(m, _sleep_gain(m))
-    stopped: list[ModelView] = []
+    stopped: list[InstanceView] = []
     for m in prices.order(evictable, stop=True):  # then: stop, cheapest first
         if not short():
             break
@@ -327,8 +345,8 @@ def _reclaim(
 def _prune(
     footprint: int,
     free: dict[int, int],
-    slept: list[ModelView],
-    stopped: list[ModelView],
+    slept: list[InstanceView],
+    stopped: list[InstanceView],
     prices: _Prices,
 ) -> Reclaim:
     """Undo actions the plan does not need, sparing the dearest first: a stop becomes a sleep
@@ -350,7 +368,10 @@ def _prune(
 
 
 def _fits_after(
-    footprint: int, free: dict[int, int], slept: Iterable[ModelView], stopped: Iterable[ModelView]
+    footprint: int,
+    free: dict[int, int],
+    slept: Iterable[InstanceView],
+    stopped: Iterable[InstanceView],
 ) -> bool:
     room = dict(free)
     for m, mb in [*((m, _sleep_gain(m)) for m in slept), *((m, m.footprint_mb) for m in stopped)]:
@@ -364,8 +385,8 @@ def _cost(
     footprint: int,
     ids: tuple[int, ...],
     free: dict[int, int],
-    slept: tuple[ModelView, ...],
-    stopped: tuple[ModelView, ...],
+    slept: tuple[InstanceView, ...],
+    stopped: tuple[InstanceView, ...],
 ) -> tuple[int, int, int, int, tuple[int, ...]]:
     """Sort key: MiB stopped, instances stopped, MiB put to sleep, free MiB left on the set
     afterwards, device ids."""
@@ -381,8 +402,8 @@ def _no_fit(
     demand: Demand,
     allowed: list[int],
     free: dict[int, int],
-    models: Sequence[ModelView],
-    evictable: list[ModelView],
+    instances: Sequence[InstanceView],
+    evictable: list[InstanceView],
 ) -> NoFit:
     """Explain a miss: the most each device could offer and who holds the rest."""
     best = dict(free)
@@ -392,11 +413,8 @@ def _no_fit(
                 best[i] += m.footprint_mb
     held = [
         m
-        for m in models
-        if (m.running or m.starting or m.stopping or m.asleep or m.waking or m.falling_asleep)
-        and m.name != demand.name
-        and m not in evictable
-        and any(i in allowed for i in m.devices)
+        for m in instances
+        if m.name != demand.name and m not in evictable and any(i in allowed for i in m.devices)
     ]
     held.sort(key=lambda m: (-m.footprint_mb * len(m.devices), m.name))
     offer = ", ".join(f"GPU{i} {max(best[i], 0)} MiB" for i in allowed)
@@ -412,15 +430,17 @@ def _no_fit(
     return NoFit(reason, tuple(m.name for m in held))
 
 
-def _why_held(m: ModelView, demand: Demand) -> str:
-    if m.starting:
-        why = "starting"
-    elif m.waking:
-        why = "waking"
-    elif m.falling_asleep:
-        why = "going to sleep"
-    elif m.stopping:
-        why = "stopping"
+_MOVING_WHY = {
+    Phase.STARTING: "starting",
+    Phase.WAKING: "waking",
+    Phase.FALLING_ASLEEP: "going to sleep",
+    Phase.STOPPING: "stopping",
+}
+
+
+def _why_held(m: InstanceView, demand: Demand) -> str:
+    if m.phase in MOVING:
+        why = _MOVING_WHY[m.phase]
     elif m.leases:
         why = f"{m.leases} request(s) in flight"
     elif m.protected:
