@@ -329,7 +329,7 @@ class ProxyHandle:
 
     def starts(self, model: str) -> int:
         text = self.log_path.read_text(errors="replace")
-        return len(re.findall(rf"\b{re.escape(model)}#\d+: STOPPED -> STARTING", text))
+        return len(re.findall(rf"\b{re.escape(model)}#\d+: NEW -> STARTING", text))
 
     def log_errors(self, most: int = 20) -> list[str]:
         """The first ERROR and Traceback lines of the proxy's log."""

@@ -354,7 +354,7 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
     w(
         f"* **Cold-start storm:** {plan['storm_n']} concurrent requests for another cold model "
         "(same 2 s start-up); time until the last is answered; engine starts counted from the "
-        "proxy log (`<model>#<n>: STOPPED -> STARTING`) and from fake-engine processes seen "
+        "proxy log (`<model>#<n>: NEW -> STARTING`) and from fake-engine processes seen "
         "(psutil, every 200 ms) for that model.\n"
     )
 

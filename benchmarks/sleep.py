@@ -25,8 +25,8 @@ proxy; the calls above directly) and then times one streamed chat request: reque
 first SSE event that carries content (TTFT). Every request opens a new connection. *Added* =
 TTFT via the proxy - TTFT direct in the same round (direct includes the wake calls). Goal: a
 wake adds <= 50 ms. Where the proxy's time goes: its own ``vllm_proxy_engine_transition_seconds``
-(its wake calls, or spawn to ready) and the times of its ``SLEEPING -> WAKING`` and
-``WAKING -> RUNNING`` log lines (``STOPPED -> STARTING -> RUNNING`` for a cold start) against
+(its wake calls, or spawn to ready) and the times of its ``SLEEPING -> WAKE_WAITING`` and
+``WAKING -> RUNNING`` log lines (``NEW -> STARTING -> RUNNING`` for a cold start) against
 the client's clock: request -> WAKING is routing and the start of the wake, RUNNING -> first
 token is the lease and the relay, and TTFT minus the engine calls is everything the proxy did
 outside them (admission included).
@@ -206,10 +206,12 @@ class Bench:
         engine = await transition_sum(http, url, case, kind) - before
         warm = await ttft(http, url, case)
         # Where the time outside the engine calls went, from the proxy's log (1 ms resolution).
-        old = "STOPPED" if case == "cold" else "SLEEPING"
-        mid = "STARTING" if case == "cold" else "WAKING"
-        began = transition_at(self.proxy.log_path, case, old, mid)
-        ended = transition_at(self.proxy.log_path, case, mid, "RUNNING")
+        # A cold start: NEW -> STARTING -> RUNNING; a wake: SLEEPING -> WAKE_WAITING (asked) ->
+        # WAKING (admitted) -> RUNNING.
+        old, asked, last = ("NEW", "STARTING", "STARTING") if case == "cold" else (
+            "SLEEPING", "WAKE_WAITING", "WAKING")  # fmt: skip
+        began = transition_at(self.proxy.log_path, case, old, asked)
+        ended = transition_at(self.proxy.log_path, case, last, "RUNNING")
         return {
             "ttft": total,
             "engine": engine,
