@@ -30,7 +30,8 @@ from multidict import CIMultiDict
 
 from vllm_proxy.config import EngineConfig, auto_timeouts
 
-pytestmark = pytest.mark.cluster
+# The cluster (HAProxy and three proxies) starts with the first test.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
