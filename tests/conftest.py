@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from kit import (
@@ -16,6 +17,9 @@ from kit import (
     wait_for,
     wait_for_sync,
 )
+from kit.simgpu import sim_ledger
+
+from fake_vllm.simgpu import Ledger
 
 # Names some test modules still import from here; the kit is where they live.
 __all__ = [
@@ -39,3 +43,9 @@ async def start_proxy() -> AsyncIterator[Proxies]:
         yield proxies
     finally:
         await proxies.close()
+
+
+@pytest.fixture
+def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
+    """Two simulated 24000 MiB GPUs (`kit.simgpu`); the proxy's NVML import reads them."""
+    return sim_ledger(tmp_path, monkeypatch)

@@ -26,10 +26,10 @@ def sse_events(body: bytes) -> list[str]:
     return [line[6:] for line in body.decode().splitlines() if line.startswith("data: ")]
 
 
-async def healthy(session: aiohttp.ClientSession, url: str) -> bool:
-    """``GET {url}/health`` answers 200 (False while nothing listens)."""
+async def healthy(session: aiohttp.ClientSession, url: str, path: str = "/health") -> bool:
+    """``GET {url}{path}`` answers 200 (False while nothing listens)."""
     try:
-        async with session.get(url + "/health") as r:
+        async with session.get(url + path) as r:
             return r.status == 200
     except aiohttp.ClientError:
         return False

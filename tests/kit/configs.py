@@ -75,3 +75,47 @@ def write_config(path: Path, data: dict[str, Any]) -> Path:
 def sleepy(sleep: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
     """A model with a sleep policy (`SLEEPY` unless given) and `extra` keys."""
     return {"model": "x", "sleep": dict(sleep or SLEEPY), **extra}
+
+
+def sleep_config(
+    tmp_path: Path,
+    models: dict[str, dict[str, Any]],
+    budget_mb: int | None = None,
+    queue_timeout_s: float | None = None,
+    **engine: Any,
+) -> Config:
+    """The sleep tier's shape: admin API open, no health probes (the test drives every change),
+    optionally a static budget of `budget_mb` and the admission queue's timeout."""
+    admission = {"queue_timeout_s": queue_timeout_s} if queue_timeout_s is not None else None
+    return make_config(
+        tmp_path,
+        models,
+        server={"admin_open": True},
+        engine={"health_interval_s": 0, **engine},
+        budget_mb=budget_mb,
+        admission=admission,
+    )
+
+
+def replicas_config(
+    tmp_path: Path, model: dict[str, Any], devices: int = 3, **engine: Any
+) -> Config:
+    """Model ``m`` of 600 MiB (and `model`'s keys) on `devices` static GPUs of 1000 MiB each,
+    one replica per GPU; admin API open."""
+    return make_config(
+        tmp_path,
+        {"m": {"model": "x", "memory_mb": 600, **model}},
+        server={"admin_open": True},
+        engine=engine,
+        budget_mb=dict.fromkeys(range(devices), 1000),
+    )
+
+
+def budget_config(
+    tmp_path: Path,
+    models: dict[str, dict[str, Any]],
+    budget_mb: int | Mapping[int, int] = 1000,
+    **admission: Any,
+) -> Config:
+    """`models` on a static GPU budget (one 1000 MiB device unless given), with `admission`."""
+    return make_config(tmp_path, models, budget_mb=budget_mb, admission=admission)

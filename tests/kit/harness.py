@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from kit.chat import chat_body, healthy
+from kit.chat import chat_body, chat_text, healthy
 from kit.configs import write_config
 from kit.wait import wait_for
 from vllm_proxy.app import Server
@@ -20,6 +20,11 @@ from vllm_proxy.engine import instance_logs
 from vllm_proxy.instance import Instance
 from vllm_proxy.manager import Manager
 from vllm_proxy.model import Model
+
+
+async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout: float = 30) -> None:
+    """Wait until ``GET {url}/health`` answers 200."""
+    await wait_for(lambda: healthy(session, url), timeout=timeout, what=f"{url} listening")
 
 
 class RunningProxy:
@@ -63,6 +68,27 @@ class RunningProxy:
             self.url + "/v1/chat/completions", json=chat_body(model, **extra)
         )
 
+    async def open_stream(self, model: str, **headers: str) -> aiohttp.ClientResponse:
+        """A streamed chat that has sent its first event: it holds its lease until read or
+        closed."""
+        url = self.url + "/v1/chat/completions"
+        resp = await self.http.post(url, json=chat_body(model, stream=True), headers=headers)
+        assert resp.status == 200
+        await resp.content.readany()
+        return resp
+
+    async def status(self, model: str, max_tokens: int = 1, **headers: str) -> int:
+        """The status of a short chat, read to its end."""
+        body = chat_body(model, max_tokens=max_tokens)
+        url = self.url + "/v1/chat/completions"
+        async with self.http.post(url, json=body, headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    async def reply(self, model: str, **extra: Any) -> tuple[int, str]:
+        """`chat`, read whole: (200, the reply's text), else (status, the body)."""
+        return await chat_text(await self.chat(model, **extra))
+
     async def reload(self, path: Path, data: dict[str, Any]) -> dict[str, Any]:
         """A hot reload from a file at `path` with `data`, as ``POST /admin/reload`` does it."""
         write_config(path, data)
@@ -74,13 +100,13 @@ class RunningProxy:
 class ProxyProcess:
     """``python -m vllm_proxy --config PATH`` as a process of its own, its output in `log`."""
 
-    def __init__(self, config: Path, port: int, log: Path) -> None:
+    def __init__(self, config: Path, port: int, log: Path, *args: str) -> None:
         self.config = config
         self.log = log
         self.url = f"http://127.0.0.1:{port}"
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_proxy", "--config", str(config)],
+                [sys.executable, "-m", "vllm_proxy", "--config", str(config), *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
             )
@@ -91,7 +117,7 @@ class ProxyProcess:
 
     async def listening(self, session: aiohttp.ClientSession, timeout: float = 30) -> None:
         """Wait until ``/health`` answers 200."""
-        await wait_for(lambda: healthy(session, self.url), timeout=timeout, what="proxy listening")
+        await wait_healthy(session, self.url, timeout)
 
     def stop(self, timeout: float = 30) -> None:
         """SIGTERM, then SIGKILL after `timeout`; nothing if it has ended."""
@@ -124,13 +150,23 @@ class Proxies:
         self._servers.append(server)
         return RunningProxy(server, self.http)
 
+    async def serving(
+        self, config: Config, model: str, max_tokens: int = 4
+    ) -> tuple[RunningProxy, Instance]:
+        """A proxy whose `model` has answered one short chat: the proxy, and the instance that
+        answered."""
+        proxy = await self(config)
+        status, text = await proxy.reply(model, max_tokens=max_tokens)
+        assert status == 200, text
+        return proxy, proxy.instance(model)
+
     async def file(self, path: Path) -> RunningProxy:
         """An in-process proxy that reads, and reloads, the config file at `path`."""
         return await self(load_config(path), path)
 
-    def process(self, config: Path, port: int, log: Path) -> ProxyProcess:
+    def process(self, config: Path, port: int, log: Path, *args: str) -> ProxyProcess:
         """The proxy as a process (killed after the test unless it ended)."""
-        proc = ProxyProcess(config, port, log)
+        proc = ProxyProcess(config, port, log, *args)
         self._processes.append(proc)
         return proc
 

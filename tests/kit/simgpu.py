@@ -3,6 +3,7 @@ engines hold memory there, and readings of what they hold."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -23,10 +24,15 @@ CONTEXT_MB = 512
 STARTUP_REFUSAL = "less than desired GPU memory utilization"
 
 
-def sim_ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
-    """Two simulated 24000 MiB GPUs; the proxy's NVML import gets the stand-in over them."""
+def sim_ledger(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, devices: int = 2, per_process: bool = True
+) -> Ledger:
+    """Simulated 24000 MiB GPUs; the proxy's NVML import gets the stand-in over them (which lists
+    no per-process memory without `per_process`, as in a container)."""
     path = tmp_path / "gpu.json"
-    ledger = Ledger.create(path, [{"total_mb": 24_000}, {"total_mb": 24_000}])
+    ledger = Ledger.create(
+        path, [{"total_mb": 24_000} for _ in range(devices)], per_process=per_process
+    )
     monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return ledger
@@ -89,3 +95,13 @@ def profiling(ledger: Ledger, skip: set[int], device: int = 0) -> bool:
 def outsider(ledger: Ledger, device: int, mb: int) -> None:
     """Another program on the GPU (this test process) holding `mb`."""
     ledger.allocate(os.getpid(), device, mb, "outsider")
+
+
+def tiny_checkpoint(tmp_path: Path) -> str:
+    """A local config.json for the estimate: a small budget (weights from params_b)."""
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)

@@ -4,6 +4,8 @@ runs, and records every broken invariant."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 
 from kit.harness import RunningProxy
 from vllm_proxy.instance import State
@@ -65,3 +67,32 @@ class Watch:
         await asyncio.gather(self._task, return_exceptions=True)
         assert self.samples > 0
         assert not self.broken, self.broken[:5]
+
+
+@asynccontextmanager
+async def watching(
+    check: Callable[[], str | None], every_s: float = 0.005, at_end: bool = False
+) -> AsyncIterator[list[str]]:
+    """Evaluate `check` at every turn of the event loop (every `every_s` at least) while the
+    body runs, and once more after it if `at_end`; the yielded list collects every violation
+    it reported, each once."""
+    seen: list[str] = []
+
+    def look() -> None:
+        problem = check()
+        if problem is not None and problem not in seen:
+            seen.append(problem)
+
+    async def loop() -> None:
+        while True:
+            look()
+            await asyncio.sleep(every_s)
+
+    task = asyncio.ensure_future(loop())
+    try:
+        yield seen
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if at_end:
+            look()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,14 @@ class Samples:
         """The sum of `find(name, **labels)`; 0 when there is none."""
         return self.get(name, **labels) or 0.0
 
+    def at(self, key: str) -> float | None:
+        """One series written as in the exposition, ``name{label="value",...}`` (every label),
+        or None when there is none."""
+        name, _, rest = key.partition("{")
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', rest))
+        found = [s.value for s in self.samples if s.name == name and s.labels == labels]
+        return found[0] if found else None
+
     def names(self) -> set[str]:
         return {s.name for s in self.samples}
 
@@ -65,3 +74,13 @@ async def engine_samples(proxy: RunningProxy, inst: Instance) -> Samples:
     assert inst.engine is not None
     async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
         return scrape(await resp.text())
+
+
+async def proxy_metric(proxy: RunningProxy, name: str, **labels: str) -> float | None:
+    """One series of the proxy's ``/metrics`` (summed over labels not given); None if absent."""
+    return (await proxy_samples(proxy)).get(name, **labels)
+
+
+async def engine_metric(proxy: RunningProxy, inst: Instance, name: str, **labels: str) -> float:
+    """One series of the instance's engine's ``/metrics``, summed over labels not given."""
+    return (await engine_samples(proxy, inst)).value(name, **labels)
