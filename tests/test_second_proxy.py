@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import FAKE_ENGINE, free_port, group_alive, wait_for
+from kit import FAKE_ENGINE, FakeEngine, free_port, group_alive, wait_for
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -27,7 +27,7 @@ def write_config(path: Path, port: int, state: Path) -> Path:
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "state_dir": str(state)},
         "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
-        "models": {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}},
+        "models": {"m1": {"model": "x", "env": FakeEngine(spawn_child=True).env()}},
     }
     path.write_text(yaml.safe_dump(cfg))
     return path

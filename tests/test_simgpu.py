@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port, wait_for
+from kit import free_port, wait_for
 
 from fake_vllm.simgpu import (
     MIB,

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import Config, load_config, parse_config
@@ -38,7 +38,7 @@ SCREENSHOT_COPY_ENV = "VLLM_PROXY_STATUS_SCREENSHOT"
 
 
 #: A stream on this engine holds its lease for minutes (until the client goes away).
-SLOW = {"FAKE_ENGINE_TOKENS": "10000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+SLOW = FakeEngine(tokens=10000, token_delay=0.05).env()
 GPU_MB = 1200
 
 

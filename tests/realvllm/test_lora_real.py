@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import StartProxy
+from kit import StartProxy
 
 from tiny_llama import ensure_tiny_model
 from vllm_proxy.config import parse_config

@@ -21,7 +21,7 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import free_port, group_alive, wait_for, wait_for_sync
+from kit import free_port, group_alive, wait_for, wait_for_sync
 
 from tiny_llama import ensure_tiny_model
 from vllm_proxy_demo import CPU_ARGS, CPU_ENV
