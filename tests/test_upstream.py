@@ -194,13 +194,20 @@ async def no_drain() -> None:
     raise AssertionError("the relay never asked for a drain")
 
 
+async def relayed(pool: UpstreamPool, port: int, path: str, timeout: float = 5) -> Client:
+    """A request to `path`, its response relayed whole to a client that is never backed up."""
+    resp = await pool.request(port, "POST", path, [], b"", 5)
+    client = Client()
+    try:
+        await relay(resp, client, no_drain, timeout)
+    finally:
+        resp.release()
+    return client
+
+
 async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
-    resp = await pool.request(upstream.port, "POST", "/halves", [], b"", 5)
-    client = Client()
-    await relay(resp, client, no_drain, 5)
-    resp.release()
-    pieces = client.pieces
+    pieces = (await relayed(pool, upstream.port, "/halves")).pieces
     # What arrives is handed on at once: the first half of an event goes before the engine
     # has sent the rest; the bytes are the engine's, in order.
     assert pieces[0] == b'data: {"n": 0, ' and len(pieces) >= 4
@@ -324,10 +331,7 @@ async def test_relay_stops_reading_while_the_client_is_backed_up(upstream: Upstr
 async def test_relay_times_out_on_silence_not_on_length(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
     # 8 events 0.1 s apart: the whole stream takes longer than the timeout, no gap does.
-    resp = await pool.request(upstream.port, "POST", "/stream?n=8&delay=0.1", [], b"", 5)
-    client = Client()
-    await relay(resp, client, no_drain, 0.5)
-    resp.release()
+    client = await relayed(pool, upstream.port, "/stream?n=8&delay=0.1", 0.5)
     assert len(client.pieces) == 8
     resp = await pool.request(upstream.port, "POST", "/stream?n=2&delay=5", [], b"", 5)
     client = Client()
