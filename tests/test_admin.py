@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import FAKE_ENGINE, StartProxy, make_config, wait_for
+from kit import FAKE_ENGINE, FakeEngine, StartProxy, make_config, wait_for
+from kit.metrics import proxy_samples
 from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_proxy.app import Server
@@ -101,7 +102,7 @@ async def test_admin_models_load_unload_pin_logs(tmp_path: Path, start_proxy: St
 
 
 async def test_unload_waits_for_in_flight_requests(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    env = FakeEngine(tokens=10, token_delay=0.1).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, server={"admin_open": True})
     proxy = await start_proxy(cfg)
     stream = await proxy.chat("m1", stream=True)
@@ -196,7 +197,7 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from conftest import free_port
+    from kit import free_port
 
     port = free_port()
     path = write(tmp_path / "c.yaml", {"a": {"model": "x"}}, port=port)
@@ -244,22 +245,17 @@ async def test_prefixed_routes(tmp_path: Path, start_proxy: StartProxy) -> None:
 
 
 async def test_token_and_ttfb_metrics(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "7"}
+    env = FakeEngine(tokens=7).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1")).status == 200  # 7 completion tokens
     stream = await proxy.chat("m1", stream=True, stream_options={"include_usage": True})
     await stream.read()  # 7 more, from the final usage chunk
     plain = await proxy.chat("m1", stream=True)  # no usage chunk: counts nothing
     await plain.read()
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
-    assert samples[("vllm_proxy_completion_tokens_total", (("model_id", "m1"),))] == 14
-    assert samples[("vllm_proxy_prompt_tokens_total", (("model_id", "m1"),))] > 0
-    assert samples[("vllm_proxy_time_to_first_byte_seconds_count", (("model_id", "m1"),))] == 3
+    samples = await proxy_samples(proxy)
+    assert samples.at('vllm_proxy_completion_tokens_total{model_id="m1"}') == 14
+    assert (samples.at('vllm_proxy_prompt_tokens_total{model_id="m1"}') or 0) > 0
+    assert samples.at('vllm_proxy_time_to_first_byte_seconds_count{model_id="m1"}') == 3
 
 
 async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartProxy) -> None:

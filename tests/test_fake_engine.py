@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kit import scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,9 +167,9 @@ async def post(session: aiohttp.ClientSession, url: str, payload: Any) -> tuple[
 async def metric(session: aiohttp.ClientSession, fake: Fake, series: str) -> float:
     async with session.get(f"{fake.url}/metrics") as resp:
         text = await resp.text()
-    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
-    assert match, text
-    return float(match[1])
+    value = scrape(text).at(series)
+    assert value is not None, text
+    return value
 
 
 async def wait_metric(
