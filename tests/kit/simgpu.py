@@ -101,7 +101,8 @@ def tiny_checkpoint(tmp_path: Path) -> str:
     """A local config.json for the estimate: a small budget (weights from params_b)."""
     path = tmp_path / "ckpt"
     path.mkdir()
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
+    config: dict[str, Any] = {"num_hidden_layers": 2, "num_attention_heads": 4}
+    config |= {"num_key_value_heads": 4}
     config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
