@@ -43,16 +43,14 @@ def config(tmp_path: Path, models: dict[str, dict[str, Any]], **engine: Any) -> 
 
 
 def base(
-    adapters: dict[str, Any], env: dict[str, str] | None = None, **keys: Any
+    adapters: dict[str, Any] | None = None, env: dict[str, str] | None = None, **keys: Any
 ) -> dict[str, dict[str, Any]]:
     """One model, ``base``, serving `adapters` (paths or entries); `keys` that name a fake-engine
     setting go to its env, the others to the model."""
     knobs = {k: keys.pop(k) for k in list(keys) if k in FakeEngine.__dataclass_fields__}
-    spec: dict[str, Any] = {
-        "model": "x",
-        "adapters": {n: str(a) if isinstance(a, Path) else a for n, a in adapters.items()},
-        **keys,
-    }
+    spec: dict[str, Any] = {"model": "x", **keys}
+    if adapters is not None:
+        spec["adapters"] = {n: str(a) if isinstance(a, Path) else a for n, a in adapters.items()}
     if env or knobs:
         spec["env"] = {**(env or {}), **FakeEngine(**knobs).env()}
     return {"base": spec}
@@ -254,9 +252,7 @@ async def test_an_adapter_copied_into_adapters_dir_is_served_without_a_reload(
 ) -> None:
     folder = tmp_path / "adapters"
     adapter(folder, "first")
-    proxy = await start_proxy(
-        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
-    )
+    proxy = await start_proxy(config(tmp_path, base(adapters_dir=str(folder))))
     status, data = await complete(proxy, "first")
     assert status == 200 and text(data).startswith("first:tok0")
     status, data = await complete(proxy, "later")
@@ -280,9 +276,7 @@ async def test_a_discovered_adapter_above_the_engines_rank_is_refused(
 ) -> None:
     folder = tmp_path / "adapters"
     adapter(folder, "small", rank=8)
-    proxy = await start_proxy(
-        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
-    )
+    proxy = await start_proxy(config(tmp_path, base(adapters_dir=str(folder))))
     assert proxy.model("base").spec.max_lora_rank == 8
     adapter(folder, "big", rank=64)
     status, data = await complete(proxy, "big")
@@ -471,16 +465,16 @@ async def test_v1_models_lists_adapters_with_their_parent(
     assert card["state"] == "loaded" and card["instances"] == ["base#1"]
     snapshot = await (await proxy.http.get(proxy.url + "/admin/models")).json()
     rows = snapshot if isinstance(snapshot, list) else snapshot.get("models", snapshot)
-    base = next(r for r in rows if r["name"] == "base")
-    assert base["adapters"][0] == {
+    row = next(r for r in rows if r["name"] == "base")
+    assert row["adapters"][0] == {
         "name": "a",
         "aliases": ["alpha"],
         "path": str(a),
         "source": "config",
         "instances": {"base#1": "loaded"},
     }
-    assert base["max_adapters"] == 4 and base["adapters_dir"] == str(folder)
-    assert base["instances"][0]["adapters"] == {"a": "loaded"}
+    assert row["max_adapters"] == 4 and row["adapters_dir"] == str(folder)
+    assert row["instances"][0]["adapters"] == {"a": "loaded"}
 
 
 async def test_a_model_name_wins_over_an_adapter_folder_of_the_same_name(
@@ -489,9 +483,7 @@ async def test_a_model_name_wins_over_an_adapter_folder_of_the_same_name(
     folder = tmp_path / "adapters"
     adapter(folder, "other")
     proxy = await start_proxy(
-        config(
-            tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}, "other": {"model": "y"}}
-        )
+        config(tmp_path, {**base(adapters_dir=str(folder)), "other": {"model": "y"}})
     )
     status, data = await complete(proxy, "other")
     assert status == 200 and data["model"] == "other" and text(data) == "tok0 tok1 "

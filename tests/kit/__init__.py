@@ -31,7 +31,15 @@ from kit.fake import FakeEngine
 from kit.harness import Proxies, ProxyProcess, RunningProxy, StartProxy, wait_healthy
 from kit.metrics import Samples, engine_samples, proxy_samples, scrape
 from kit.raw import RawEngine
-from kit.wait import alive, free_port, group_alive, kill_group, wait_for, wait_for_sync
+from kit.wait import (
+    alive,
+    free_port,
+    group_alive,
+    heap_probe,
+    kill_group,
+    wait_for,
+    wait_for_sync,
+)
 
 __all__ = [
     "FAKE_ENGINE",
@@ -51,6 +59,7 @@ __all__ = [
     "free_port",
     "group_alive",
     "healthy",
+    "heap_probe",
     "kill_group",
     "make_config",
     "proxy_samples",

@@ -6,6 +6,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 
@@ -45,6 +47,18 @@ def wait_for_sync(predicate: Callable[[], bool], timeout: float = 15.0, what: st
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
         time.sleep(POLL_S)
+
+
+def heap_probe(code: str) -> int:
+    """Run `code` in a fresh interpreter and return the number it prints; the test is skipped
+    where it exits 3 (no glibc: the heap cannot be tuned)."""
+    import pytest
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    if out.returncode == 3:
+        pytest.skip("not glibc: mallopt is not available")
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout)
 
 
 def alive(pid: int) -> bool:
