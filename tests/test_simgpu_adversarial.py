@@ -41,6 +41,7 @@ from kit.simgpu import (
     tiny_checkpoint,
     utils_started,
 )
+from kit.watch import watching
 
 from fake_vllm.simgpu import Event, Ledger
 from vllm_proxy.instance import Instance, State
@@ -635,7 +636,6 @@ async def test_random_load_over_three_models_keeps_every_engine_within_its_claim
     rng = random.Random(7)
     order = [[rng.choice("abc") for _ in range(10)] for _ in range(2)]
     failures: list[str] = []
-    done = asyncio.Event()
 
     async def client(names: list[str]) -> None:
         for name in names:
@@ -643,20 +643,20 @@ async def test_random_load_over_three_models_keeps_every_engine_within_its_claim
             if status != 200 or "<garbage>" in text:
                 failures.append(f"{name}: {status} {text}")
 
-    async def sampler() -> int:
-        samples = 0
-        while not done.is_set():
-            check_claims(proxy, ledger)
-            samples += 1
-            await asyncio.sleep(0.03)
-        return samples
+    samples = 0
 
-    sampling = asyncio.ensure_future(sampler())
-    try:
+    def claims_hold() -> str | None:
+        nonlocal samples
+        samples += 1
+        try:
+            check_claims(proxy, ledger)
+        except AssertionError as broken:
+            return str(broken)
+        return None
+
+    async with watching(claims_hold, every_s=0.03) as problems:
         await asyncio.wait_for(asyncio.gather(*(client(o) for o in order)), 18)
-    finally:
-        done.set()
-    assert await sampling > 10
+    assert samples > 10 and not problems, problems
     assert not failures, failures
     assert_clean_logs(proxy, *models)
     assert_no_free_while_profiling(ledger)
