@@ -8,11 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from conftest import FAKE_ENGINE, StartProxy, make_config, wait_for
+from kit import FAKE_ENGINE, FakeEngine, StartProxy, make_config, wait_for
+from kit.metrics import proxy_samples
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_proxy.app import Server
-from vllm_proxy.config import load_config
 from vllm_proxy.instance import Instance, State
 
 ADMIN = {"Authorization": "Bearer adm"}
@@ -101,7 +100,7 @@ async def test_admin_models_load_unload_pin_logs(tmp_path: Path, start_proxy: St
 
 
 async def test_unload_waits_for_in_flight_requests(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    env = FakeEngine(tokens=10, token_delay=0.1).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, server={"admin_open": True})
     proxy = await start_proxy(cfg)
     stream = await proxy.chat("m1", stream=True)
@@ -111,7 +110,7 @@ async def test_unload_waits_for_in_flight_requests(tmp_path: Path, start_proxy: 
     assert (await unload.json())["state"] == "stopped"
 
 
-async def test_reload_isolates_models(tmp_path: Path) -> None:
+async def test_reload_isolates_models(tmp_path: Path, start_proxy: StartProxy) -> None:
     """Unchanged models keep pid and port while others are added, changed and removed."""
     path = write(
         tmp_path / "config.yaml",
@@ -121,74 +120,67 @@ async def test_reload_isolates_models(tmp_path: Path) -> None:
             "remove": {"model": "org/remove"},
         },
     )
-    server = Server(load_config(path), str(path))
-    await server.start()
-    try:
-        import aiohttp
+    proxy = await start_proxy.file(path)
+    http, url = proxy.http, proxy.url
 
-        async with aiohttp.ClientSession() as http:
-            url = f"http://127.0.0.1:{server.port}"
+    async def chat(model: str) -> int:
+        body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
+        async with http.post(url + "/v1/chat/completions", json=body) as r:
+            await r.read()
+            return r.status
 
-            async def chat(model: str) -> int:
-                body = {"model": model, "messages": [{"role": "user", "content": "x"}]}
-                async with http.post(url + "/v1/chat/completions", json=body) as r:
-                    await r.read()
-                    return r.status
+    for name in ("keep", "change", "remove"):
+        assert await chat(name) == 200
+    mgr = proxy.manager
 
-            for name in ("keep", "change", "remove"):
-                assert await chat(name) == 200
-            mgr = server.runtime.manager
+    def serving(name: str) -> Instance:
+        inst = mgr.models[name].serving()
+        assert inst is not None
+        return inst
 
-            def serving(name: str) -> Instance:
-                inst = mgr.models[name].serving()
-                assert inst is not None
-                return inst
+    keep = serving("keep")
+    keep_pid, keep_port = keep.engine.pid, keep.engine.port  # type: ignore[union-attr]
+    old_change = serving("change")
+    old_change_pid = old_change.engine.pid  # type: ignore[union-attr]
+    removed = serving("remove")
+    removed_pid = removed.engine.pid  # type: ignore[union-attr]
 
-            keep = serving("keep")
-            keep_pid, keep_port = keep.engine.pid, keep.engine.port  # type: ignore[union-attr]
-            old_change = serving("change")
-            old_change_pid = old_change.engine.pid  # type: ignore[union-attr]
-            removed = serving("remove")
-            removed_pid = removed.engine.pid  # type: ignore[union-attr]
+    write(
+        path,
+        {
+            "keep": {"model": "org/keep", "aliases": ["k"], "idle_timeout_s": 900},
+            "change": {"model": "org/change", "env": {"X": "2"}},
+            "added": {"model": "org/added"},
+        },
+    )
+    async with http.post(url + "/admin/reload", headers=ADMIN) as r:
+        report = await r.json()
+    assert r.status == 200, report
+    assert report["kept"] == ["keep"] and report["restarted"] == ["change"]
+    assert report["added"] == ["added"] and report["removed"] == ["remove"]
 
-            write(
-                path,
-                {
-                    "keep": {"model": "org/keep", "aliases": ["k"], "idle_timeout_s": 900},
-                    "change": {"model": "org/change", "env": {"X": "2"}},
-                    "added": {"model": "org/added"},
-                },
-            )
-            async with http.post(url + "/admin/reload", headers=ADMIN) as r:
-                report = await r.json()
-            assert r.status == 200, report
-            assert report["kept"] == ["keep"] and report["restarted"] == ["change"]
-            assert report["added"] == ["added"] and report["removed"] == ["remove"]
+    assert await chat("remove") == 404
+    await wait_for(lambda: removed.state is State.STOPPED, what="removed model stopped")
+    await wait_for(lambda: old_change.state is State.STOPPED, what="old instance stopped")
+    await wait_for(lambda: mgr.models["change"].serving(), what="changed model restarted")
+    changed = serving("change")
+    assert changed.id == "change#2" and changed.spec.env == (("X", "2"),)
+    assert changed.engine.pid != old_change_pid  # type: ignore[union-attr]
+    assert await chat("added") == 200
+    assert await chat("k") == 200  # the new alias of the kept model
+    assert serving("keep") is keep
+    assert (keep.engine.pid, keep.engine.port) == (keep_pid, keep_port)  # type: ignore[union-attr]
+    assert keep.spec.idle_timeout_s == 900
+    assert removed_pid != keep_pid
 
-            assert await chat("remove") == 404
-            await wait_for(lambda: removed.state is State.STOPPED, what="removed model stopped")
-            await wait_for(lambda: old_change.state is State.STOPPED, what="old instance stopped")
-            await wait_for(lambda: mgr.models["change"].serving(), what="changed model restarted")
-            changed = serving("change")
-            assert changed.id == "change#2" and changed.spec.env == (("X", "2"),)
-            assert changed.engine.pid != old_change_pid  # type: ignore[union-attr]
-            assert await chat("added") == 200
-            assert await chat("k") == 200  # the new alias of the kept model
-            assert serving("keep") is keep
-            assert (keep.engine.pid, keep.engine.port) == (keep_pid, keep_port)  # type: ignore[union-attr]
-            assert keep.spec.idle_timeout_s == 900
-            assert removed_pid != keep_pid
-
-            # An invalid config is rejected as a whole; the running one stays.
-            write(path, {"keep": {"model": "org/keep", "args": {"port": 1}}})
-            async with http.post(url + "/admin/reload", headers=ADMIN) as r:
-                err = await r.json()
-            assert r.status == 400 and err["error"]["code"] == "invalid_config"
-            assert "models.keep.args.port: reserved" in err["error"]["message"]
-            assert set(mgr.models) == {"keep", "change", "added"}
-            assert keep.engine.pid == keep_pid  # type: ignore[union-attr]
-    finally:
-        await server.shutdown()
+    # An invalid config is rejected as a whole; the running one stays.
+    write(path, {"keep": {"model": "org/keep", "args": {"port": 1}}})
+    async with http.post(url + "/admin/reload", headers=ADMIN) as r:
+        err = await r.json()
+    assert r.status == 400 and err["error"]["code"] == "invalid_config"
+    assert "models.keep.args.port: reserved" in err["error"]["message"]
+    assert set(mgr.models) == {"keep", "change", "added"}
+    assert keep.engine.pid == keep_pid  # type: ignore[union-attr]
 
 
 async def test_sighup_reloads(tmp_path: Path) -> None:
@@ -196,7 +188,7 @@ async def test_sighup_reloads(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    from conftest import free_port
+    from kit import free_port
 
     port = free_port()
     path = write(tmp_path / "c.yaml", {"a": {"model": "x"}}, port=port)
@@ -244,22 +236,17 @@ async def test_prefixed_routes(tmp_path: Path, start_proxy: StartProxy) -> None:
 
 
 async def test_token_and_ttfb_metrics(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "7"}
+    env = FakeEngine(tokens=7).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1")).status == 200  # 7 completion tokens
     stream = await proxy.chat("m1", stream=True, stream_options={"include_usage": True})
     await stream.read()  # 7 more, from the final usage chunk
     plain = await proxy.chat("m1", stream=True)  # no usage chunk: counts nothing
     await plain.read()
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-    }
-    assert samples[("vllm_proxy_completion_tokens_total", (("model_id", "m1"),))] == 14
-    assert samples[("vllm_proxy_prompt_tokens_total", (("model_id", "m1"),))] > 0
-    assert samples[("vllm_proxy_time_to_first_byte_seconds_count", (("model_id", "m1"),))] == 3
+    samples = await proxy_samples(proxy)
+    assert samples.at('vllm_proxy_completion_tokens_total{model_id="m1"}') == 14
+    assert (samples.at('vllm_proxy_prompt_tokens_total{model_id="m1"}') or 0) > 0
+    assert samples.at('vllm_proxy_time_to_first_byte_seconds_count{model_id="m1"}') == 3
 
 
 async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartProxy) -> None:

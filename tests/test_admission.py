@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.body import model_of
 from vllm_proxy.config import GpuDevice
@@ -137,7 +137,7 @@ def test_priority_goes_before_price_and_protected_engines_are_never_taken() -> N
 # -- the proxy with fake engines --------------------------------------------------------------
 
 #: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
-SLOW = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.03"}
+SLOW = FakeEngine(tokens=100, token_delay=0.03).env()
 
 
 def one_slot(
@@ -309,7 +309,7 @@ async def test_the_cheap_to_bring_back_victim_is_chosen(
     """slow (a 6 s start) was used before fast (under a second): LRU would stop slow; the
     price (restore seconds per idle second; below 4 s all starts count alike) stops fast."""
     models = {
-        "slow": {"memory_mb": 400, "env": {"FAKE_ENGINE_STARTUP_DELAY": "6"}},
+        "slow": {"memory_mb": 400, "env": FakeEngine(startup_delay=6).env()},
         "fast": {"memory_mb": 400},
         "z": {"memory_mb": 400},
     }

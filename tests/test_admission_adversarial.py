@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
-from conftest import FAKE_ENGINE, RunningProxy, StartProxy, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, config_data, wait_for
+from kit.watch import Watch, held
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.instance import State
@@ -28,9 +28,9 @@ from vllm_proxy.queueing import Rank
 from vllm_proxy.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 
 #: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
-SLOW = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.03"}
+SLOW = FakeEngine(tokens=100, token_delay=0.03).env()
 #: A stream that outlasts every scenario around it (up to 20 s).
-ENDLESS = {"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+ENDLESS = FakeEngine(tokens=400, token_delay=0.05).env()
 
 
 def settings(
@@ -46,26 +46,14 @@ def settings(
         spec = {"model": "x", "memory_mb": 600, **extra}
         spec["env"] = {**SLOW, **extra.get("env", {})}
         specs[name] = spec
-    return {
-        "server": {
-            "host": "127.0.0.1",
-            "port": 0,
-            "state_dir": str(tmp_path / "state"),
-            "drain_timeout_s": 3,
-        },
-        "engine": {
-            "command": FAKE_ENGINE,
-            "startup_timeout_s": 20,
-            "stop_timeout_s": 5,
-            "idle_timeout_s": 0,
-            "port_range": [20000, 29999],
-            "health_interval_s": 0,
-            **engine,
-        },
-        "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": budget_mb}]},
-        "admission": admission or {},
-        "models": specs,
-    }
+    return config_data(
+        tmp_path,
+        specs,
+        server={"drain_timeout_s": 3},
+        engine={"health_interval_s": 0, **engine},
+        budget_mb=budget_mb,
+        admission=admission or {},
+    )
 
 
 async def start(start_proxy: StartProxy, data: dict[str, Any]) -> RunningProxy:
@@ -74,11 +62,7 @@ async def start(start_proxy: StartProxy, data: dict[str, Any]) -> RunningProxy:
 
 async def reload(proxy: RunningProxy, tmp_path: Path, data: dict[str, Any]) -> dict[str, Any]:
     """A hot reload from a file with `data`, as ``POST /admin/reload`` does it."""
-    path = tmp_path / "proxy.yaml"
-    path.write_text(yaml.safe_dump(data))
-    runtime = proxy.server.runtime
-    runtime.config_path = str(path)
-    return await runtime.reload()
+    return await proxy.reload(tmp_path / "proxy.yaml", data)
 
 
 # -- answers ----------------------------------------------------------------------------------
@@ -142,10 +126,6 @@ def busy(proxy: RunningProxy, name: str) -> bool:
     return inst is not None and inst.leases > 0
 
 
-def held(proxy: RunningProxy, name: str) -> int:
-    return sum(1 for t in proxy.manager.queue.tickets.values() if t.held and t.model == name)
-
-
 def waiting(proxy: RunningProxy, name: str) -> bool:
     """A request of `name` waits for a start whose memory is not there yet."""
     reclaiming = proxy.manager.admission._reclaiming  # type: ignore[union-attr]
@@ -161,60 +141,6 @@ async def no_tickets(proxy: RunningProxy, timeout: float = 3.0) -> None:
         await wait_for(lambda: not tickets, timeout=timeout, what="an empty queue")
     except AssertionError:
         raise AssertionError(f"tickets left: {list(tickets.values())}") from None
-
-
-# -- invariants -------------------------------------------------------------------------------
-
-
-class Watch:
-    """Samples the proxy between event-loop steps while a scenario runs, and records any
-    broken invariant: the memory of engines that hold it (running, starting, waking, asleep)
-    within each device's budget; no engine stopping or falling asleep under a lease (unless
-    `leases` is False: a scenario that unloads or shuts down cuts streams on purpose)."""
-
-    def __init__(self, proxy: RunningProxy, leases: bool = True) -> None:
-        self.proxy = proxy
-        self.leases = leases
-        self.broken: list[str] = []
-        self.samples = 0
-        self.peak_held: dict[str, int] = {}
-        self._task = asyncio.ensure_future(self._run())
-
-    def check(self) -> None:
-        memory = self.proxy.manager.memory
-        assert memory is not None
-        per_device: dict[int, int] = {}
-        holders = []
-        for inst in self.proxy.manager.all_instances():
-            cut = inst.leases > 0 and inst.state.public in (State.STOPPING, State.SLEEPING)
-            if cut and self.leases:
-                self.broken.append(f"{inst.id} is {inst.state.name} with {inst.leases} lease(s)")
-            claim = memory.claims.get(inst.id)
-            if claim is None:
-                continue
-            live = inst.state.public in (State.RUNNING, State.STARTING, State.WAKING) or inst.asleep
-            if not live:
-                continue
-            holders.append(f"{inst.id}:{inst.state.name}:{memory.held_mb(inst.id)}")
-            for d in claim.devices:
-                per_device[d] = per_device.get(d, 0) + memory.held_mb(inst.id)
-        for d, mb in per_device.items():
-            if mb > memory.totals[d]:
-                self.broken.append(f"GPU {d}: {mb} MiB handed out of {memory.totals[d]}: {holders}")
-        for name in self.proxy.manager.models:
-            self.peak_held[name] = max(self.peak_held.get(name, 0), held(self.proxy, name))
-        self.samples += 1
-
-    async def _run(self) -> None:
-        while True:
-            self.check()
-            await asyncio.sleep(0.005)
-
-    async def close(self) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
-        assert self.samples > 0
-        assert not self.broken, self.broken[:5]
 
 
 @dataclass
@@ -290,6 +216,31 @@ async def clients(proxy: RunningProxy, model: str, count: int, until: asyncio.Ev
 
     runs = await asyncio.gather(*(one(lengths[i]) for i in range(count)))
     return [a for run in runs for a in run]
+
+
+@dataclass
+class Load:
+    """Clients that keep a model busy until `finish()`."""
+
+    stop: asyncio.Event
+    task: asyncio.Future[list[Answer]]
+
+    async def finish(self) -> list[Answer]:
+        """Stop the clients; every answer they got."""
+        self.stop.set()
+        return await self.task
+
+
+async def busy_and_watched(
+    start_proxy: StartProxy, data: dict[str, Any], model: str
+) -> tuple[RunningProxy, Watch, Load]:
+    """A proxy from `data` under a `Watch`, with two clients keeping `model` busy."""
+    proxy = await start(start_proxy, data)
+    watch = Watch(proxy)
+    stop = asyncio.Event()
+    load = Load(stop, asyncio.ensure_future(clients(proxy, model, 2, stop)))
+    await wait_for(lambda: busy(proxy, model), what=f"{model} busy")
+    return proxy, watch, load
 
 
 # -- clients that leave -----------------------------------------------------------------------
@@ -523,16 +474,11 @@ async def test_a_low_priority_waiter_behind_high_priority_traffic_gets_a_bounded
     models = {"h": {"priority": -1}, "l": {"priority": 5}}
     data = settings(tmp_path, models, {"max_reorder_s": 0, "queue_timeout_s": 2},
                     min_resident_s=0)  # fmt: skip
-    proxy = await start(start_proxy, data)
-    watch = Watch(proxy)
-    stop = asyncio.Event()
-    load = asyncio.ensure_future(clients(proxy, "h", 2, stop))
-    await wait_for(lambda: busy(proxy, "h"), what="h busy")
+    proxy, watch, load = await busy_and_watched(start_proxy, data, "h")
     answer = await ask(proxy, "l")
     assert answer.complete or (answer.status, answer.code) == (503, "insufficient_gpu_memory")
     assert answer.took < 2 + 2.0, answer
-    stop.set()
-    h_answers = await load
+    h_answers = await load.finish()
     assert all(a.complete for a in h_answers)
     assert watch.peak_held["h"] == 0, "h was held behind a lower priority"
     assert proxy.engine_starts("l") <= 1
@@ -731,17 +677,12 @@ async def test_a_pinned_model_is_never_held_nor_taken(
     models = {"p": {"memory_mb": 500, "pinned": True}, "big": {}, "small": {"memory_mb": 400}}
     data = settings(tmp_path, models, {"max_reorder_s": 0, "queue_timeout_s": 2},
                     min_resident_s=0)  # fmt: skip
-    proxy = await start(start_proxy, data)
-    watch = Watch(proxy)
-    stop = asyncio.Event()
-    load = asyncio.ensure_future(clients(proxy, "p", 2, stop))
-    await wait_for(lambda: busy(proxy, "p"), what="p busy")
+    proxy, watch, load = await busy_and_watched(start_proxy, data, "p")
     answer = await ask(proxy, "big")
     assert (answer.status, answer.code) == (503, "insufficient_gpu_memory")
     assert answer.took < 2 + 1
     assert (await ask(proxy, "small")).complete
-    stop.set()
-    assert all(a.complete for a in await load)
+    assert all(a.complete for a in await load.finish())
     assert watch.peak_held["p"] == 0
     assert proxy.instance("p").state is State.RUNNING
     await no_tickets(proxy)

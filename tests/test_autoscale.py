@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from kit import wait_for
 
 from vllm_proxy.autoscale import Autoscaler, desired, may_shrink, scaled, surplus_count
 from vllm_proxy.config import ModelSpec, parse_config

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import aiohttp
 import pytest
 import yaml
-from conftest import RunningProxy, StartProxy, make_config
+from kit import RunningProxy, StartProxy, make_config, write_config
 
-from vllm_proxy.app import Server, parse_hosts
-from vllm_proxy.config import load_config
+from vllm_proxy.app import parse_hosts
 from vllm_proxy.errors import ConfigError
 
 #: What a cross-site ``<form method=post action=http://proxy/admin/...>`` sends.
@@ -93,37 +91,34 @@ def test_a_bad_allowed_hosts_entry_is_a_config_error(entry: str) -> None:
         parse_hosts(["ok.example", entry])
 
 
-async def test_a_reload_applies_allowed_hosts_and_metrics_keys_at_once(tmp_path: Path) -> None:
+async def test_a_reload_applies_allowed_hosts_and_metrics_keys_at_once(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
     path = tmp_path / "config.yaml"
     data = make_config(tmp_path, server={"admin_api_keys": ["adm"]}).model_dump(
         mode="json", exclude_none=True
     )
-    path.write_text(yaml.safe_dump(data))
-    server = Server(load_config(path), str(path))
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            url = f"http://127.0.0.1:{server.port}"
-            admin = {"Authorization": "Bearer adm", "Host": "proxy.example"}
+    write_config(path, data)
+    proxy = await start_proxy.file(path)
+    http, url = proxy.http, proxy.url
+    admin = {"Authorization": "Bearer adm", "Host": "proxy.example"}
 
-            async def status(path: str, **headers: str) -> int:
-                async with http.get(url + path, headers=headers) as r:
-                    return r.status
+    async def status(path: str, **headers: str) -> int:
+        async with http.get(url + path, headers=headers) as r:
+            return r.status
 
-            async def reload(**server_keys: object) -> int:
-                data["server"].update(server_keys)
-                path.write_text(yaml.safe_dump(data))
-                async with http.post(url + "/admin/reload", headers=admin) as r:
-                    return r.status
+    async def reload(**server_keys: object) -> int:
+        data["server"].update(server_keys)
+        path.write_text(yaml.safe_dump(data))
+        async with http.post(url + "/admin/reload", headers=admin) as r:
+            return r.status
 
-            assert await status("/metrics") == 200
-            assert await reload(allowed_hosts=["proxy.example"], metrics_api_keys=["mk"]) == 200
-            assert await status("/v1/models") == 421
-            assert await status("/metrics", Host="proxy.example") == 401
-            assert await status("/metrics", Host="proxy.example", Authorization="Bearer mk") == 200
-            # A bad entry rejects the whole file: the running keys stay.
-            assert await reload(allowed_hosts=["http://proxy.example"], metrics_api_keys=[]) == 400
-            assert await status("/metrics", Host="proxy.example") == 401
-            assert await status("/v1/models") == 421
-    finally:
-        await server.shutdown()
+    assert await status("/metrics") == 200
+    assert await reload(allowed_hosts=["proxy.example"], metrics_api_keys=["mk"]) == 200
+    assert await status("/v1/models") == 421
+    assert await status("/metrics", Host="proxy.example") == 401
+    assert await status("/metrics", Host="proxy.example", Authorization="Bearer mk") == 200
+    # A bad entry rejects the whole file: the running keys stay.
+    assert await reload(allowed_hosts=["http://proxy.example"], metrics_api_keys=[]) == 400
+    assert await status("/metrics", Host="proxy.example") == 401
+    assert await status("/v1/models") == 421

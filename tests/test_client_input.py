@@ -8,7 +8,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import StartProxy, make_config, wait_for
+from kit import FakeEngine, StartProxy, make_config, wait_for
+from kit.metrics import proxy_samples
 
 
 async def test_deeply_nested_json_is_a_400(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -79,7 +80,7 @@ async def test_request_id_is_passed_on_or_made_and_returned(
 
 
 async def test_a_5xx_names_its_request_id(tmp_path: Path, start_proxy: StartProxy) -> None:
-    models = {"m1": {"model": "x", "env": {"FAKE_ENGINE_EXIT_CODE": "9"}}}
+    models = {"m1": {"model": "x", "env": FakeEngine(exit_code=9).env()}}
     proxy = await start_proxy(make_config(tmp_path, models))
     body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
     resp = await proxy.http.post(
@@ -92,7 +93,7 @@ async def test_a_5xx_names_its_request_id(tmp_path: Path, start_proxy: StartProx
 async def test_client_gone_mid_stream_is_499(
     tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.01"}
+    env = FakeEngine(tokens=1000, token_delay=0.01).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
     with caplog.at_level(logging.INFO, logger="vllm_proxy.access"):
@@ -105,5 +106,5 @@ async def test_client_gone_mid_stream_is_499(
             lambda: any("status=499" in r.getMessage() for r in caplog.records),
             what="a 499 access line",
         )
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_requests_total{model_id="m1",status="499"} 1.0' in text
+    metrics = await proxy_samples(proxy)
+    assert metrics.get("vllm_requests_total", model_id="m1", status="499") == 1.0

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import StartProxy, make_config, wait_for
+from kit import FakeEngine, StartProxy, make_config, wait_for
 
 from vllm_proxy.app import raise_fd_limit
 
@@ -50,7 +50,7 @@ async def test_idle_or_half_sent_connections_are_closed(
 async def test_a_client_that_reads_nothing_is_dropped_and_its_lease_released(
     tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "200000", "FAKE_ENGINE_TOKEN_DELAY": "0"}
+    env = FakeEngine(tokens=200000, token_delay=0).env()
     model = {"model": "x", "env": env, "args": {"max_model_len": 10_000_000}}  # ~40 MB of SSE
     cfg = make_config(tmp_path, {"m1": model}, server=FAST)
     proxy = await start_proxy(cfg)

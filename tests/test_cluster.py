@@ -25,12 +25,13 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import FAKE_ENGINE, free_port, wait_for
+from kit import FAKE_ENGINE, FakeEngine, free_port, wait_for
 from multidict import CIMultiDict
 
 from vllm_proxy.config import EngineConfig, auto_timeouts
 
-pytestmark = pytest.mark.cluster
+# The cluster (HAProxy and three proxies) starts with the first test.
+pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
@@ -43,7 +44,7 @@ SERVERS = ("gpu1", "gpu2", "gpu3")
 MODELS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot")
 SMALL_MB, BUDGET_MB = 200, 1000
 #: A reply has min(max_tokens, 400) tokens, 20 ms apart: max_tokens sets a stream's length.
-ENGINE_ENV = {"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_DELAY": "0.02"}
+ENGINE_ENV = FakeEngine(tokens=400, token_delay=0.02).env()
 ACCESS = re.compile(r"vllm_proxy\.access: (\S+) \S+ \S+ model=(\S+) instance=\S+ status=(\d+)")
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from conftest import RunningProxy, StartProxy, make_config
+from kit import RunningProxy, StartProxy, make_config
 
 RAW_ENGINE = [sys.executable, str(Path(__file__).parent / "engines" / "raw_engine.py")]
 
@@ -33,27 +33,29 @@ def seen(tmp_path: Path) -> list[dict[str, Any]]:
 
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+EVENTS = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+
+
+def stream_answer(events: bytes, content_type: bytes = b"text/event-stream") -> bytes:
+    """An engine's answer that streams `events` in one chunk."""
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: %s\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head % content_type + b"%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
 
 
 async def test_event_stream_is_matched_case_insensitively(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    events = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
-    answer = b"HTTP/1.1 200 OK\r\nContent-Type: Text/Event-Stream; charset=utf-8\r\n"
-    answer += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
+    answer = stream_answer(EVENTS, b"Text/Event-Stream; charset=utf-8")
     proxy = await raw_proxy(tmp_path, start_proxy, answer)
     resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=CHAT)
     assert resp.headers["X-Accel-Buffering"] == "no", "treated as a stream"
-    assert await resp.read() == events
+    assert await resp.read() == EVENTS
 
 
 async def test_a_stream_to_an_http10_client_is_unframed_and_ends_with_the_connection(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    events = b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
-    answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-    answer += b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(events), events)
-    proxy = await raw_proxy(tmp_path, start_proxy, answer)
+    proxy = await raw_proxy(tmp_path, start_proxy, stream_answer(EVENTS))
     body = json.dumps(CHAT).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
     writer.write(
@@ -65,7 +67,7 @@ async def test_a_stream_to_an_http10_client_is_unframed_and_ends_with_the_connec
     head, _, got = raw.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.0 200") or head.startswith(b"HTTP/1.1 200"), head
     assert b"transfer-encoding" not in head.lower()
-    assert got == events, "the engine's bytes, without chunk framing"
+    assert got == EVENTS, "the engine's bytes, without chunk framing"
 
 
 OK_ANSWER = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

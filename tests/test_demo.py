@@ -14,7 +14,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import free_port, wait_for
+from kit import free_port, wait_for
 
 from vllm_proxy.config import load_config
 from vllm_proxy_demo import MODELS, build_config

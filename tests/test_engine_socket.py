@@ -19,7 +19,7 @@ import aiohttp
 import psutil
 import pytest
 from aiohttp import web
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.engine import SUN_PATH_MAX, socket_path
@@ -189,7 +189,7 @@ async def test_requests_sleep_wake_and_metrics_go_over_the_socket(
         tmp_path,
         {"m1": {**SLEEPY, "warmup": True}},
         server={"admin_open": True},
-        engine={"health_interval_s": 0.05, "env": {"FAKE_ENGINE_SLEEP_DELAY": "0.2"}},
+        engine={"health_interval_s": 0.05, "env": FakeEngine(sleep_delay=0.2).env()},
     )
     proxy = await start_proxy(cfg)
     inst = await running(proxy)
@@ -259,7 +259,7 @@ async def test_a_foreign_listener_on_the_engine_socket_is_never_trusted(
         hits.append(request.path)
         return web.json_response({"object": "foreign"})
 
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "3"}
+    env = FakeEngine(startup_delay=3).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     path = tmp_path / "state" / "sockets" / "m1.1.sock"
     app = web.Application()

@@ -17,6 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kit import FakeEngine, scrape
 from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,9 +167,9 @@ async def post(session: aiohttp.ClientSession, url: str, payload: Any) -> tuple[
 async def metric(session: aiohttp.ClientSession, fake: Fake, series: str) -> float:
     async with session.get(f"{fake.url}/metrics") as resp:
         text = await resp.text()
-    match = re.search(rf"^{re.escape(series)} (\S+)$", text, re.MULTILINE)
-    assert match, text
-    return float(match[1])
+    value = scrape(text).at(series)
+    assert value is not None, text
+    return value
 
 
 async def wait_metric(
@@ -190,7 +191,7 @@ RUNNING = 'vllm:num_requests_running{engine="0",model_name="m"}'
 
 
 def test_refuses_connections_until_ready(start_fake: StartFake) -> None:
-    fake = start_fake(env={"FAKE_ENGINE_STARTUP_DELAY": "1.0"}, args=("--api-key", "secret"))
+    fake = start_fake(env=FakeEngine(startup_delay=1.0).env(), args=("--api-key", "secret"))
     wait_until(lambda: "Using max model len" in fake.stdout(), fake, "the startup banner")
     assert probe(fake.port) is None
     wait_ready(fake)
@@ -207,7 +208,7 @@ def test_refuses_connections_until_ready(start_fake: StartFake) -> None:
 
 
 def test_exit_code_knob_fails_before_binding(start_fake: StartFake) -> None:
-    fake = start_fake(env={"FAKE_ENGINE_EXIT_CODE": "7"})
+    fake = start_fake(env=FakeEngine(exit_code=7).env())
     assert fake.wait_exit() == 7
     assert "RuntimeError: Engine core initialization failed (fake)" in fake.stderr()
     assert "Application startup complete." not in fake.stdout()
@@ -223,7 +224,7 @@ def test_port_in_use_exits_1_with_errno_98(start_fake: StartFake) -> None:
 
 
 def test_port_in_use_once_fails_only_the_first_start(start_fake: StartFake, tmp_path: Path) -> None:
-    env = {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(tmp_path / "race-marker")}
+    env = FakeEngine(port_in_use_once=tmp_path / "race-marker").env()
     first = start_fake(env=env)
     assert first.wait_exit() == 1
     assert "OSError: [Errno 98] Address already in use" in first.stderr()
@@ -248,7 +249,7 @@ def test_serves_on_a_unix_socket_only_with_uds(start_fake: StartFake, tmp_path: 
     """``--uds PATH``: as vLLM, the socket replaces host and port (nothing listens on TCP), and
     it is bound only once the engine is ready."""
     path = tmp_path / "engine.sock"
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "0.5"}
+    env = FakeEngine(startup_delay=0.5).env()
     fake = start_fake(env=env, args=("--uds", str(path)))
     wait_until(lambda: "Using max model len" in fake.stdout(), fake, "the startup banner")
     assert unix_probe(path) is None
@@ -506,7 +507,7 @@ async def test_metrics_series(engine: Fake, session: aiohttp.ClientSession) -> N
 async def test_crash_after_exits_mid_stream(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_CRASH_CODE": "5"}
+    env = FakeEngine(crash_after=1, crash_code=5).env()
     fake = start_fake(env=env)
     wait_ready(fake)
     status, _ = await post(session, f"{fake.url}/v1/chat/completions", CHAT)
@@ -527,7 +528,7 @@ async def test_crash_after_exits_mid_stream(
 async def test_sigterm_aborts_in_flight_and_exits_0(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    fake = start_fake(env={"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"})
+    fake = start_fake(env=FakeEngine(tokens=1000, token_delay=0.05).env())
     wait_ready(fake)
     url = f"{fake.url}/v1/chat/completions"
 
@@ -551,7 +552,7 @@ async def test_sigterm_aborts_in_flight_and_exits_0(
 
 
 def test_ignore_sigterm_knob(start_fake: StartFake) -> None:
-    fake = start_fake(env={"FAKE_ENGINE_IGNORE_SIGTERM": "1"})
+    fake = start_fake(env=FakeEngine(ignore_sigterm=True).env())
     wait_ready(fake)
     os.kill(fake.proc.pid, signal.SIGTERM)
     with pytest.raises(subprocess.TimeoutExpired):
@@ -562,7 +563,7 @@ def test_ignore_sigterm_knob(start_fake: StartFake) -> None:
 
 
 def test_spawned_engine_core_outlives_sigterm(start_fake: StartFake) -> None:
-    fake = start_fake(env={"FAKE_ENGINE_SPAWN_CHILD": "1"})
+    fake = start_fake(env=FakeEngine(spawn_child=True).env())
     wait_ready(fake)
     match = re.search(r"EngineCore pid=(\d+)", fake.stdout())
     assert match
@@ -713,7 +714,7 @@ async def test_sleep_refuses_and_counts_requests_until_wake_up(
 async def test_park_knob_holds_requests_until_wake_up(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    fake = start_sleepy(start_fake, FAKE_ENGINE_ASLEEP="park")
+    fake = start_sleepy(start_fake, **FakeEngine(asleep="park").env())
     status, body = await post(session, f"{fake.url}/sleep?level=1", None)
     assert (status, body) == (200, {"status": "sleeping", "level": 1})
     parked = asyncio.create_task(post(session, f"{fake.url}/v1/chat/completions", CHAT))
@@ -781,7 +782,7 @@ async def test_level_2_wake_by_tags_and_reload(
 async def test_sleep_and_wake_answer_after_their_delays(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    delays = {"FAKE_ENGINE_SLEEP_DELAY": "1.5", "FAKE_ENGINE_WAKE_DELAY": "1.5"}
+    delays = FakeEngine(sleep_delay=1.5, wake_delay=1.5).env()
     fake = start_sleepy(start_fake, **delays)
     falling = asyncio.create_task(post(session, f"{fake.url}/sleep", None))
     await wait_metric(session, fake, in_flight("sleep"), 1.0)
@@ -805,7 +806,7 @@ async def test_sleep_and_wake_answer_after_their_delays(
 
 
 async def test_sleep_fail_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
-    fake = start_sleepy(start_fake, FAKE_ENGINE_SLEEP_FAIL="1")
+    fake = start_sleepy(start_fake, **FakeEngine(sleep_fail=True).env())
     status, body = await post(session, f"{fake.url}/sleep?level=1", None)
     assert status == 500
     assert (body["error"]["type"], body["error"]["code"]) == ("InternalServerError", 500)
@@ -815,7 +816,7 @@ async def test_sleep_fail_knob(start_fake: StartFake, session: aiohttp.ClientSes
 
 
 async def test_wake_fail_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
-    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_FAIL="1")
+    fake = start_sleepy(start_fake, **FakeEngine(wake_fail=True).env())
     assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
     status, body = await post(session, f"{fake.url}/wake_up", None)
     assert status == 500
@@ -826,7 +827,7 @@ async def test_wake_fail_knob(start_fake: StartFake, session: aiohttp.ClientSess
 
 
 async def test_wake_lies_knob(start_fake: StartFake, session: aiohttp.ClientSession) -> None:
-    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_LIES="1")
+    fake = start_sleepy(start_fake, **FakeEngine(wake_lies=True).env())
     assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
     status, body = await post(session, f"{fake.url}/wake_up", None)
     assert (status, body) == (200, {"status": "awake", "tags": None})
@@ -838,7 +839,7 @@ async def test_wake_lies_knob(start_fake: StartFake, session: aiohttp.ClientSess
 async def test_wake_hang_knob_answers_only_at_shutdown(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    fake = start_sleepy(start_fake, FAKE_ENGINE_WAKE_HANG="1")
+    fake = start_sleepy(start_fake, **FakeEngine(wake_hang=True).env())
     assert (await post(session, f"{fake.url}/sleep?level=1", None))[0] == 200
 
     async def wake() -> int:

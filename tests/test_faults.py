@@ -10,7 +10,8 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import FAKE_ENGINE, StartProxy, group_alive, make_config, wait_for
+from kit import FAKE_ENGINE, FakeEngine, StartProxy, group_alive, make_config, wait_for
+from kit.metrics import proxy_samples
 
 from vllm_proxy.instance import State
 
@@ -21,7 +22,7 @@ async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: S
     """SIGSTOP (a hung engine): the health watcher marks it unhealthy within a few probes; the
     request waiting for an answer gets 503 + Retry-After, the stream an SSE error event, and the
     next request is served by a new instance."""
-    env = {"FAKE_ENGINE_TOKENS": "100", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=100, token_delay=0.05).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine=WATCH)
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
@@ -48,8 +49,8 @@ async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: S
     assert resp.status == 200
     fresh = proxy.instance("m1")
     assert fresh is not hung and fresh.state is State.RUNNING
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_engine_restarts_total{model_id="m1",reason="unhealthy"} 1.0' in text
+    metrics = await proxy_samples(proxy)
+    assert metrics.get("vllm_proxy_engine_restarts_total", model_id="m1", reason="unhealthy") == 1.0
 
 
 async def test_crash_loop_backs_off_and_a_success_resets(
@@ -103,7 +104,7 @@ async def test_a_port_taken_over_while_running_marks_the_engine_unhealthy(
 async def test_a_client_gone_during_a_cold_start_leaks_nothing(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    models = {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.5"}}}
+    models = {"m1": {"model": "x", "env": FakeEngine(startup_delay=1.5).env()}}
     proxy = await start_proxy(make_config(tmp_path, models))
     model = proxy.model("m1")
     async with aiohttp.ClientSession() as client:
@@ -123,7 +124,7 @@ async def test_a_client_gone_during_a_cold_start_leaks_nothing(
 async def test_a_cancelled_stop_still_finishes(tmp_path: Path, start_proxy: StartProxy) -> None:
     """The caller of a stop goes away (an admin client hangs up during an unload): the stop
     runs on by itself, the instance ends STOPPED and its claim and process are gone."""
-    env = {"FAKE_ENGINE_IGNORE_SIGTERM": "1"}
+    env = FakeEngine(ignore_sigterm=True).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"stop_timeout_s": 0.5})
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
@@ -144,7 +145,7 @@ async def test_a_crash_loop_never_shows_engine_log_lines(
 ) -> None:
     """Engines that die soon after readiness twice in a row: the back-off answer names the
     cause, never the engine's output (which may hold other users' prompts)."""
-    env = {"FAKE_ENGINE_CRASH_AFTER": "0", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(crash_after=0, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     for _ in range(2):
         assert (await proxy.chat("m1")).status == 502

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config
+from kit import RunningProxy, StartProxy, make_config
 
 RAW = [sys.executable, "-m", "fake_vllm.raw"]
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}

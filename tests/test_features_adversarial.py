@@ -17,7 +17,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 from test_lora import adapter, complete, engine_series, loads, text
 from test_routes import (
     AUDIO,
@@ -185,7 +185,7 @@ async def test_a_load_that_ends_after_its_client_left_frees_the_slot_for_a_waiti
     """max_adapters 1: "a" loads for a client that hangs up, "b" waits for the slot. Once the
     load is done "a" has no user and must make room at once, not after the queue timeout."""
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    env = {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.6"}
+    env = FakeEngine(lora_load_delay=0.6).env()
     models = {"base": {"model": "x", "adapters": {"a": str(a), "b": str(b)}, "max_adapters": 1,
                        "env": env}}  # fmt: skip
     proxy = await start_proxy(lora_config(tmp_path, models, queue_timeout_s=20))
@@ -211,7 +211,7 @@ async def test_an_adapter_storm_across_replicas_with_one_slot_each_ends_without_
     503 adapters_busy with Retry-After), the slots churn, and once it is over each engine holds
     exactly what the proxy's book says it holds."""
     paths = {n: str(adapter(tmp_path, n)) for n in ("a", "b", "c", "d")}
-    env = {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.05", "FAKE_ENGINE_TOKEN_DELAY": "0.01"}
+    env = FakeEngine(lora_load_delay=0.05, token_delay=0.01).env()
     models = {"base": {"model": "x", "replicas": 2, "adapters": paths, "max_adapters": 1,
                        "env": env}}  # fmt: skip
     proxy = await start_proxy(lora_config(tmp_path, models, queue_timeout_s=2))
@@ -274,7 +274,7 @@ async def test_a_request_for_an_adapter_being_unloaded_waits_and_loads_it_again(
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
     models = {"base": {"model": "x", "adapters": {"a": str(a), "b": str(b)}, "max_adapters": 1,
-                       "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.3"}}}  # fmt: skip
+                       "env": FakeEngine(lora_load_delay=0.3).env()}}  # fmt: skip
     proxy = await start_proxy(lora_config(tmp_path, models, queue_timeout_s=10))
     assert (await complete(proxy, "a"))[0] == 200
     inst = proxy.instance("base")
@@ -301,7 +301,7 @@ async def test_an_engine_that_dies_during_a_load_fails_every_waiter_cleanly(
 ) -> None:
     a = adapter(tmp_path, "a")
     models = {"base": {"model": "x", "adapters": {"a": str(a)},
-                       "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "30"}}}  # fmt: skip
+                       "env": FakeEngine(lora_load_delay=30).env()}}  # fmt: skip
     proxy = await start_proxy(lora_config(tmp_path, models))
     assert (await complete(proxy, "base"))[0] == 200
     first = proxy.instance("base")
@@ -324,7 +324,7 @@ async def test_a_load_that_hangs_is_a_502_after_read_timeout_s_and_the_base_stil
 ) -> None:
     a = adapter(tmp_path, "a")
     models = {"base": {"model": "x", "adapters": {"a": str(a)}, "read_timeout_s": 1,
-                       "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "60"}}}  # fmt: skip
+                       "env": FakeEngine(lora_load_delay=60).env()}}  # fmt: skip
     proxy = await start_proxy(lora_config(tmp_path, models))
     assert (await complete(proxy, "base"))[0] == 200
     began = time.monotonic()
@@ -342,7 +342,7 @@ async def test_a_stream_for_a_failing_adapter_that_waited_for_its_engine_ends_wi
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a = adapter(tmp_path, "a")
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "1", "FAKE_ENGINE_LORA_FAIL": "a"}
+    env = FakeEngine(startup_delay=1, lora_fail=("a",)).env()
     models = {"base": {"model": "x", "adapters": {"a": str(a)}, "keepalive_s": 0.2, "env": env}}
     proxy = await start_proxy(lora_config(tmp_path, models))
     async with proxy.http.post(
@@ -437,7 +437,7 @@ async def test_a_scoped_key_reaches_its_models_adapters_and_nothing_of_the_other
 async def test_a_scoped_key_cannot_reach_other_models_by_realtime_upload_or_path_prefix(
     tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
 ) -> None:
-    env = {"FAKE_ENGINE_UPLOAD_LOG": str(tmp_path / "uploads.jsonl"), "FAKE_ENGINE_TOKENS": "4"}
+    env = FakeEngine(upload_log=tmp_path / "uploads.jsonl", tokens=4).env()
     models = {
         "whisper": {"model": "org/whisper", "aliases": ["w"], "env": env},
         "secret": {"model": "org/secret", "aliases": ["sec"], "env": env},
@@ -507,7 +507,7 @@ CLOSE = b"\r\n--%b--\r\n" % B
 
 
 def speech_config(tmp_path: Path, **server: Any) -> Any:
-    env = {"FAKE_ENGINE_UPLOAD_LOG": str(tmp_path / "uploads.jsonl"), "FAKE_ENGINE_TOKENS": "4"}
+    env = FakeEngine(upload_log=tmp_path / "uploads.jsonl", tokens=4).env()
     models = {"whisper": {"model": "org/whisper", "aliases": ["w"], "env": env}}
     return make_config(tmp_path, models, server=server)
 
@@ -652,7 +652,7 @@ async def test_a_client_gone_mid_upload_leaves_no_spool_file_no_lease_and_no_tic
     tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
 ) -> None:
     cfg = speech_config(tmp_path)
-    cfg.models["whisper"].env["FAKE_ENGINE_STARTUP_DELAY"] = "1.5"
+    cfg.models["whisper"].env.update(FakeEngine(startup_delay=1.5).env())
     proxy = await start_proxy(cfg)
     model = proxy.model("whisper")
     # 1. While its audio is spooled before the model is known.
@@ -817,7 +817,7 @@ async def test_a_realtime_client_gone_while_its_engine_starts_or_mid_session_lea
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     cfg = realtime_config(tmp_path)
-    cfg.models["whisper"].env["FAKE_ENGINE_STARTUP_DELAY"] = "1"
+    cfg.models["whisper"].env.update(FakeEngine(startup_delay=1).env())
     proxy = await start_proxy(cfg)
     model = proxy.model("whisper")
     # Named in the URL: the engine starts before the upgrade; the client gives up meanwhile.

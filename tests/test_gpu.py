@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from conftest import wait_for
+from kit import wait_for
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.errors import ConfigError

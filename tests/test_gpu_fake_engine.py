@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from kit import FakeEngine
 from test_fake_engine import (
     GARBAGE_TEXT,
     LABELS,
@@ -143,7 +144,7 @@ def stub(tmp_path: Path) -> StubTorch:
 
 
 def start_gpu(start_fake: StartFake, stub: StubTorch, megabytes: int = 10) -> Fake:
-    env = {**SLEEP_ENV, **stub.env(), "FAKE_ENGINE_GPU_MB": str(megabytes)}
+    env = {**SLEEP_ENV, **stub.env(), **FakeEngine(gpu_mb=megabytes).env()}
     fake = start_fake(env=env, args=SLEEP_ARGS)
     wait_ready(fake)
     return fake
@@ -155,7 +156,7 @@ def start_gpu(start_fake: StartFake, stub: StubTorch, megabytes: int = 10) -> Fa
 def test_gpu_mode_without_cuda_exits_with_a_clear_message(
     start_fake: StartFake, stub: StubTorch
 ) -> None:
-    fake = start_fake(env={**stub.env(cuda=False), "FAKE_ENGINE_GPU_MB": "10"})
+    fake = start_fake(env={**stub.env(cuda=False), **FakeEngine(gpu_mb=10).env()})
     assert fake.wait_exit() == 1
     assert "FAKE_ENGINE_GPU_MB=10: GPU mode needs CUDA, but torch 0.0-stub sees no CUDA device" in (
         fake.stderr()
@@ -167,7 +168,7 @@ def test_gpu_mode_here_without_cuda_or_torch_exits_with_a_clear_message(
     start_fake: StartFake,
 ) -> None:
     """The real environment with no device visible: no torch, or torch without CUDA."""
-    fake = start_fake(env={"FAKE_ENGINE_GPU_MB": "10", "CUDA_VISIBLE_DEVICES": ""})
+    fake = start_fake(env={**FakeEngine(gpu_mb=10).env(), "CUDA_VISIBLE_DEVICES": ""})
     assert fake.wait_exit() == 1
     if importlib.util.find_spec("torch") is None:
         expected = "FAKE_ENGINE_GPU_MB=10: GPU mode needs torch, which cannot be imported"
@@ -180,7 +181,7 @@ def test_gpu_mode_fails_start_up_when_the_memory_is_not_there(
     start_fake: StartFake, stub: StubTorch
 ) -> None:
     stub.set_limit_mb(5)
-    fake = start_fake(env={**stub.env(), "FAKE_ENGINE_GPU_MB": "10"})
+    fake = start_fake(env={**stub.env(), **FakeEngine(gpu_mb=10).env()})
     assert fake.wait_exit() == 1
     assert "FAKE_ENGINE_GPU_MB=10: cannot hold 10 MiB on cuda:0" in fake.stderr()
     assert "Application startup complete." not in fake.stdout()
@@ -309,7 +310,7 @@ async def test_real_gpu_memory_is_freed_by_sleep_and_taken_back_by_wake(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
     megabytes = 2048
-    env = {**SLEEP_ENV, "FAKE_ENGINE_GPU_MB": str(megabytes), "CUDA_VISIBLE_DEVICES": "0"}
+    env = {**SLEEP_ENV, **FakeEngine(gpu_mb=megabytes).env(), "CUDA_VISIBLE_DEVICES": "0"}
     fake = start_fake(env=env, args=SLEEP_ARGS)
     wait_ready(fake, timeout=120.0)  # importing torch and starting CUDA come first
     assert await metric(session, fake, GPU_BYTES) == megabytes * MIB

@@ -1,5 +1,5 @@
 """The GPU tier: the proxy on NVML (``gpu.monitor: nvml``) in front of fake engines that hold
-real device memory (``FAKE_ENGINE_GPU_MB``, through torch).
+real device memory (`FakeEngine.gpu_mb`, through torch).
 
 Runs only where NVML sees an NVIDIA device and torch sees CUDA; everywhere else (CI) every test
 here is skipped with the reason. ``pytest -m gpu`` runs just this tier; docs/gpu.md says how,
@@ -12,7 +12,7 @@ memory when the test starts, so the tests hold on any GPU size:
   error in an engine, which the proxy would see as a failed start or a failed wake and a second
   engine process. The swap uses sleep level 2, which frees the memory without a host copy.
 
-Every engine holds up to ``CONTEXT_MB`` beyond its ``FAKE_ENGINE_GPU_MB`` for torch's CUDA
+Every engine holds up to ``CONTEXT_MB`` beyond its ``gpu_mb`` for torch's CUDA
 context; each model's ``memory_mb`` counts it (memory_mb is everything an engine holds), and
 ``sleep_memory_mb`` is the planner's guess until the proxy has measured what a sleeping engine
 keeps (its context).
@@ -32,8 +32,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import FAKE_ENGINE, RunningProxy, StartProxy, wait_for
-from test_sleep import engine_metric, proxy_metric
+from kit import FAKE_ENGINE, FakeEngine, RunningProxy, StartProxy, wait_for
+from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
 from vllm_proxy.config import Config, parse_config
 from vllm_proxy.engine import instance_logs
@@ -41,7 +41,7 @@ from vllm_proxy.gpu import GpuSnapshot, NvmlMonitor
 from vllm_proxy.instance import DOWN, State
 
 DEVICE = 0
-#: What a fake engine holds on the device beyond FAKE_ENGINE_GPU_MB (torch's CUDA context).
+#: What a fake engine holds on the device beyond its `gpu_mb` (torch's CUDA context).
 CONTEXT_MB = 1024
 #: Bounds for starts and waits: each engine imports torch and creates a CUDA context.
 START_S = 300.0
@@ -85,7 +85,7 @@ def moderate_mb() -> int:
 
 
 def shares(fraction: float) -> tuple[int, int]:
-    """(memory_mb, FAKE_ENGINE_GPU_MB) of an engine that takes `fraction` of the free memory."""
+    """(memory_mb, gpu_mb) of an engine that takes `fraction` of the free memory."""
     memory_mb = int(device().free_mb * fraction)
     if memory_mb - CONTEXT_MB < 256:
         pytest.skip(f"device {DEVICE} has too little free memory for engines of {fraction:.0%}")
@@ -125,7 +125,7 @@ def engine(memory_mb: int, gpu_mb: int, **extra: Any) -> dict[str, Any]:
     return {
         "model": "fake/gpu",
         "memory_mb": memory_mb,
-        "env": {"FAKE_ENGINE_GPU_MB": str(gpu_mb)},
+        "env": FakeEngine(gpu_mb=gpu_mb).env(),
         **extra,
     }
 
@@ -203,10 +203,10 @@ async def test_nvml_readings_track_an_engines_allocation(
         timeout=30,
         what=f"{inst.id} measured at >= 90% of {size} MiB",
     )
-    gauge = f'vllm_gpu_memory_used_mb{{gpu_id="{DEVICE}"}}'
 
     async def exported_shows_it() -> bool:
-        return (await proxy_metric(proxy, gauge) or 0.0) >= before + 0.9 * size
+        used = await proxy_metric(proxy, "vllm_gpu_memory_used_mb", gpu_id=str(DEVICE))
+        return (used or 0.0) >= before + 0.9 * size
 
     await wait_for(exported_shows_it, timeout=30, what="vllm_gpu_memory_used_mb to show it")
 
@@ -242,11 +242,11 @@ async def test_three_models_that_fit_two_at_a_time_start_without_out_of_memory(
     assert proxy.model("c").state() is State.RUNNING
     for name, evicted in (("a", 1), ("b", 1), ("c", None)):
         count = await proxy_metric(
-            proxy, f'vllm_proxy_evictions_total{{model_id="{name}",reason="memory"}}'
+            proxy, "vllm_proxy_evictions_total", model_id=name, reason="memory"
         )
         assert count == evicted, (name, count)
-    text = await (await http.get(proxy.url + "/metrics")).text()
-    assert "vllm_proxy_engine_restarts_total{" not in text, "no failed start, no retry"
+    metrics = await proxy_samples(proxy)
+    assert not metrics.find("vllm_proxy_engine_restarts_total"), "no failed start, no retry"
     for name in "abc":
         logs = engine_log_text(proxy, name)
         assert "out of memory" not in logs.lower() and "cannot hold" not in logs, logs[-2000:]
@@ -314,6 +314,6 @@ async def test_two_models_that_fit_one_awake_swap_by_sleep_and_wake(
         assert await engine_metric(proxy, inst, "fake_engine:wakes_total") == wakes
         assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
         assert await engine_metric(proxy, inst, "fake_engine:garbage_completions_total") == 0
-    text = await (await http.get(proxy.url + "/metrics")).text()
-    assert "vllm_proxy_evictions_total{" not in text, "nothing was stopped"
-    assert "vllm_proxy_engine_restarts_total{" not in text, "no failed wake or start"
+    metrics = await proxy_samples(proxy)
+    assert not metrics.find("vllm_proxy_evictions_total"), "nothing was stopped"
+    assert not metrics.find("vllm_proxy_engine_restarts_total"), "no failed wake or start"

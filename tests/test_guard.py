@@ -12,7 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import alive, group_alive, wait_for_sync
+from kit import alive, group_alive, wait_for_sync
 
 from vllm_proxy.engine import PortAllocator, port_is_free, read_tail
 from vllm_proxy.errors import EngineFailed
@@ -162,7 +162,7 @@ async def test_readiness_polling_stays_within_tens_of_milliseconds(
 
     import aiohttp
     from aiohttp import web
-    from conftest import free_port
+    from kit import free_port
 
     import vllm_proxy.engine as engine_module
     from vllm_proxy.config import parse_config

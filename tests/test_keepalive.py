@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from conftest import RunningProxy, StartProxy, make_config
+from kit import FakeEngine, RunningProxy, StartProxy, make_config
 
-SLOW_START = {"FAKE_ENGINE_STARTUP_DELAY": "2", "FAKE_ENGINE_TOKENS": "12"}
+SLOW_START = FakeEngine(startup_delay=2, tokens=12)
 EXPECTED = "".join(f"tok{i} " for i in range(12))
 
 
 def config(tmp_path: Path, **model: Any) -> Any:
-    m = {"model": "x", "env": dict(SLOW_START), **model}
+    m = {"model": "x", "env": SLOW_START.env(), **model}
     return make_config(tmp_path, {"m": m}, engine={"keepalive_s": 0.3})
 
 
@@ -106,7 +106,7 @@ async def test_loading_progress_is_visible_reasoning(
 async def test_a_start_failure_after_the_200_is_an_sse_error(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {**SLOW_START, "FAKE_ENGINE_EXIT_CODE": "7"}
+    env = SLOW_START.but(exit_code=7).env()
     proxy = await start_proxy(config(tmp_path, env=env))
     comments, events, done = split(await raw_stream(proxy))
     assert comments and done

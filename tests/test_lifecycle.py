@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 import aiohttp
-from conftest import RunningProxy, StartProxy, group_alive, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, group_alive, make_config, wait_for
 
 from vllm_proxy.instance import State
 
@@ -36,7 +36,7 @@ async def test_cold_start_on_first_request(tmp_path: Path, start_proxy: StartPro
 async def test_concurrent_cold_requests_start_exactly_one_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}}})
+    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": FakeEngine(startup_delay=1.0).env()}})
     proxy = await start_proxy(cfg)
     responses = await asyncio.gather(*(proxy.chat("m1") for _ in range(200)))
     assert [r.status for r in responses] == [200] * 200
@@ -59,7 +59,7 @@ async def test_engine_dying_while_starting_fails_waiters_at_once(
 ) -> None:
     cfg = make_config(
         tmp_path,
-        {"m1": {"model": "x", "env": {"FAKE_ENGINE_EXIT_CODE": "7"}}},
+        {"m1": {"model": "x", "env": FakeEngine(exit_code=7).env()}},
         engine={"startup_timeout_s": 120},
     )
     proxy = await start_proxy(cfg)
@@ -84,7 +84,7 @@ async def test_startup_timeout_kills_engine_and_answers_504(
 ) -> None:
     cfg = make_config(
         tmp_path,
-        {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "60"}}},
+        {"m1": {"model": "x", "env": FakeEngine(startup_delay=60).env()}},
         engine={"startup_timeout_s": 1},
     )
     proxy = await start_proxy(cfg)
@@ -100,7 +100,7 @@ async def test_port_race_is_retried_on_another_port(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     marker = tmp_path / "port-race-once"
-    env = {"FAKE_ENGINE_PORT_IN_USE_ONCE": str(marker)}
+    env = FakeEngine(port_in_use_once=marker).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env, "transport": "tcp"}})
     proxy = await start_proxy(cfg)
     resp = await proxy.chat("m1")
@@ -130,7 +130,7 @@ async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy: 
         {
             "m1": {
                 "model": "x",
-                "env": {"FAKE_ENGINE_TOKENS": "12", "FAKE_ENGINE_TOKEN_DELAY": "0.1"},
+                "env": FakeEngine(tokens=12, token_delay=0.1).env(),
             }
         },
         engine={"idle_timeout_s": 0.3},
@@ -148,7 +148,7 @@ async def test_idle_timer_waits_for_the_last_lease(tmp_path: Path, start_proxy: 
 async def test_crash_while_running_errors_in_flight_and_restarts(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_CRASH_AFTER": "1", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(crash_after=1, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1")).status == 200
     inst = proxy.instance("m1")
@@ -172,7 +172,7 @@ async def test_crash_while_running_errors_in_flight_and_restarts(
 async def test_non_stream_request_in_flight_gets_502_on_crash(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_CRASH_AFTER": "0", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(crash_after=0, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     resp = await proxy.chat("m1")
     assert resp.status == 502
@@ -184,7 +184,7 @@ async def test_non_stream_request_in_flight_gets_502_on_crash(
 async def test_client_disconnect_releases_lease_and_aborts_upstream(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=1000, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     async with aiohttp.ClientSession() as client:
         body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": "x"}]}
@@ -208,7 +208,7 @@ async def test_client_disconnect_releases_lease_and_aborts_upstream(
 async def test_stop_escalates_to_sigkill_for_the_whole_group(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_IGNORE_SIGTERM": "1", "FAKE_ENGINE_SPAWN_CHILD": "1"}
+    env = FakeEngine(ignore_sigterm=True, spawn_child=True).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"stop_timeout_s": 0.5})
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1")).status == 200

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import uvloop
-from conftest import wait_for
+from kit import wait_for
 
 from vllm_proxy import connection
 from vllm_proxy.connection import Listener, listen

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
+from kit.metrics import engine_samples, proxy_samples
 
 from vllm_proxy.config import ConfigError, parse_config
 from vllm_proxy.instance import Instance, State
@@ -41,6 +42,20 @@ def config(tmp_path: Path, models: dict[str, dict[str, Any]], **engine: Any) -> 
     )
 
 
+def base(
+    adapters: dict[str, Any] | None = None, env: dict[str, str] | None = None, **keys: Any
+) -> dict[str, dict[str, Any]]:
+    """One model, ``base``, serving `adapters` (paths or entries); `keys` that name a fake-engine
+    setting go to its env, the others to the model."""
+    knobs = {k: keys.pop(k) for k in list(keys) if k in FakeEngine.__dataclass_fields__}
+    spec: dict[str, Any] = {"model": "x", **keys}
+    if adapters is not None:
+        spec["adapters"] = {n: str(a) if isinstance(a, Path) else a for n, a in adapters.items()}
+    if env or knobs:
+        spec["env"] = {**(env or {}), **FakeEngine(**knobs).env()}
+    return {"base": spec}
+
+
 async def complete(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, Any]:
     body = {"model": model, "prompt": "hi", "max_tokens": 2, **extra}
     async with proxy.http.post(proxy.url + "/v1/completions", json=body) as resp:
@@ -55,15 +70,8 @@ def text(data: Any) -> str:
 
 async def engine_series(proxy: RunningProxy, inst: Instance, name: str) -> dict[str, float]:
     """A fake-only series of the instance's engine, by ``lora_name``."""
-    assert inst.engine is not None
-    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
-        page = await resp.text()
-    out = {}
-    for line in page.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('lora_name="')[1].split('"')[0]] = float(value)
-    return out
+    samples = await engine_samples(proxy, inst)
+    return {s.labels["lora_name"]: s.value for s in samples.find(name)}
 
 
 async def loads(proxy: RunningProxy, inst: Instance) -> dict[str, float]:
@@ -215,33 +223,28 @@ async def test_two_adapters_answer_with_their_own_output_and_aliases_reach_them(
     assert resp.status == 200 and '"poet:tok0 "' in body and body.endswith("data: [DONE]\n\n")
     requests = await engine_series(proxy, inst, "fake_engine:lora_requests_total")
     assert requests == {"sql": 1, "poet": 3}
-    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_adapter_loads_total{adapter="poet",model_id="base",result="ok"} 1.0' in page
-    assert 'vllm_proxy_adapter_requests_total{adapter="poet",model_id="base"} 3.0' in page
+    metrics = await proxy_samples(proxy)
+    assert (
+        metrics.get("vllm_proxy_adapter_loads_total", adapter="poet", model_id="base", result="ok")
+        == 1.0
+    )
+    assert metrics.get("vllm_proxy_adapter_requests_total", adapter="poet", model_id="base") == 3.0
 
 
 async def test_fifty_concurrent_requests_for_an_adapter_make_one_load(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a = adapter(tmp_path, "sql")
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {
-                "base": {
-                    "model": "x",
-                    "adapters": {"sql": str(a)},
-                    "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.3"},
-                }
-            },
-        )
-    )
+    proxy = await start_proxy(config(tmp_path, base({"sql": a}, lora_load_delay=0.3)))
     results = await asyncio.gather(*(complete(proxy, "sql") for _ in range(50)))
     assert all(s == 200 and text(d) == "sql:tok0 sql:tok1 " for s, d in results)
     inst = proxy.instance("base")
     assert await loads(proxy, inst) == {"sql": 1}
-    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_adapter_loads_total{adapter="sql",model_id="base",result="ok"} 1.0' in page
+    metrics = await proxy_samples(proxy)
+    assert (
+        metrics.get("vllm_proxy_adapter_loads_total", adapter="sql", model_id="base", result="ok")
+        == 1.0
+    )
 
 
 async def test_an_adapter_copied_into_adapters_dir_is_served_without_a_reload(
@@ -249,9 +252,7 @@ async def test_an_adapter_copied_into_adapters_dir_is_served_without_a_reload(
 ) -> None:
     folder = tmp_path / "adapters"
     adapter(folder, "first")
-    proxy = await start_proxy(
-        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
-    )
+    proxy = await start_proxy(config(tmp_path, base(adapters_dir=str(folder))))
     status, data = await complete(proxy, "first")
     assert status == 200 and text(data).startswith("first:tok0")
     status, data = await complete(proxy, "later")
@@ -275,28 +276,20 @@ async def test_a_discovered_adapter_above_the_engines_rank_is_refused(
 ) -> None:
     folder = tmp_path / "adapters"
     adapter(folder, "small", rank=8)
-    proxy = await start_proxy(
-        config(tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}})
-    )
+    proxy = await start_proxy(config(tmp_path, base(adapters_dir=str(folder))))
     assert proxy.model("base").spec.max_lora_rank == 8
     adapter(folder, "big", rank=64)
     status, data = await complete(proxy, "big")
     assert status == 400 and data["error"]["code"] == "adapter_rank_too_large"
     assert "'big'" in data["error"]["message"] and "max_lora_rank" in data["error"]["message"]
-    status, _ = await complete(proxy, "small")
-    assert status == 200
+    assert (await complete(proxy, "small"))[0] == 200
 
 
 async def test_max_adapters_unloads_the_least_recently_used_and_loads_it_again(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {"base": {"model": "x", "adapters": {"a": str(a), "b": str(b)}, "max_adapters": 1}},
-        )
-    )
+    proxy = await start_proxy(config(tmp_path, base({"a": a, "b": b}, max_adapters=1)))
     assert "--max-loras" in (argv := proxy.model("base").spec.engine_argv(1))
     assert argv[argv.index("--max-loras") + 1] == "1"
     for name in ("a", "b", "a"):
@@ -318,17 +311,7 @@ async def test_busy_adapters_are_never_unloaded_and_a_new_one_waits_then_gets_50
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    cfg = config(
-        tmp_path,
-        {
-            "base": {
-                "model": "x",
-                "adapters": {"a": str(a), "b": str(b)},
-                "max_adapters": 1,
-                "env": {"FAKE_ENGINE_TOKEN_DELAY": "0.4"},
-            }
-        },
-    )
+    cfg = config(tmp_path, base({"a": a, "b": b}, token_delay=0.4, max_adapters=1))
     cfg = cfg.model_copy(
         update={"admission": cfg.admission.model_copy(update={"queue_timeout_s": 0.3})}
     )
@@ -353,18 +336,7 @@ async def test_busy_adapters_are_never_unloaded_and_a_new_one_waits_then_gets_50
 async def test_a_failing_adapter_is_isolated(tmp_path: Path, start_proxy: StartProxy) -> None:
     good, bad, gone = adapter(tmp_path, "good"), adapter(tmp_path, "bad"), adapter(tmp_path, "gone")
     adapters = {"good": str(good), "bad": str(bad), "gone": str(gone)}
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {
-                "base": {
-                    "model": "x",
-                    "adapters": adapters,
-                    "env": {"FAKE_ENGINE_LORA_FAIL": "bad"},
-                }
-            },
-        )
-    )
+    proxy = await start_proxy(config(tmp_path, base(adapters, lora_fail=("bad",))))
     results = await asyncio.gather(*(complete(proxy, "bad") for _ in range(5)))
     for status, data in results:
         assert status == 502 and data["error"]["code"] == "adapter_load_failed"
@@ -381,11 +353,15 @@ async def test_a_failing_adapter_is_isolated(tmp_path: Path, start_proxy: StartP
     inst = proxy.instance("base")
     assert inst.state is State.RUNNING and inst.id == "base#1"
     assert inst.adapters.status() == {"good": "loaded"}
-    page = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_adapter_loads_total{adapter="bad",model_id="base",result="failed"}' in page
+    metrics = await proxy_samples(proxy)
+    assert metrics.find(
+        "vllm_proxy_adapter_loads_total", adapter="bad", model_id="base", result="failed"
+    )
     assert (
-        'vllm_proxy_adapter_loads_total{adapter="gone",model_id="base",result="not_found"} 1.0'
-        in page
+        metrics.get(
+            "vllm_proxy_adapter_loads_total", adapter="gone", model_id="base", result="not_found"
+        )
+        == 1.0
     )
 
 
@@ -393,18 +369,11 @@ async def test_a_replica_that_holds_the_adapter_is_preferred(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {"base": {"model": "x", "replicas": 2, "adapters": {"a": str(a), "b": str(b)}}},
-        )
-    )
-    status, _ = await complete(proxy, "base")
-    assert status == 200
+    proxy = await start_proxy(config(tmp_path, base({"a": a, "b": b}, replicas=2)))
+    assert (await complete(proxy, "base"))[0] == 200
     model = proxy.model("base")
     await wait_for(lambda: len([i for i in model.instances if i.state is State.RUNNING]) == 2)
-    status, _ = await complete(proxy, "a")
-    assert status == 200
+    assert (await complete(proxy, "a"))[0] == 200
     holder = next(i for i in model.instances if i.adapters.holds("a"))
     for _ in range(6):  # the other replica is as idle, and more recently used: still "a"'s
         status, _ = await complete(proxy, "a")
@@ -426,9 +395,8 @@ async def test_adapters_are_registered_again_on_a_restarted_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a = adapter(tmp_path, "a")
-    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}}}))
-    status, _ = await complete(proxy, "a")
-    assert status == 200
+    proxy = await start_proxy(config(tmp_path, base({"a": a})))
+    assert (await complete(proxy, "a"))[0] == 200
     first = proxy.instance("base")
     assert first.engine is not None
     first.engine.kill()
@@ -444,11 +412,8 @@ async def test_a_level_2_wake_registers_adapters_again_and_level_1_keeps_them(
 ) -> None:
     a = adapter(tmp_path, "a")
     policy = {"level": 1, "after_idle_s": 60}
-    proxy = await start_proxy(
-        config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}, "sleep": policy}})
-    )
-    status, _ = await complete(proxy, "a")
-    assert status == 200
+    proxy = await start_proxy(config(tmp_path, base({"a": a}, sleep=policy)))
+    assert (await complete(proxy, "a"))[0] == 200
     inst = proxy.instance("base")
     for level, expected in ((1, 1), (2, 2)):
         resp = await proxy.http.post(proxy.url + f"/admin/models/base/sleep?level={level}")
@@ -495,22 +460,21 @@ async def test_v1_models_lists_adapters_with_their_parent(
     }
     assert cards["alpha"]["adapter"] == "a" and cards["alpha"]["parent"] == "base"
     assert cards["c"]["parent"] == "base" and cards["c"]["root"] == str(folder / "c")
-    status, _ = await complete(proxy, "alpha")
-    assert status == 200
+    assert (await complete(proxy, "alpha"))[0] == 200
     card = await (await proxy.http.get(proxy.url + "/v1/models/a")).json()
     assert card["state"] == "loaded" and card["instances"] == ["base#1"]
     snapshot = await (await proxy.http.get(proxy.url + "/admin/models")).json()
     rows = snapshot if isinstance(snapshot, list) else snapshot.get("models", snapshot)
-    base = next(r for r in rows if r["name"] == "base")
-    assert base["adapters"][0] == {
+    row = next(r for r in rows if r["name"] == "base")
+    assert row["adapters"][0] == {
         "name": "a",
         "aliases": ["alpha"],
         "path": str(a),
         "source": "config",
         "instances": {"base#1": "loaded"},
     }
-    assert base["max_adapters"] == 4 and base["adapters_dir"] == str(folder)
-    assert base["instances"][0]["adapters"] == {"a": "loaded"}
+    assert row["max_adapters"] == 4 and row["adapters_dir"] == str(folder)
+    assert row["instances"][0]["adapters"] == {"a": "loaded"}
 
 
 async def test_a_model_name_wins_over_an_adapter_folder_of_the_same_name(
@@ -519,9 +483,7 @@ async def test_a_model_name_wins_over_an_adapter_folder_of_the_same_name(
     folder = tmp_path / "adapters"
     adapter(folder, "other")
     proxy = await start_proxy(
-        config(
-            tmp_path, {"base": {"model": "x", "adapters_dir": str(folder)}, "other": {"model": "y"}}
-        )
+        config(tmp_path, {**base(adapters_dir=str(folder)), "other": {"model": "y"}})
     )
     status, data = await complete(proxy, "other")
     assert status == 200 and data["model"] == "other" and text(data) == "tok0 tok1 "
@@ -532,22 +494,11 @@ async def test_an_engine_without_runtime_lora_routes_is_a_clear_502(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a = adapter(tmp_path, "a")
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {
-                "base": {
-                    "model": "x",
-                    "adapters": {"a": str(a)},
-                    "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"},
-                }
-            },
-        )
-    )
+    models = base({"a": a}, env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "0"})
+    proxy = await start_proxy(config(tmp_path, models))
     status, data = await complete(proxy, "a")
     assert status == 502 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in data["error"]["message"]
-    status, _ = await complete(proxy, "base")
-    assert status == 200
+    assert (await complete(proxy, "base"))[0] == 200
 
 
 async def test_the_status_page_shows_each_models_adapters(
@@ -558,8 +509,7 @@ async def test_the_status_page_shows_each_models_adapters(
     a, b = adapter(tmp_path, "sql"), adapter(tmp_path, "poet")
     adapters = {"sql": {"path": str(a), "aliases": ["q"]}, "poet": str(b)}
     proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": adapters}}))
-    status, _ = await complete(proxy, "q")
-    assert status == 200
+    assert (await complete(proxy, "q"))[0] == 200
     rc, dom, err = await run_chromium(
         proxy.url + "/", tmp_path / "profile", "--dump-dom", "--virtual-time-budget=5000"
     )
@@ -574,9 +524,8 @@ async def test_a_reload_that_adds_an_adapter_keeps_the_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    proxy = await start_proxy(config(tmp_path, {"base": {"model": "x", "adapters": {"a": str(a)}}}))
-    status, _ = await complete(proxy, "a")
-    assert status == 200
+    proxy = await start_proxy(config(tmp_path, base({"a": a})))
+    assert (await complete(proxy, "a"))[0] == 200
     inst = proxy.instance("base")
     status, _ = await complete(proxy, "b")
     assert status == 404
@@ -590,7 +539,7 @@ async def test_a_reload_that_adds_an_adapter_keeps_the_engine(
     assert proxy.instance("base") is inst and await loads(proxy, inst) == {"a": 1, "b": 1}
     bigger = adapter(tmp_path / "big", "c", rank=64)
     report = proxy.manager.reload(
-        config(tmp_path, {"base": {"model": "x", "adapters": {**both, "c": str(bigger)}}}).specs(),
+        config(tmp_path, base({**both, "c": bigger})).specs(),
         5,
     )
     assert report["restarted"] == ["base"]  # --max-lora-rank 8 -> 64: a new engine
@@ -600,21 +549,9 @@ async def test_a_client_gone_during_the_load_leaves_no_use_behind(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     a, b = adapter(tmp_path, "a"), adapter(tmp_path, "b")
-    proxy = await start_proxy(
-        config(
-            tmp_path,
-            {
-                "base": {
-                    "model": "x",
-                    "adapters": {"a": str(a), "b": str(b)},
-                    "max_adapters": 1,
-                    "env": {"FAKE_ENGINE_LORA_LOAD_DELAY": "0.5"},
-                }
-            },
-        )
-    )
-    status, _ = await complete(proxy, "base")
-    assert status == 200
+    models = base({"a": a, "b": b}, lora_load_delay=0.5, max_adapters=1)
+    proxy = await start_proxy(config(tmp_path, models))
+    assert (await complete(proxy, "base"))[0] == 200
     inst = proxy.instance("base")
     gone = asyncio.ensure_future(complete(proxy, "a"))
     await wait_for(lambda: inst.adapters.status() == {"a": "loading"})

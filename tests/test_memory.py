@@ -9,32 +9,16 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import FAKE_ENGINE, RunningProxy, StartProxy, make_config, wait_for
+from kit import FAKE_ENGINE, FakeEngine, RunningProxy, StartProxy, wait_for
+from kit import budget_config as budget
+from kit.metrics import proxy_samples
 
 from vllm_proxy.app import create_app
 from vllm_proxy.errors import ConfigError
 from vllm_proxy.instance import State
 
-SLOW = {"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
-LONG = {"FAKE_ENGINE_TOKENS": "200", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
-
-
-def budget(tmp_path: Path, models: dict[str, dict[str, Any]], **admission: Any) -> Any:
-    cfg = make_config(tmp_path, models)
-    return cfg.model_copy(
-        update={
-            "gpu": cfg.gpu.model_copy(
-                update={"monitor": "static", "devices": _devices(admission.pop("devices", None))}
-            ),
-            "admission": cfg.admission.model_copy(update=admission),
-        }
-    )
-
-
-def _devices(devices: list[tuple[int, int]] | None) -> list[Any]:
-    from vllm_proxy.config import GpuDevice
-
-    return [GpuDevice(id=i, memory_mb=mb) for i, mb in (devices or [(0, 1000)])]
+SLOW = FakeEngine(tokens=30, token_delay=0.05).env()
+LONG = FakeEngine(tokens=200, token_delay=0.05).env()
 
 
 def m(mb: int, **extra: Any) -> dict[str, Any]:
@@ -58,10 +42,10 @@ async def test_lru_idle_model_is_evicted(tmp_path: Path, start_proxy: StartProxy
     assert await chat(proxy, "a") == 200  # a is now the most recently used
     assert await chat(proxy, "c") == 200
     assert states(proxy) == {"a": "running", "b": "stopped", "c": "running"}
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_evictions_total{model_id="b",reason="memory"} 1.0' in text
-    assert 'vllm_gpu_memory_total_mb{gpu_id="0"} 1000.0' in text
-    assert 'vllm_gpu_memory_used_mb{gpu_id="0"} 800.0' in text
+    metrics = await proxy_samples(proxy)
+    assert metrics.get("vllm_proxy_evictions_total", model_id="b", reason="memory") == 1.0
+    assert metrics.get("vllm_gpu_memory_total_mb", gpu_id="0") == 1000.0
+    assert metrics.get("vllm_gpu_memory_used_mb", gpu_id="0") == 800.0
 
 
 async def test_cumulative_eviction_frees_enough(tmp_path: Path, start_proxy: StartProxy) -> None:
@@ -154,7 +138,7 @@ async def test_queue_is_bounded(tmp_path: Path, start_proxy: StartProxy) -> None
 
 
 async def test_starts_on_one_device_are_serialised(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "0.5"}
+    env = FakeEngine(startup_delay=0.5).env()
     models = {"a": {**m(100), "env": env}, "b": {**m(100), "env": env}}
     proxy = await start_proxy(budget(tmp_path, models))
     assert await asyncio.gather(chat(proxy, "a"), chat(proxy, "b")) == [200, 200]
@@ -167,9 +151,9 @@ async def test_starts_on_one_device_are_serialised(tmp_path: Path, start_proxy: 
 async def test_starts_on_different_devices_run_in_parallel(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}
+    env = FakeEngine(startup_delay=1.0).env()
     models = {"a": {**m(600), "env": env}, "b": {**m(600), "env": env}}
-    proxy = await start_proxy(budget(tmp_path, models, devices=[(0, 1000), (1, 1000)]))
+    proxy = await start_proxy(budget(tmp_path, models, budget_mb={0: 1000, 1: 1000}))
     assert await asyncio.gather(chat(proxy, "a"), chat(proxy, "b")) == [200, 200]
     a, b = proxy.instance("a"), proxy.instance("b")
     assert {a.placement.devices, b.placement.devices} == {(0,), (1,)}  # type: ignore[union-attr]
@@ -181,7 +165,7 @@ async def test_tensor_parallel_takes_a_device_set(tmp_path: Path, start_proxy: S
         "small": m(500),
         "tp2": m(600, args={"tensor_parallel_size": 2}),
     }
-    proxy = await start_proxy(budget(tmp_path, models, devices=[(0, 1000), (1, 1000)]))
+    proxy = await start_proxy(budget(tmp_path, models, budget_mb={0: 1000, 1: 1000}))
     assert await chat(proxy, "small") == 200
     assert await chat(proxy, "tp2") == 200
     assert proxy.instance("tp2").placement.devices == (0, 1)  # type: ignore[union-attr]
@@ -203,8 +187,8 @@ async def test_out_of_memory_at_start_evicts_one_more_and_retries(
     assert await chat(proxy, "b") == 200
     assert await chat(proxy, "c") == 200  # fits by the budget, fails with OOM, retried
     assert states(proxy) == {"a": "stopped", "b": "running", "c": "running"}
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_evictions_total{model_id="a",reason="out_of_memory"} 1.0' in text
+    metrics = await proxy_samples(proxy)
+    assert metrics.get("vllm_proxy_evictions_total", model_id="a", reason="out_of_memory") == 1.0
 
 
 async def test_model_larger_than_any_device_fails_at_start(tmp_path: Path) -> None:
@@ -218,7 +202,7 @@ async def test_admission_waits_for_a_stopping_engine(
 ) -> None:
     # a's engine ignores SIGTERM: evicting it takes its stop timeout; c must wait, not overcommit.
     models = {
-        "a": m(500, env={"FAKE_ENGINE_IGNORE_SIGTERM": "1"}, stop_timeout_s=0.5),
+        "a": m(500, env=FakeEngine(ignore_sigterm=True).env(), stop_timeout_s=0.5),
         "c": m(600),
     }
     proxy = await start_proxy(budget(tmp_path, models))

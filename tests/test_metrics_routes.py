@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import RunningProxy, StartProxy, make_config, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
 OPEN = {"admin_open": True}

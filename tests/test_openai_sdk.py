@@ -7,11 +7,11 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import StartProxy, make_config
+from kit import FakeEngine, StartProxy, make_config
 
 
 async def sdk(start_proxy: StartProxy, tmp_path: Path, **server: Any) -> openai.AsyncOpenAI:
-    env = {"FAKE_ENGINE_TOKENS": "4"}
+    env = FakeEngine(tokens=4).env()
     cfg = make_config(
         tmp_path,
         {"chat": {"model": "org/chat", "aliases": ["c"], "env": env}, "emb": {"model": "org/e"}},

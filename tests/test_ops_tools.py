@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
-from conftest import StartProxy, free_port, make_config, wait_for
+from kit import StartProxy, free_port, healthy, make_config, wait_for
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -372,11 +372,7 @@ async def test_prometheus_scrapes_metrics(start_proxy: StartProxy, tmp_path: Pat
 
         async def ready() -> bool:
             assert proc.returncode is None, f"prometheus exited: {log_tail()}"
-            try:
-                async with http.get(base + "/-/ready") as r:
-                    return r.status == 200
-            except aiohttp.ClientConnectionError:
-                return False
+            return await healthy(http, base, "/-/ready")
 
         await wait_for(ready, timeout=30, what="prometheus ready")
 

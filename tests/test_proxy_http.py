@@ -10,7 +10,7 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from conftest import StartProxy, make_config
+from kit import FakeEngine, StartProxy, make_config
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -110,7 +110,7 @@ async def test_models_lists_every_model_and_alias_with_state(
 async def test_stream_passes_through_chunk_by_chunk(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "5", "FAKE_ENGINE_TOKEN_DELAY": "0.3"}
+    env = FakeEngine(tokens=5, token_delay=0.3).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1", max_tokens=1)).status == 200  # warm up
     body = {
@@ -196,7 +196,7 @@ async def test_health_and_shutdown_refusal(tmp_path: Path, start_proxy: StartPro
 
 
 async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "0.5"}
+    env = FakeEngine(startup_delay=0.5).env()
     cfg = make_config(tmp_path, {f"m{i}": {"model": "x", "env": env} for i in range(3)})
     proxy = await start_proxy(cfg)
     results = await asyncio.gather(*(proxy.chat(f"m{i}") for i in range(3)))
@@ -208,7 +208,7 @@ async def test_many_models_start_in_parallel(tmp_path: Path, start_proxy: StartP
 async def test_sse_error_event_on_upstream_read_timeout(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "3", "FAKE_ENGINE_TOKEN_DELAY": "5"}
+    env = FakeEngine(tokens=3, token_delay=5).env()
     cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine={"read_timeout_s": 2})
     proxy = await start_proxy(cfg)
     resp = await proxy.chat("m1", stream=True)
@@ -218,14 +218,14 @@ async def test_sse_error_event_on_upstream_read_timeout(
 
 
 async def test_client_timeout_does_not_leak_leases(tmp_path: Path, start_proxy: StartProxy) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "50", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=50, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.3)) as client:
         body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
         with pytest.raises(asyncio.TimeoutError):
             await client.post(proxy.url + "/v1/chat/completions", json=body)
-    from conftest import wait_for
+    from kit import wait_for
 
     await wait_for(lambda: proxy.manager.active_leases() == 0, what="lease released")
 
@@ -254,7 +254,7 @@ def _garbage(rng: random.Random) -> tuple[bytes, dict[str, str]]:
 async def test_garbage_never_breaks_the_proxy_or_other_clients(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=20, token_delay=0.05).env()
     proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x", "env": env}}))
     stream = await proxy.chat("m1", stream=True)  # a good client, in flight the whole time
     rng = random.Random(1234)

@@ -13,11 +13,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from conftest import StartProxy, free_port, group_alive, kill_group, make_config, wait_for
+from kit import FakeEngine, StartProxy, free_port, group_alive, kill_group, make_config, wait_for
 
 from vllm_proxy.registry import EngineRegistry, StateDirBusy, StateLock
 
-MODELS = {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}}
+MODELS = {"m1": {"model": "x", "env": FakeEngine(spawn_child=True).env()}}
 
 
 async def test_startup_sweep_kills_engines_of_a_dead_proxy(

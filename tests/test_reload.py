@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import FAKE_ENGINE, group_alive, wait_for
+from kit import FAKE_ENGINE, group_alive, wait_for
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import load_config

@@ -8,65 +8,33 @@ import json
 import os
 import signal
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, wait_for
+from kit import replicas_config as config
+from kit.metrics import engine_metric, proxy_samples
 
-from vllm_proxy.config import GpuDevice, parse_config
+from vllm_proxy.config import parse_config
 from vllm_proxy.errors import ConfigError
 from vllm_proxy.instance import Instance, State
 
-LONG = {"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}  # ~2 s per stream
-
-
-def config(tmp_path: Path, model: dict[str, Any], devices: int = 3) -> Any:
-    models = {"m": {"model": "x", "memory_mb": 600, **model}}
-    cfg = make_config(tmp_path, models, server={"admin_open": True})
-    gpus = [GpuDevice(id=i, memory_mb=1000) for i in range(devices)]
-    return cfg.model_copy(
-        update={"gpu": cfg.gpu.model_copy(update={"monitor": "static", "devices": gpus})}
-    )
+LONG = FakeEngine(tokens=40, token_delay=0.05).env()  # ~2 s per stream
 
 
 async def served(proxy: RunningProxy, inst: Instance) -> float:
     """Requests the instance's engine has finished (its own vllm:request_success_total)."""
-    assert inst.engine is not None
-    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("vllm:request_success_total{")
-    )
+    return await engine_metric(proxy, inst, "vllm:request_success_total")
 
 
 def running(proxy: RunningProxy) -> list[Instance]:
     return [i for i in proxy.model("m").instances if i.state is State.RUNNING]
 
 
-async def open_stream(proxy: RunningProxy, **headers: str) -> aiohttp.ClientResponse:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=body, headers=headers)
-    assert resp.status == 200
-    await resp.content.readany()  # the first event: the request holds its lease
-    return resp
-
-
 async def finish(resp: aiohttp.ClientResponse) -> bytes:
     body = await resp.read()
     assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
     return body
-
-
-async def short(proxy: RunningProxy, **headers: str) -> int:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
-    async with proxy.http.post(
-        proxy.url + "/v1/chat/completions", json=body, headers=headers
-    ) as resp:
-        await resp.read()
-        return resp.status
 
 
 def test_replicas_and_autoscale_are_exclusive_and_bounded() -> None:
@@ -84,7 +52,7 @@ async def test_fixed_replicas_start_together_on_their_own_devices(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     proxy = await start_proxy(config(tmp_path, {"replicas": 3}))
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     await wait_for(lambda: len(running(proxy)) == 3, timeout=30, what="three replicas up")
     replicas = running(proxy)
     assert len({i.id for i in replicas}) == 3
@@ -97,14 +65,14 @@ async def test_fixed_replicas_start_together_on_their_own_devices(
 
 async def test_least_outstanding_routing(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy = await start_proxy(config(tmp_path, {"replicas": 2, "env": LONG}, devices=2))
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     await wait_for(lambda: len(running(proxy)) == 2, timeout=30, what="two replicas up")
-    stream = await open_stream(proxy)
+    stream = await proxy.open_stream("m")
     (busy,) = [i for i in running(proxy) if i.leases == 1]
     (idle,) = [i for i in running(proxy) if i is not busy]
     before = await served(proxy, idle), await served(proxy, busy)
     for _ in range(5):
-        assert await short(proxy) == 200
+        assert await proxy.status("m") == 200
     # Every short request went to the replica without the long stream.
     assert await served(proxy, idle) == before[0] + 5
     assert await served(proxy, busy) == before[1]
@@ -116,25 +84,25 @@ async def test_session_affinity_keeps_a_session_on_its_replica(
 ) -> None:
     model = {"replicas": 2, "env": LONG, "affinity_header": "X-Session-ID"}
     proxy = await start_proxy(config(tmp_path, model, devices=2))
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     await wait_for(lambda: len(running(proxy)) == 2, timeout=30, what="two replicas up")
-    stream = await open_stream(proxy, **{"X-Session-ID": "alice"})
+    stream = await proxy.open_stream("m", **{"X-Session-ID": "alice"})
     (alice,) = [i for i in running(proxy) if i.leases == 1]
     (other,) = [i for i in running(proxy) if i is not alice]
     before = await served(proxy, alice)
     # alice stays on her replica although it is the busier one; bob goes to the idle one.
     for _ in range(3):
-        assert await short(proxy, **{"X-Session-ID": "alice"}) == 200
+        assert await proxy.status("m", **{"X-Session-ID": "alice"}) == 200
     assert await served(proxy, alice) == before + 3
     bob_before = await served(proxy, other)
-    assert await short(proxy, **{"X-Session-ID": "bob"}) == 200
+    assert await proxy.status("m", **{"X-Session-ID": "bob"}) == 200
     assert await served(proxy, other) == bob_before + 1
     await finish(stream)
     # A session whose replica is gone moves to one that serves.
     assert alice.engine is not None
     os.killpg(alice.engine.pid or 0, signal.SIGKILL)
     await wait_for(lambda: alice.state is State.ERROR, what="alice's replica down")
-    assert await short(proxy, **{"X-Session-ID": "alice"}) == 200
+    assert await proxy.status("m", **{"X-Session-ID": "alice"}) == 200
 
 
 async def test_autoscale_up_under_streams_and_the_second_wave_spreads(
@@ -142,7 +110,7 @@ async def test_autoscale_up_under_streams_and_the_second_wave_spreads(
 ) -> None:
     scale = {"max_replicas": 3, "target_ongoing_requests": 1, "downscale_delay_s": 60}
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}))
-    first = await asyncio.gather(*(open_stream(proxy) for _ in range(3)))
+    first = await asyncio.gather(*(proxy.open_stream("m") for _ in range(3)))
     await wait_for(lambda: len(running(proxy)) == 3, timeout=30, what="scaled up to 3")
     assert sorted(d for i in running(proxy) for d in i.devices) == [0, 1, 2]
     for resp in first:
@@ -150,7 +118,7 @@ async def test_autoscale_up_under_streams_and_the_second_wave_spreads(
     # The second wave spreads: three concurrent streams land on three different replicas.
     await wait_for(lambda: all(i.leases == 0 for i in running(proxy)), what="first wave done")
     replicas = running(proxy)
-    second = await asyncio.gather(*(open_stream(proxy) for _ in range(3)))
+    second = await asyncio.gather(*(proxy.open_stream("m") for _ in range(3)))
     assert sorted(i.leases for i in replicas) == [1, 1, 1]
     for resp in second:
         await finish(resp)
@@ -163,17 +131,17 @@ async def test_autoscale_down_one_at_a_time_to_min_replicas(
     scale = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1,
              "downscale_delay_s": 0.5}  # fmt: skip
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}))
-    streams = await asyncio.gather(*(open_stream(proxy) for _ in range(3)))
+    streams = await asyncio.gather(*(proxy.open_stream("m") for _ in range(3)))
     await wait_for(lambda: len(running(proxy)) == 3, timeout=30, what="scaled up to 3")
     for resp in streams:
         await finish(resp)
     # Idle past downscale_delay_s: removed one at a time down to min_replicas, and no further.
     await wait_for(lambda: len(running(proxy)) == 1, timeout=20, what="scaled down to 1")
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_evictions_total{model_id="m",reason="downscale"} 2.0' in text
+    metrics = await proxy_samples(proxy)
+    assert metrics.get("vllm_proxy_evictions_total", model_id="m", reason="downscale") == 2.0
     (last,) = running(proxy)
     await wait_for(lambda: proxy.model("m").instances == [last], what="the others stopped")
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     assert running(proxy) == [last] and len(proxy.model("m").instances) == 1, "min is kept"
 
 
@@ -181,9 +149,9 @@ async def test_a_killed_replica_loses_only_its_own_requests(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     proxy = await start_proxy(config(tmp_path, {"replicas": 2, "env": LONG}, devices=2))
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     await wait_for(lambda: len(running(proxy)) == 2, timeout=30, what="two replicas up")
-    streams = [await open_stream(proxy), await open_stream(proxy)]
+    streams = [await proxy.open_stream("m"), await proxy.open_stream("m")]
     a, b = running(proxy)
     assert a.leases == 1 and b.leases == 1
     assert a.engine is not None and a.engine.pid is not None
@@ -196,4 +164,4 @@ async def test_a_killed_replica_loses_only_its_own_requests(
     text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
     assert text == "".join(f"tok{i} " for i in range(40))
     assert b.state is State.RUNNING
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200

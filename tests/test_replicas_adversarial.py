@@ -9,32 +9,34 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
+from kit import replicas_config as config
+from kit.metrics import engine_metric
+from kit.watch import watching
 
-from vllm_proxy.config import GpuDevice
 from vllm_proxy.instance import DOWN, Instance, State
+from vllm_proxy.model import Model
 
-LONG = {"FAKE_ENGINE_TOKENS": "40", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}  # ~2 s per stream
+LONG = FakeEngine(tokens=40, token_delay=0.05).env()  # ~2 s per stream
 SLEEPY = {"level": 1, "after_idle_s": 0.3}
-
-
-def config(tmp_path: Path, model: dict[str, Any], devices: int = 3, **engine: Any) -> Any:
-    models = {"m": {"model": "x", "memory_mb": 600, **model}}
-    cfg = make_config(tmp_path, models, server={"admin_open": True}, engine=engine)
-    gpus = [GpuDevice(id=i, memory_mb=1000) for i in range(devices)]
-    return cfg.model_copy(
-        update={"gpu": cfg.gpu.model_copy(update={"monitor": "static", "devices": gpus})}
-    )
 
 
 def running(proxy: RunningProxy) -> list[Instance]:
     return [i for i in proxy.model("m").instances if i.state is State.RUNNING]
+
+
+async def replicas_asleep(proxy: RunningProxy, count: int) -> Model:
+    """Model m, once it has `count` instances and all of them are asleep."""
+    model = proxy.model("m")
+    await wait_for(
+        lambda: len(model.instances) == count and all(i.asleep for i in model.instances),
+        timeout=30,
+        what=f"{count} replicas asleep",
+    )
+    return model
 
 
 def kept(proxy: RunningProxy) -> list[Instance]:
@@ -44,52 +46,6 @@ def kept(proxy: RunningProxy) -> list[Instance]:
         for i in proxy.model("m").instances
         if not i.retired and i.state not in DOWN and i.state is not State.STOPPING
     ]
-
-
-async def open_stream(proxy: RunningProxy) -> aiohttp.ClientResponse:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    resp = await proxy.http.post(proxy.url + "/v1/chat/completions", json=body)
-    assert resp.status == 200
-    await resp.content.readany()  # the first event: the request holds its lease
-    return resp
-
-
-async def short(proxy: RunningProxy, max_tokens: int = 1, **headers: str) -> int:
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens}
-    url = proxy.url + "/v1/chat/completions"
-    async with proxy.http.post(url, json=body, headers=headers) as resp:
-        await resp.read()
-        return resp.status
-
-
-async def gauges(proxy: RunningProxy, prefix: str) -> dict[str, float]:
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(prefix):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
-
-
-@asynccontextmanager
-async def watching(check: Callable[[], str | None]) -> AsyncIterator[list[str]]:
-    """Evaluate `check` every 5 ms while the body runs; collects every violation reported."""
-    seen: list[str] = []
-
-    async def loop() -> None:
-        while True:
-            problem = check()
-            if problem is not None and problem not in seen:
-                seen.append(problem)
-            await asyncio.sleep(0.005)
-
-    task = asyncio.ensure_future(loop())
-    try:
-        yield seen
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
 
 
 def engine_pid(inst: Instance) -> int:
@@ -109,7 +65,7 @@ async def test_a_pending_upscale_never_restarts_an_unloaded_model(
              "upscale_delay_s": 2.0}  # fmt: skip
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}, devices=2))
     model = proxy.model("m")
-    streams = await asyncio.gather(open_stream(proxy), open_stream(proxy))
+    streams = await asyncio.gather(proxy.open_stream("m"), proxy.open_stream("m"))
     assert model.autoscaler.upscale_pending, "the second replica is due after the delay"
     resp = await proxy.http.post(proxy.url + "/admin/models/m/unload?timeout=0")
     assert resp.status == 200 and model.instances == []
@@ -124,10 +80,10 @@ async def test_a_replica_that_fails_to_start_fails_no_request_another_replica_se
 ) -> None:
     """Two fixed replicas start together for the first request; the one that request waits
     for dies while starting, after the other is up. The request is served by the other."""
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}
+    env = FakeEngine(startup_delay=1.0).env()
     proxy = await start_proxy(config(tmp_path, {"replicas": 2, "env": env}, devices=2))
     model = proxy.model("m")
-    request = asyncio.ensure_future(short(proxy))
+    request = asyncio.ensure_future(proxy.status("m"))
     await wait_for(
         lambda: len(model.instances) == 2 and all(i.engine for i in model.instances),
         what="both replicas spawned",
@@ -150,7 +106,7 @@ async def test_replicas_the_load_asks_for_are_not_scaled_down_as_idle(
     scale = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1,
              "downscale_delay_s": 0.2}  # fmt: skip
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "env": LONG}))
-    streams = await asyncio.gather(*(open_stream(proxy) for _ in range(3)))
+    streams = await asyncio.gather(*(proxy.open_stream("m") for _ in range(3)))
     await wait_for(lambda: len(running(proxy)) == 3, timeout=30, what="scaled up to 3")
 
     def kept_while_loaded() -> str | None:
@@ -172,18 +128,13 @@ async def test_a_reload_that_lowers_the_count_retires_sleeping_replicas_too(
     """Three fixed replicas, all asleep; a reload lowers the count to one. The surplus holds
     GPU memory (and host RAM at level 1) and must go, asleep or not."""
     proxy = await start_proxy(config(tmp_path, {"replicas": 3, "sleep": SLEEPY}))
-    assert await short(proxy) == 200
-    model = proxy.model("m")
-    await wait_for(
-        lambda: len(model.instances) == 3 and all(i.asleep for i in model.instances),
-        timeout=30,
-        what="three replicas asleep",
-    )
+    assert await proxy.status("m") == 200
+    await replicas_asleep(proxy, 3)
     cfg = config(tmp_path, {"replicas": 1, "sleep": SLEEPY})
     report = proxy.manager.reload(cfg.specs(), 5.0)
     assert report["kept"] == ["m"]
     await wait_for(lambda: len(kept(proxy)) <= 1, timeout=5, what="the surplus retired")
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
 
 
 async def test_a_reload_that_lowers_the_count_while_replicas_start_keeps_the_new_count(
@@ -191,10 +142,10 @@ async def test_a_reload_that_lowers_the_count_while_replicas_start_keeps_the_new
 ) -> None:
     """Three fixed replicas are starting for the first request when a reload lowers the count
     to one: the surplus is retired, and no replacement starts for it."""
-    env = {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}
+    env = FakeEngine(startup_delay=1.0).env()
     proxy = await start_proxy(config(tmp_path, {"replicas": 3, "env": env}))
     model = proxy.model("m")
-    request = asyncio.ensure_future(short(proxy))
+    request = asyncio.ensure_future(proxy.status("m"))
     await wait_for(lambda: len(model.instances) == 3, what="three replicas starting")
     report = proxy.manager.reload(config(tmp_path, {"replicas": 1, "env": env}).specs(), 5.0)
     assert report["kept"] == ["m"]
@@ -234,11 +185,11 @@ async def test_the_instances_gauge_stays_true_across_remove_add_remove(
         low = {k: v for k, v in counts().items() if v < 0}
         return f"vllm_proxy_instances of m below zero: {low}" if low else None
 
-    stream = await open_stream(proxy)
+    stream = await proxy.open_stream("m")
     old = proxy.instance("m")
     reload(without_m)
     reload(with_m)
-    assert await short(proxy) == 200
+    assert await proxy.status("m") == 200
     new = proxy.instance("m")
     assert new is not old and old.state is State.DRAINING
     async with watching(never_negative) as problems:
@@ -263,7 +214,7 @@ async def test_autoscale_bursts_stay_within_bounds_and_budget(
     RUNNING, never more held on a device than it has, and every request is served."""
     scale = {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 1,
              "downscale_delay_s": 0.2}  # fmt: skip
-    env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=10, token_delay=0.05).env()
     sleep = {"level": 1, "after_idle_s": 60}
     proxy = await start_proxy(config(tmp_path, {"autoscale": scale, "sleep": sleep, "env": env}))
     memory = proxy.manager.memory
@@ -293,7 +244,7 @@ async def test_autoscale_bursts_stay_within_bounds_and_budget(
     statuses: list[int] = []
     async with watching(check) as problems:
         for _ in range(4):
-            statuses += await asyncio.gather(*(short(proxy, 10) for _ in range(4)))
+            statuses += await asyncio.gather(*(proxy.status("m", 10) for _ in range(4)))
             await wait_for(
                 lambda: any(i.asleep for i in proxy.model("m").instances),
                 what="scaled down (a replica put to sleep) between waves",
@@ -307,16 +258,11 @@ async def test_autoscale_bursts_stay_within_bounds_and_budget(
 async def test_a_reload_that_raises_the_count_while_a_replica_wakes(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_WAKE_DELAY": "0.8"}
+    env = FakeEngine(wake_delay=0.8).env()
     proxy = await start_proxy(config(tmp_path, {"replicas": 2, "sleep": SLEEPY, "env": env}))
-    assert await short(proxy) == 200
-    model = proxy.model("m")
-    await wait_for(
-        lambda: len(model.instances) == 2 and all(i.asleep for i in model.instances),
-        timeout=30,
-        what="both replicas asleep",
-    )
-    request = asyncio.ensure_future(short(proxy))
+    assert await proxy.status("m") == 200
+    model = await replicas_asleep(proxy, 2)
+    request = asyncio.ensure_future(proxy.status("m"))
     await wait_for(lambda: any(i.state is State.WAKING for i in model.instances), what="waking")
     report = proxy.manager.reload(config(tmp_path, {"replicas": 3, "env": env,
                                                     "sleep": SLEEPY}).specs(), 5.0)  # fmt: skip
@@ -329,7 +275,7 @@ async def test_a_reload_that_raises_the_count_while_a_replica_wakes(
     async with watching(at_most_three) as problems:
         assert await request == 200
         await wait_for(lambda: len(kept(proxy)) == 3, timeout=20, what="a third replica")
-        assert await short(proxy) == 200
+        assert await proxy.status("m") == 200
     assert problems == []
     assert sorted(d for i in kept(proxy) for d in i.devices) == [0, 1, 2]
 
@@ -343,7 +289,7 @@ async def test_a_sleeping_replica_killed_beside_a_streaming_one_cuts_nothing(
     proxy = await start_proxy(
         config(tmp_path, {"autoscale": scale, "sleep": sleep, "env": LONG}, devices=2)
     )
-    first = await asyncio.gather(open_stream(proxy), open_stream(proxy))
+    first = await asyncio.gather(proxy.open_stream("m"), proxy.open_stream("m"))
     await wait_for(lambda: len(running(proxy)) == 2, timeout=30, what="two replicas")
     for resp in first:
         await resp.read()
@@ -352,25 +298,14 @@ async def test_a_sleeping_replica_killed_beside_a_streaming_one_cuts_nothing(
     )
     (sleeper,) = [i for i in proxy.model("m").instances if i.asleep]
     (awake,) = running(proxy)
-    stream = await open_stream(proxy)
+    stream = await proxy.open_stream("m")
     assert awake.leases == 1
     os.killpg(engine_pid(sleeper), signal.SIGKILL)
     await wait_for(lambda: sleeper.state is State.ERROR, what="the sleeper's crash seen")
     body = await stream.read()
     assert body.rstrip().endswith(b"data: [DONE]") and b'"error"' not in body
     assert awake.state is State.RUNNING
-    assert await short(proxy) == 200
-
-
-async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
-    assert inst.engine is not None
-    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
-        text = await resp.text()
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith(name + "{") or line.startswith(name + " ")
-    )
+    assert await proxy.status("m") == 200
 
 
 async def test_a_burst_on_asleep_fixed_replicas_wakes_each_once_and_reaches_no_sleeper(
@@ -380,10 +315,10 @@ async def test_a_burst_on_asleep_fixed_replicas_wakes_each_once_and_reaches_no_s
     that went to sleep: each engine is woken once, none is started again, and no request
     reaches an engine while it sleeps or wakes."""
     model = {"replicas": 2, "sleep": SLEEPY, "affinity_header": "X-Session-ID",
-             "env": {"FAKE_ENGINE_WAKE_DELAY": "0.3"}}  # fmt: skip
+             "env": FakeEngine(wake_delay=0.3).env()}  # fmt: skip
     proxy = await start_proxy(config(tmp_path, model, devices=2))
     for user in ("alice", "bob"):
-        assert await short(proxy, **{"X-Session-ID": user}) == 200
+        assert await proxy.status("m", **{"X-Session-ID": user}) == 200
     m = proxy.model("m")
     await wait_for(
         lambda: len(m.instances) == 2 and all(i.asleep for i in m.instances),
@@ -393,7 +328,7 @@ async def test_a_burst_on_asleep_fixed_replicas_wakes_each_once_and_reaches_no_s
     replicas = list(m.instances)
     users = ["alice", "bob", "carol", "dave"]
     statuses = await asyncio.gather(
-        *(short(proxy, **{"X-Session-ID": users[n % 4]}) for n in range(20))
+        *(proxy.status("m", **{"X-Session-ID": users[n % 4]}) for n in range(20))
     )
     assert statuses == [200] * 20
     for inst in replicas:  # the second one is woken in the background (the fixed count)

@@ -8,31 +8,17 @@ import asyncio
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 import aiohttp
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
+from kit import budget_config as budget
 
-from vllm_proxy.config import GpuDevice
 from vllm_proxy.errors import RETRY_AFTER_S, EngineFailed, ProxyError, Unavailable
 from vllm_proxy.proxy import error_response
 
 RAW_ENGINE = [sys.executable, str(Path(__file__).parent / "engines" / "raw_engine.py")]
-SLOW = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
-LONG = {"FAKE_ENGINE_TOKENS": "400", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
-
-
-def budget(tmp_path: Path, models: dict[str, dict[str, Any]], **admission: Any) -> Any:
-    """A 1000 MiB static GPU budget."""
-    cfg = make_config(tmp_path, models)
-    return cfg.model_copy(
-        update={
-            "gpu": cfg.gpu.model_copy(
-                update={"monitor": "static", "devices": [GpuDevice(id=0, memory_mb=1000)]}
-            ),
-            "admission": cfg.admission.model_copy(update=admission),
-        }
-    )
+SLOW = FakeEngine(tokens=20, token_delay=0.05).env()
+LONG = FakeEngine(tokens=400, token_delay=0.05).env()
 
 
 async def refused(resp: aiohttp.ClientResponse, code: str) -> None:

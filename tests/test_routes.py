@@ -18,8 +18,8 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
-from prometheus_client.parser import text_string_to_metric_families
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
+from kit.metrics import proxy_samples
 
 from vllm_proxy.proxy import MODEL_ROUTES
 
@@ -33,7 +33,7 @@ FILE_HEAD = (
 
 
 def config(tmp_path: Path, engine_env: dict[str, str] | None = None, **server: Any) -> Any:
-    env = {"FAKE_ENGINE_UPLOAD_LOG": str(tmp_path / "uploads.jsonl"), "FAKE_ENGINE_TOKENS": "4"}
+    env = FakeEngine(upload_log=tmp_path / "uploads.jsonl", tokens=4).env()
     env.update(engine_env or {})
     models = {
         "whisper": {"model": "org/whisper", "aliases": ["w"], "env": env},
@@ -182,13 +182,8 @@ async def test_audio_through_the_openai_sdk(tmp_path: Path, start_proxy: StartPr
     seen = uploads(tmp_path)
     assert [u["fields"]["model"] for u in seen] == ["whisper", "whisper"], "canonical names"
     assert seen[0]["files"]["file"]["sha256"] == hashlib.sha256(AUDIO * 2).hexdigest()
-    text_families = text_string_to_metric_families(
-        await (await proxy.http.get(proxy.url + "/metrics")).text()
-    )
-    samples = {
-        (s.name, tuple(sorted(s.labels.items()))): s.value for f in text_families for s in f.samples
-    }
-    assert samples[("vllm_requests_total", (("model_id", "whisper"), ("status", "200")))] == 2
+    samples = await proxy_samples(proxy)
+    assert samples.at('vllm_requests_total{model_id="whisper",status="200"}') == 2
 
 
 async def test_a_streamed_transcription_passes_through(

@@ -9,15 +9,13 @@ import os
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import openai
 import pytest
 import yaml
-from conftest import StartProxy, make_config
-from prometheus_client.parser import text_string_to_metric_families
+from kit import StartProxy, make_config, write_config
+from kit.metrics import proxy_samples
 
 from vllm_proxy import keys
-from vllm_proxy.app import Server
 from vllm_proxy.config import load_config, parse_config
 from vllm_proxy.errors import ConfigError
 from vllm_proxy.keys import KeyRing
@@ -311,15 +309,8 @@ async def test_a_scope_refusal_is_counted_as_a_404_of_the_model(
     for _ in range(2):
         assert (await post(proxy, "/v1/completions", "alpha-only", "brv"))[0] == 404
     await post(proxy, "/v1/completions", "alpha-only", "no-such-model")
-    async with proxy.http.get(proxy.url + "/metrics") as r:
-        text = await r.text()
-    counts = {
-        (s.labels["model_id"], s.labels["status"]): s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "vllm_requests"
-        for s in family.samples
-        if s.name == "vllm_requests_total"
-    }
+    samples = (await proxy_samples(proxy)).find("vllm_requests_total")
+    counts = {(s.labels["model_id"], s.labels["status"]): s.value for s in samples}
     assert counts == {("bravo", "404"): 2}
 
 
@@ -357,7 +348,7 @@ async def test_an_admin_key_opens_the_admin_api(tmp_path: Path, start_proxy: Sta
 
 
 async def test_a_reload_rereads_key_files_and_applies_scopes(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, start_proxy: StartProxy
 ) -> None:
     key_file = tmp_path / "team.key"
     key_file.write_text("sk-old\n")
@@ -367,50 +358,45 @@ async def test_a_reload_rereads_key_files_and_applies_scopes(
         mode="json", exclude_none=True
     )
     data["server"]["api_keys"] = [{"key_file": "team.key", "models": ["alpha"]}]
+    write_config(path, data)
+    proxy = await start_proxy.file(path)
+    http, url = proxy.http, proxy.url
+
+    async def models(key: str) -> int | list[str]:
+        async with http.get(url + "/v1/models", headers=bearer(key)) as r:
+            if r.status != 200:
+                return int(r.status)
+            return sorted(c["id"] for c in (await r.json())["data"])
+
+    async def reload() -> tuple[int, dict[str, Any]]:
+        async with http.post(url + "/admin/reload", headers=bearer("adm")) as r:
+            return r.status, await r.json()
+
+    assert await models("sk-old") == ["alf", "alpha"]
+    key_file.write_text("sk-new\n")
+    data["server"]["api_keys"][0]["models"] = ["alpha", "bravo"]
     path.write_text(yaml.safe_dump(data))
-    server = Server(load_config(path), str(path))
-    await server.start()
-    try:
-        async with aiohttp.ClientSession() as http:
-            url = f"http://127.0.0.1:{server.port}"
-
-            async def models(key: str) -> int | list[str]:
-                async with http.get(url + "/v1/models", headers=bearer(key)) as r:
-                    if r.status != 200:
-                        return int(r.status)
-                    return sorted(c["id"] for c in (await r.json())["data"])
-
-            async def reload() -> tuple[int, dict[str, Any]]:
-                async with http.post(url + "/admin/reload", headers=bearer("adm")) as r:
-                    return r.status, await r.json()
-
-            assert await models("sk-old") == ["alf", "alpha"]
-            key_file.write_text("sk-new\n")
-            data["server"]["api_keys"][0]["models"] = ["alpha", "bravo"]
-            path.write_text(yaml.safe_dump(data))
-            assert (await reload())[0] == 200
-            assert await models("sk-old") == 401
-            assert await models("sk-new") == ["alf", "alpha", "bravo", "brv"]
-            # An empty key file rejects the reload; the running keys stay.
-            key_file.write_text("")
-            with caplog.at_level(logging.ERROR):
-                status, body = await reload()
-            assert status == 400 and body["error"]["code"] == "invalid_config"
-            assert "server.api_keys.0.key_file:" in body["error"]["message"]
-            assert await models("sk-new") == ["alf", "alpha", "bravo", "brv"]
-            # So does an exact model name that no model has any more (a typo or a removal).
-            key_file.write_text("sk-new")
-            del data["models"]["bravo"]
-            path.write_text(yaml.safe_dump(data))
-            status, body = await reload()
-            assert status == 400
-            assert (
-                "server.api_keys.0.models.1: no model or alias is named 'bravo'"
-                in (body["error"]["message"])
-            )
-            assert "sk-new" not in body["error"]["message"] and "sk-new" not in caplog.text
-    finally:
-        await server.shutdown()
+    assert (await reload())[0] == 200
+    assert await models("sk-old") == 401
+    assert await models("sk-new") == ["alf", "alpha", "bravo", "brv"]
+    # An empty key file rejects the reload; the running keys stay.
+    key_file.write_text("")
+    with caplog.at_level(logging.ERROR):
+        status, body = await reload()
+    assert status == 400 and body["error"]["code"] == "invalid_config"
+    assert "server.api_keys.0.key_file:" in body["error"]["message"]
+    assert await models("sk-new") == ["alf", "alpha", "bravo", "brv"]
+    # So does an exact model name that no model has any more (a typo or a removal).
+    key_file.write_text("sk-new")
+    del data["models"]["bravo"]
+    path.write_text(yaml.safe_dump(data))
+    status, body = await reload()
+    assert status == 400
+    assert (
+        "server.api_keys.0.models.1: no model or alias is named 'bravo'"
+        in (body["error"]["message"])
+    )
+    assert "sk-new" not in body["error"]["message"] and "sk-new" not in caplog.text
 
 
 async def test_the_openai_sdk_with_a_scoped_key(tmp_path: Path, start_proxy: StartProxy) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from conftest import FAKE_ENGINE, free_port, group_alive, wait_for
+from kit import FAKE_ENGINE, FakeEngine, StartProxy, free_port, group_alive, wait_for
 
 CHAT = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -27,30 +26,21 @@ def write_config(path: Path, port: int, state: Path) -> Path:
     cfg = {
         "server": {"host": "127.0.0.1", "port": port, "state_dir": str(state)},
         "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
-        "models": {"m1": {"model": "x", "env": {"FAKE_ENGINE_SPAWN_CHILD": "1"}}},
+        "models": {"m1": {"model": "x", "env": FakeEngine(spawn_child=True).env()}},
     }
     path.write_text(yaml.safe_dump(cfg))
     return path
 
 
 @pytest.fixture
-def first_proxy(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
+def first_proxy(
+    tmp_path: Path, start_proxy: StartProxy
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, int]]:
     port = free_port()
     path = write_config(tmp_path / "first.yaml", port, tmp_path / "st")
-    with open(tmp_path / "first.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    yield proc, path, port
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    first = start_proxy.process(path, port, tmp_path / "first.log")
+    yield first.proc, path, port
+    first.stop()
 
 
 async def chat_ok(url: str) -> bool:

@@ -10,14 +10,22 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 import yaml
-from conftest import FAKE_ENGINE, free_port, group_alive, wait_for, wait_for_sync
+from kit import (
+    FAKE_ENGINE,
+    FakeEngine,
+    StartProxy,
+    free_port,
+    group_alive,
+    wait_for,
+    wait_for_sync,
+    wait_healthy,
+)
 
 
 def write_config(tmp_path: Path, env: dict[str, str], **server: Any) -> tuple[Path, int]:
@@ -33,37 +41,13 @@ def write_config(tmp_path: Path, env: dict[str, str], **server: Any) -> tuple[Pa
 
 
 @pytest.fixture
-def proxy_proc(tmp_path: Path) -> Iterator[Any]:
-    procs: list[subprocess.Popen[bytes]] = []
-
+def proxy_proc(tmp_path: Path, start_proxy: StartProxy) -> Any:
     def start(env: dict[str, str], **server: Any) -> tuple[subprocess.Popen[bytes], str]:
         path, port = write_config(tmp_path, env, **server)
-        log = open(tmp_path / "proxy.log", "wb")
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        log.close()
-        procs.append(proc)
-        return proc, f"http://127.0.0.1:{port}"
+        proxy = start_proxy.process(path, port, tmp_path / "proxy.log")
+        return proxy.proc, proxy.url
 
-    yield start
-    for proc in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
-async def wait_listening(url: str, session: aiohttp.ClientSession) -> None:
-    async def up() -> bool:
-        try:
-            async with session.get(url + "/health") as r:
-                return r.status == 200
-        except aiohttp.ClientError:
-            return False
-
-    await wait_for(up, timeout=30, what="proxy listening")
+    return start
 
 
 def engine_groups(tmp_path: Path) -> list[int]:
@@ -84,9 +68,9 @@ async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(
     tmp_path: Path, proxy_proc: Any
 ) -> None:
     # The spawned child ignores SIGTERM and survives its parent, like vLLM's EngineCore.
-    proc, url = proxy_proc({"FAKE_ENGINE_SPAWN_CHILD": "1"})
+    proc, url = proxy_proc(FakeEngine(spawn_child=True).env())
     async with aiohttp.ClientSession() as s:
-        await wait_listening(url, s)
+        await wait_healthy(s, url)
         for model in ("m1", "m2"):
             async with s.post(url + "/v1/chat/completions", json={**CHAT, "model": model}) as r:
                 assert r.status == 200
@@ -100,10 +84,10 @@ async def test_kill_9_of_the_proxy_takes_every_engine_tree_down(
 async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(
     tmp_path: Path, proxy_proc: Any
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "10", "FAKE_ENGINE_TOKEN_DELAY": "0.15"}
+    env = FakeEngine(tokens=10, token_delay=0.15).env()
     proc, url = proxy_proc(env, drain_timeout_s=20)
     async with aiohttp.ClientSession() as s:
-        await wait_listening(url, s)
+        await wait_healthy(s, url)
         async with s.post(url + "/v1/chat/completions", json={**CHAT, "max_tokens": 1}) as r:
             assert r.status == 200
         groups = engine_groups(tmp_path)
@@ -127,10 +111,10 @@ async def test_sigterm_drains_in_flight_refuses_new_and_exits_0(
 
 
 async def test_second_signal_forces_exit(tmp_path: Path, proxy_proc: Any) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "1000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=1000, token_delay=0.05).env()
     proc, url = proxy_proc(env, drain_timeout_s=120)
     async with aiohttp.ClientSession() as s:
-        await wait_listening(url, s)
+        await wait_healthy(s, url)
         stream = await s.post(url + "/v1/chat/completions", json={**CHAT, "stream": True})
         await stream.content.readany()
         groups = engine_groups(tmp_path)
@@ -157,7 +141,7 @@ async def test_json_log_format_never_logs_bodies(tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         async with aiohttp.ClientSession() as s:
-            await wait_listening(url, s)
+            await wait_healthy(s, url)
             body = {"model": "m1", "messages": [{"role": "user", "content": secret}]}
             async with s.post(url + "/v1/chat/completions", json=body) as r:
                 assert r.status == 200
@@ -198,7 +182,7 @@ async def test_sighup_right_after_ready_reloads_and_never_kills(tmp_path: Path) 
         assert messages == [b"RELOADING=1", b"READY=1"]
         assert proc.poll() is None, "the proxy survived the SIGHUP"
         async with aiohttp.ClientSession() as s:
-            await wait_listening(f"http://127.0.0.1:{port}", s)
+            await wait_healthy(s, f"http://127.0.0.1:{port}")
         proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(proc.wait, 30) == 0
     finally:

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import free_port, wait_for
+from kit import FakeEngine, free_port, wait_for
 
 from fake_vllm.simgpu import (
     MIB,
@@ -43,7 +43,7 @@ CONTEXT, WEIGHTS, ACTIVATION, GRAPHS = 512, 1024, 256, 256
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 NORMAL_TEXT = "".join(f"tok{i} " for i in range(8))
 GARBAGE_TEXT = "<garbage> " * 8
-FAST = {"FAKE_ENGINE_SIM_PROFILE_S": "0", "FAKE_ENGINE_SIM_SLEEP_S": "0"}
+FAST = FakeEngine(sim_profile_s=0, sim_sleep_s=0).env()
 
 
 def make_ledger(tmp_path: Path, *totals: int, **options: Any) -> Ledger:
@@ -307,7 +307,7 @@ def start_engine(tmp_path: Path) -> Iterator[StartEngine]:
         full_env = {
             **base,
             "PYTHONPATH": str(ROOT),
-            "FAKE_ENGINE_SIM_GPU": str(ledger.path),
+            **FakeEngine(sim_gpu=ledger.path).env(),
             "VLLM_SERVER_DEV_MODE": "1",
             **env,
         }
@@ -440,7 +440,7 @@ async def test_a_neighbour_freeing_memory_while_vllm_profiles_fails_the_start(
     ledger = make_ledger(tmp_path, 16384)
     ledger.allocate(ME, 0, 4096, "neighbour")
     engine = start_engine(
-        ledger, "--gpu-memory-utilization", "0.5", FAKE_ENGINE_SIM_PROFILE_S="1.5"
+        ledger, "--gpu-memory-utilization", "0.5", **FakeEngine(sim_profile_s=1.5).env()
     )
     await wait_event(ledger, engine.pid, "weights")
     ledger.free(ME, 0, "neighbour")
@@ -467,7 +467,7 @@ async def test_profiling_measures_device_wide_so_neighbours_resize_the_kv_cache(
     ledger = make_ledger(tmp_path, 16384)
     ledger.allocate(ME, 0, 2000, "neighbour")
     engine = start_engine(
-        ledger, "--gpu-memory-utilization", "0.5", FAKE_ENGINE_SIM_PROFILE_S="1.5"
+        ledger, "--gpu-memory-utilization", "0.5", **FakeEngine(sim_profile_s=1.5).env()
     )
     await wait_event(ledger, engine.pid, "weights")
     if neighbour_mb > 0:
@@ -485,7 +485,7 @@ async def test_no_kv_cache_when_activations_and_graphs_fill_the_budget(
 ) -> None:
     ledger = make_ledger(tmp_path, 16384)
     engine = start_engine(
-        ledger, "--gpu-memory-utilization", "0.1", FAKE_ENGINE_SIM_ACTIVATION_MB="512", **FAST
+        ledger, "--gpu-memory-utilization", "0.1", **FakeEngine(sim_activation_mb=512).env(), **FAST
     )
     assert await wait_exit(engine) == 1
     assert (
@@ -579,7 +579,7 @@ async def test_a_neighbour_allocating_during_sleep_fails_it(
 ) -> None:
     ledger = make_ledger(tmp_path, 16384)
     args = ("--enable-sleep-mode", "--gpu-memory-utilization", "0.4")
-    engine = await started(http, start_engine, ledger, *args, FAKE_ENGINE_SIM_SLEEP_S="1.5")
+    engine = await started(http, start_engine, ledger, *args, **FakeEngine(sim_sleep_s=1.5).env())
     sleep = asyncio.create_task(post(http, f"{engine.url}/sleep?level=1"))
     await wait_event(ledger, engine.pid, "sleep_begin")
     ledger.allocate(ME, 0, 7000, "neighbour")  # more than the 6554 - 256 MiB the sleep frees
@@ -620,7 +620,7 @@ async def tight_level2_sleep(
     """An engine asleep at level 2 on a device a neighbour filled so that waking its weights,
     runtime and KV cache leaves 64 MiB: less than the 128 MiB a reload takes."""
     engine = await started(
-        http, start_engine, ledger, *SLEEP_ARGS, FAKE_ENGINE_SIM_RELOAD_MB_S="1000000", **env
+        http, start_engine, ledger, *SLEEP_ARGS, **FakeEngine(sim_reload_mb_s=1000000).env(), **env
     )
     assert (await post(http, f"{engine.url}/sleep?level=2"))[0] == 200
     awake_need = 4096 - GRAPHS  # weights + runtime + KV cache
@@ -633,7 +633,7 @@ async def test_level2_wake_in_vllm_order_fits_where_wake_all_then_reload_does_no
 ) -> None:
     """With the reload's temporaries released afterwards, vLLM's documented order (weights,
     reload, KV cache) peaks lower than waking everything before the reload."""
-    released = {"FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED": "0"}
+    released = FakeEngine(sim_reload_temp_cached=False).env()
     right_ledger = Ledger.create(tmp_path / "right.json", [{"total_mb": 8192}])
     right = await tight_level2_sleep(http, start_engine, right_ledger, **released)
     assert (await post(http, f"{right.url}/wake_up?tags=weights"))[0] == 200
@@ -684,7 +684,7 @@ async def test_reload_needs_the_weights_awake_and_takes_time(
 ) -> None:
     ledger = make_ledger(tmp_path, 16384)
     engine = await started(
-        http, start_engine, ledger, *SLEEP_ARGS, FAKE_ENGINE_SIM_RELOAD_MB_S="2048"
+        http, start_engine, ledger, *SLEEP_ARGS, **FakeEngine(sim_reload_mb_s=2048).env()
     )
     assert (await post(http, f"{engine.url}/sleep?level=2"))[0] == 200
     rpc = f"{engine.url}/collective_rpc"
@@ -720,7 +720,7 @@ async def test_memory_is_charged_to_the_engine_core_child(
 ) -> None:
     """NVML shows vLLM's EngineCore; killing the API server alone leaves its memory held."""
     ledger = make_ledger(tmp_path, 16384)
-    engine = await started(http, start_engine, ledger, FAKE_ENGINE_SPAWN_CHILD="1")
+    engine = await started(http, start_engine, ledger, **FakeEngine(spawn_child=1).env())
     match = re.search(r"EngineCore pid=(\d+)", engine.stdout())
     assert match, engine.stdout()
     core = int(match[1])

@@ -20,27 +20,33 @@ Tests wait on states and on the ledger with deadlines, never on time.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
-import re
 import signal
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, wait_for
+from kit.simgpu import (
+    CONTEXT_MB,
+    STARTUP_REFUSAL,
+    chat,
+    engine_pids,
+    outsider,
+    profiling,
+    sim_config,
+    sim_ledger,
+    tiny_checkpoint,
+    utils_started,
+)
+from kit.watch import watching
 
-from fake_vllm.simgpu import Event, Ledger, nvml_module
-from vllm_proxy.config import Config
-from vllm_proxy.engine import instance_logs
+from fake_vllm.simgpu import Event, Ledger
 from vllm_proxy.instance import Instance, State
 
-#: What the simulated engines hold outside their budget.
-CONTEXT_MB = 512
 #: vLLM's messages that must never appear in an engine's log during proxy-ordered changes.
-STARTUP_REFUSAL = "less than desired GPU memory utilization"
 PROFILING_ERROR = "Error in memory profiling"
 SLEEP_ASSERT = "Memory usage increased after sleeping"
 WAKE_OOM = "Failed to wake up allocator"
@@ -50,80 +56,11 @@ L1 = {"level": 1, "after_idle_s": 3600}
 L2 = {"level": 2, "after_idle_s": 3600}
 
 
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
-    """Two simulated 24000 MiB GPUs; the proxy's NVML import gets the stand-in over them."""
-    path = tmp_path / "gpu.json"
-    ledger = Ledger.create(path, [{"total_mb": 24_000}, {"total_mb": 24_000}])
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return ledger
-
-
-def sim_config(
-    tmp_path: Path,
-    ledger: Ledger,
-    models: dict[str, dict[str, Any]],
-    devices: list[int] | None = None,
-    queue_timeout_s: float = 15,
-    **gpu: Any,
-) -> Config:
-    sim = {"FAKE_ENGINE_SIM_GPU": str(ledger.path), "FAKE_ENGINE_SIM_CONTEXT_MB": str(CONTEXT_MB)}
-    for model in models.values():
-        model["env"] = {**sim, "FAKE_ENGINE_SIM_PROFILE_S": "0.05", **model.get("env", {})}
-    cfg = make_config(
-        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0}
-    )
-    update = {"monitor": "nvml", "poll_interval_s": 0.1, "devices": devices or [0], **gpu}
-    admission = cfg.admission.model_copy(update={"queue_timeout_s": queue_timeout_s})
-    return cfg.model_copy(update={"gpu": cfg.gpu.model_copy(update=update), "admission": admission})
-
-
-async def chat(proxy: RunningProxy, model: str) -> tuple[int, str]:
-    resp = await proxy.chat(model, max_tokens=2)
-    return resp.status, await resp.text()
-
-
-def all_logs(proxy: RunningProxy, name: str) -> str:
-    """The logs of the model's engines, oldest instance first."""
-    logs = instance_logs(proxy.model(name).spec)
-    return "".join(logs[n].read_text() for n in sorted(logs))
-
-
 def assert_clean_logs(proxy: RunningProxy, *names: str) -> None:
     for name in names:
-        text = all_logs(proxy, name)
+        text = proxy.engine_log(name)
         for marker in FORBIDDEN:
             assert marker not in text, f"{name}: {marker!r} in its engine log"
-
-
-def utils_started(proxy: RunningProxy, name: str) -> list[float]:
-    """The --gpu-memory-utilization of every engine the model was started with, in order."""
-    out = []
-    logs = instance_logs(proxy.model(name).spec)
-    for n in sorted(logs):
-        for line in logs[n].read_text().splitlines():
-            if "[vllm-proxy] starting engine" in line:
-                out.append(float(re.findall(r"--gpu-memory-utilization (\S+)", line)[0]))
-    return out
-
-
-def engine_pids(ledger: Ledger, device: int = 0) -> set[int]:
-    return {pid for r in ledger.read() if r.id == device for pid in r.processes} - {os.getpid()}
-
-
-def profiling(ledger: Ledger, skip: set[int], device: int = 0) -> bool:
-    """A starting engine (not in `skip`) has loaded its weights but not yet its KV cache."""
-    for pid in engine_pids(ledger, device) - skip:
-        tags = ledger.tags(pid, device)
-        if "weights" in tags and "kv_cache" not in tags:
-            return True
-    return False
-
-
-def outsider(ledger: Ledger, device: int, mb: int) -> None:
-    """Another program on the GPU (this test process) holding `mb`."""
-    ledger.allocate(os.getpid(), device, mb, "outsider")
 
 
 async def sleep_now(inst: Instance) -> None:
@@ -238,7 +175,7 @@ async def test_an_unload_during_its_own_start_does_not_wait_for_its_own_lock(
     """The start holds the device lock for its whole profiling (10 s here); an unload then must
     stop the engine at once, leave nothing on the GPU and free the lock for the next start."""
     models = {
-        "a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "10"}},
+        "a": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=10).env()},
         "b": {"model": "x", "memory_mb": 8_000},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
@@ -263,11 +200,9 @@ async def test_an_unload_during_its_own_sleep_or_wake_call_is_not_deadlocked(
 ) -> None:
     """The instance's own /sleep or /wake_up holds its device lock (slow here); an unload then
     stops the engine without queueing behind that lock, and nothing is left half-way."""
-    env = {"FAKE_ENGINE_SIM_SLEEP_S": "2"} if change == "sleep" else {"FAKE_ENGINE_WAKE_DELAY": "3"}
+    env = FakeEngine(sim_sleep_s=2).env() if change == "sleep" else FakeEngine(wake_delay=3).env()
     models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "env": env}}
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     request = None
     if change == "sleep":
         nap = a.sleep("test")
@@ -300,7 +235,7 @@ async def test_a_neighbours_unload_waits_until_the_start_has_profiled(
     b's start, and the ledger shows no free in b's measured window."""
     models = {
         "a": {"model": "x", "memory_mb": 8_000},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1.5"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=1.5).env()},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
     assert (await chat(proxy, "a"))[0] == 200
@@ -323,7 +258,7 @@ async def test_a_reload_that_replaces_a_starting_engine_keeps_its_budget(
 ) -> None:
     """A reload that changes a's engine while it profiles: the old start is stopped at once (its
     own lock), the new engine starts with the same budget, and the waiting request is served."""
-    models = {"a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "2"}}}
+    models = {"a": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=2).env()}}
     cfg = sim_config(tmp_path, ledger, models)
     proxy = await start_proxy(cfg)
     request = asyncio.ensure_future(chat(proxy, "a"))
@@ -338,7 +273,7 @@ async def test_a_reload_that_replaces_a_starting_engine_keeps_its_budget(
     assert status == 200, text
     utils = utils_started(proxy, "a")
     assert len(utils) == 2 and utils[0] == utils[1], utils
-    starts = [line for line in all_logs(proxy, "a").splitlines() if "starting engine" in line]
+    starts = [line for line in proxy.engine_log("a").splitlines() if "starting engine" in line]
     assert ["--max-num-seqs 8" in line for line in starts] == [False, True]
     await wait_for(lambda: len(engine_pids(ledger)) == 1, what="the old engine gone")
     assert_no_free_while_profiling(ledger)
@@ -356,11 +291,9 @@ async def test_a_neighbour_killed_during_profiling_is_retried_with_the_same_budg
     --gpu-memory-utilization, and a's claim is gone."""
     models = {
         "a": {"model": "x", "memory_mb": 8_000},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=1).env()},
     }
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     a_pids = engine_pids(ledger)
     b_request = asyncio.ensure_future(chat(proxy, "b"))
     await wait_for(lambda: profiling(ledger, a_pids), what="b profiling")
@@ -368,7 +301,7 @@ async def test_a_neighbour_killed_during_profiling_is_retried_with_the_same_budg
     os.killpg(a.engine.pid, signal.SIGKILL)
     status, text = await b_request
     assert status == 200, text
-    assert PROFILING_ERROR in all_logs(proxy, "b")
+    assert PROFILING_ERROR in proxy.engine_log("b")
     assert proxy.engine_starts("b") == 2
     utils = utils_started(proxy, "b")
     assert utils[0] == utils[1], utils
@@ -386,7 +319,7 @@ def residue_models(b_mb: int = 21_000) -> dict[str, dict[str, Any]]:
     on the GPU); `b` fits next to it only if that guess were right."""
     return {
         "a": {"model": "x", "memory_mb": 8_000, "sleep": L1,
-              "env": {"FAKE_ENGINE_SIM_GRAPHS_MB": "3000"}},
+              "env": FakeEngine(sim_graphs_mb=3000).env()},
         "b": {"model": "x", "memory_mb": b_mb},
     }  # fmt: skip
 
@@ -469,9 +402,7 @@ async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_re
     device lock and retries b once with the same budget; a's memory is never freed while b
     profiles."""
     models = {"a": {"model": "x", "memory_mb": 8_000}, "b": {"model": "x", "memory_mb": 8_000}}
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     ctx = proxy.manager.ctx
     assert ctx.memory_lock is not None
     starting_on = ctx.memory_lock
@@ -484,7 +415,7 @@ async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_re
     ctx.memory_lock = hostile
     status, text = await chat(proxy, "b")
     assert status == 200, text
-    assert STARTUP_REFUSAL in all_logs(proxy, "b")
+    assert STARTUP_REFUSAL in proxy.engine_log("b")
     assert proxy.engine_starts("b") == 2
     assert len(set(utils_started(proxy, "b"))) == 1
     assert a.state is State.STOPPED
@@ -502,9 +433,9 @@ async def test_host_ram_promised_to_a_sleep_is_released_on_every_path(
     """A level-1 sleep promises host RAM until its /sleep call returns; a failed, timed-out or
     stopped sleep releases it too (else the next victims would go to level 2 for nothing)."""
     env = {
-        "fails": {"FAKE_ENGINE_SLEEP_FAIL": "1"},
-        "times_out": {"FAKE_ENGINE_SIM_SLEEP_S": "3"},
-        "stopped": {"FAKE_ENGINE_SIM_SLEEP_S": "1"},
+        "fails": FakeEngine(sleep_fail=True).env(),
+        "times_out": FakeEngine(sim_sleep_s=3).env(),
+        "stopped": FakeEngine(sim_sleep_s=1).env(),
     }[how]
     models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "sleep_timeout_s": 1.5,
                     "env": env}}  # fmt: skip
@@ -568,7 +499,7 @@ async def test_two_level_2_sleepers_swap_many_times_within_their_claims(
     """Two level-2 models that do not fit awake together swap by sleep and wake 6 times: one
     engine each, every wake in vLLM's order and within its claim (reload buffer included), the
     budget never changes, and no sleep or wake sees a neighbour's allocation."""
-    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "300"}
+    env = FakeEngine(sim_reload_temp_mb=300).env()
     models = {
         "a": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
         "b": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
@@ -597,9 +528,7 @@ async def test_a_reload_that_keeps_the_engine_keeps_its_budget_and_instance(
     """A reload that changes nothing the engine is made of keeps the running engine (same pid)
     and its claim stays within the GPU; the next start after it gets the same budget."""
     models = {"a": {"model": "x", "memory_mb": 9_000}, "b": {"model": "x", "memory_mb": 16_000}}
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     assert a.engine is not None
     pid = a.engine.pid
     models["a"]["idle_timeout_s"] = 900
@@ -629,7 +558,7 @@ async def test_a_reload_that_removes_an_asleep_and_a_falling_asleep_model_gives_
     models = {
         "a": {"model": "x", "memory_mb": 8_000, "sleep": L1},
         "b": {"model": "x", "memory_mb": 8_000, "sleep": L1,
-              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "1.5"}},
+              "env": FakeEngine(sim_sleep_s=1.5).env()},
         "c": {"model": "x", "memory_mb": 4_000},
     }  # fmt: skip
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
@@ -664,7 +593,7 @@ async def test_tensor_parallel_and_single_gpu_starts_on_two_gpus_do_not_deadlock
     """A tp=2 engine takes both devices' locks while single-GPU engines start on each: every
     start completes (sorted lock order), no start profiles next to another's change, and each
     engine holds its claim only on its own devices."""
-    slow = {"FAKE_ENGINE_SIM_PROFILE_S": "0.5"}
+    slow = FakeEngine(sim_profile_s=0.5).env()
     models = {
         "tp": {"model": "x", "memory_mb": 6_000, "args": {"tensor_parallel_size": 2}, "env": slow},
         "x0": {"model": "x", "memory_mb": 6_000, "devices": [0], "env": dict(slow)},
@@ -707,7 +636,6 @@ async def test_random_load_over_three_models_keeps_every_engine_within_its_claim
     rng = random.Random(7)
     order = [[rng.choice("abc") for _ in range(10)] for _ in range(2)]
     failures: list[str] = []
-    done = asyncio.Event()
 
     async def client(names: list[str]) -> None:
         for name in names:
@@ -715,20 +643,20 @@ async def test_random_load_over_three_models_keeps_every_engine_within_its_claim
             if status != 200 or "<garbage>" in text:
                 failures.append(f"{name}: {status} {text}")
 
-    async def sampler() -> int:
-        samples = 0
-        while not done.is_set():
-            check_claims(proxy, ledger)
-            samples += 1
-            await asyncio.sleep(0.03)
-        return samples
+    samples = 0
 
-    sampling = asyncio.ensure_future(sampler())
-    try:
+    def claims_hold() -> str | None:
+        nonlocal samples
+        samples += 1
+        try:
+            check_claims(proxy, ledger)
+        except AssertionError as broken:
+            return str(broken)
+        return None
+
+    async with watching(claims_hold, every_s=0.03) as problems:
         await asyncio.wait_for(asyncio.gather(*(client(o) for o in order)), 18)
-    finally:
-        done.set()
-    assert await sampling > 10
+    assert samples > 10 and not problems, problems
     assert not failures, failures
     assert_clean_logs(proxy, *models)
     assert_no_free_while_profiling(ledger)
@@ -748,7 +676,7 @@ async def test_a_victim_whose_stop_waits_for_a_neighbours_start_is_planned_aroun
     either start's window."""
     models = {
         "a": {"model": "x", "memory_mb": 8_200},
-        "b": {"model": "x", "memory_mb": 8_200, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "3"}},
+        "b": {"model": "x", "memory_mb": 8_200, "env": FakeEngine(sim_profile_s=3).env()},
         "c": {"model": "x", "memory_mb": 8_200},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, free_timeout_s=0.5))
@@ -798,23 +726,13 @@ async def test_preloaded_sleepers_that_do_not_fit_awake_together_all_come_up_asl
     assert_no_alloc_while_sleeping(ledger)
 
 
-def tiny_checkpoint(tmp_path: Path) -> str:
-    """A local config.json for the estimate: a small budget (weights from params_b)."""
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
-    config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 async def test_a_budget_grown_for_the_kv_cache_stays_grown_and_constant_across_restarts(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
     """After vLLM found no room for the KV cache the budget grows until the start works; every
     later start of the same engine (evicted by another model, three times) gets exactly that
     budget: it neither grows again nor falls back."""
-    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "900", "FAKE_ENGINE_SIM_ACTIVATION_MB": "300"}
+    env = FakeEngine(sim_weights_mb=900, sim_activation_mb=300).env()
     models = {
         "a": {"model": tiny_checkpoint(tmp_path), "params_b": 0.05, "env": env},
         "b": {"model": "x", "memory_mb": 22_000},
@@ -847,10 +765,7 @@ async def test_without_per_process_readings_level_2_swaps_stay_within_their_clai
     under the lock and residues by what the device's usage dropped by. Two level-2 models swap
     four times: no wake falls back to a cold start, no engine exceeds its claim, and a
     residue is never measured below what the engine really keeps."""
-    path = tmp_path / "gpu.json"
-    ledger = Ledger.create(path, [{"total_mb": 24_000}], per_process=False)
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    ledger = sim_ledger(tmp_path, monkeypatch, devices=1, per_process=False)
     models = {
         "a": {"model": "x", "memory_mb": 13_000, "sleep": L2},
         "b": {"model": "x", "memory_mb": 13_000, "sleep": L2},
@@ -880,7 +795,7 @@ async def test_without_per_process_readings_level_2_swaps_stay_within_their_clai
 async def test_stale_measurement_after_a_wake_stops_instead_of_sleeping(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SIM_RELOAD_MB_S": "1024"}  # the reload takes 1 s
+    env = FakeEngine(sim_reload_mb_s=1024).env()  # the reload takes 1 s
     models = {
         "a": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
         "b": {"model": "x", "memory_mb": 13_000, "sleep": L2, "env": dict(env)},
@@ -904,22 +819,39 @@ async def test_stale_measurement_after_a_wake_stops_instead_of_sleeping(
     assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
 
 
+def a_then_slow_b(a_engine: FakeEngine, **a_keys: Any) -> dict[str, dict[str, Any]]:
+    """`a` (level-1 sleep, `a_engine`, `a_keys`) and `b`, whose start profiles for 4 s."""
+    return {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "env": a_engine.env(), **a_keys},
+        "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=4).env()},
+    }
+
+
+async def b_waiting_for_memory(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> tuple[RunningProxy, asyncio.Future[tuple[int, str]]]:
+    """`a` put to sleep for `b`, whose request then waits for memory that another program took
+    (it will not come back within the 15 s `free_timeout_s`)."""
+    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=15)
+    proxy = await start_proxy(cfg)
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    b_request = asyncio.ensure_future(chat(proxy, "b"))
+    await wait_for(lambda: a.asleep, what="a put to sleep for b")
+    outsider(ledger, 0, 5_000)
+    return proxy, b_request
+
+
 async def test_sleep_timeout_releases_the_lock_while_the_engine_still_sleeps(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    models = {
-        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "sleep_timeout_s": 1,
-              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "2.5"}},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
-    }  # fmt: skip
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    models = a_then_slow_b(FakeEngine(sim_sleep_s=2.5), sleep_timeout_s=1)
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     assert a.sleep("test") is not None  # its /sleep takes 2.5 s, the proxy gives up after 1 s
     await wait_for(lambda: a._owns_devices, what="a's sleep holding the lock")
     status, text = await chat(proxy, "b")  # b's start queues behind a's sleep
     assert status == 200, text
-    assert PROFILING_ERROR not in all_logs(proxy, "b")
+    assert PROFILING_ERROR not in proxy.engine_log("b")
     assert proxy.engine_starts("b") == 1
     assert_no_free_while_profiling(ledger)
 
@@ -927,14 +859,8 @@ async def test_sleep_timeout_releases_the_lock_while_the_engine_still_sleeps(
 async def test_wake_timeout_releases_the_lock_while_the_engine_still_wakes(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    models = {
-        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "wake_timeout_s": 1,
-              "env": {"FAKE_ENGINE_WAKE_DELAY": "2.5"}},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
-    }  # fmt: skip
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    models = a_then_slow_b(FakeEngine(wake_delay=2.5), wake_timeout_s=1)
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     await sleep_now(a)
     a_request = asyncio.ensure_future(chat(proxy, "a"))  # its /wake_up takes 2.5 s; limit 1 s
     await wait_for(lambda: a.state is State.WAKING and a._owns_devices, what="a waking")
@@ -947,13 +873,7 @@ async def test_wake_timeout_releases_the_lock_while_the_engine_still_wakes(
 async def test_shutdown_waits_for_free_timeout(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=15)
-    proxy = await start_proxy(cfg)
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
-    b_request = asyncio.ensure_future(chat(proxy, "b"))
-    await wait_for(lambda: a.asleep, what="a put to sleep for b")
-    outsider(ledger, 0, 5_000)  # another program: b's memory will not come back
+    proxy, b_request = await b_waiting_for_memory(tmp_path, ledger, start_proxy)
     t0 = time.monotonic()
     await proxy.server.shutdown()
     took = time.monotonic() - t0
@@ -964,13 +884,7 @@ async def test_shutdown_waits_for_free_timeout(
 async def test_unload_waits_during_wait_free(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    cfg = sim_config(tmp_path, ledger, residue_models(), free_timeout_s=15)
-    proxy = await start_proxy(cfg)
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
-    b_request = asyncio.ensure_future(chat(proxy, "b"))
-    await wait_for(lambda: a.asleep, what="a put to sleep for b")
-    outsider(ledger, 0, 5_000)
+    proxy, b_request = await b_waiting_for_memory(tmp_path, ledger, start_proxy)
     t0 = time.monotonic()
     await proxy.model("b").unload(5)
     took = time.monotonic() - t0
@@ -981,14 +895,8 @@ async def test_unload_waits_during_wait_free(
 async def test_stop_during_own_sleep_lock_released_before_exit(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    models = {
-        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1,
-              "env": {"FAKE_ENGINE_SIM_SLEEP_S": "2.5"}},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "4"}},
-    }  # fmt: skip
-    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
-    assert (await chat(proxy, "a"))[0] == 200
-    a = proxy.instance("a")
+    models = a_then_slow_b(FakeEngine(sim_sleep_s=2.5))
+    proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     assert a.sleep("test") is not None
     await wait_for(lambda: a._owns_devices, what="a's sleep holding the lock")
     b_request = asyncio.ensure_future(chat(proxy, "b"))  # queued behind a's sleep
@@ -997,7 +905,7 @@ async def test_stop_during_own_sleep_lock_released_before_exit(
     status, text = await b_request
     await unload
     assert status == 200, text
-    assert PROFILING_ERROR not in all_logs(proxy, "b")
+    assert PROFILING_ERROR not in proxy.engine_log("b")
     assert proxy.engine_starts("b") == 1
     assert_no_free_while_profiling(ledger)
     check_claims(proxy, ledger)
@@ -1007,7 +915,7 @@ async def test_unload_of_a_start_queued_behind_another_start(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
     models = {
-        "a": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "12"}},
+        "a": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=12).env()},
         "b": {"model": "x", "memory_mb": 8_000},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
@@ -1024,7 +932,7 @@ async def test_unload_of_a_start_queued_behind_another_start(
 async def test_level1_model_demoted_to_level2_by_host_ram_wakes_on_a_tight_gpu(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "600"}
+    env = FakeEngine(sim_reload_temp_mb=600).env()
     models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": L1, "env": env}}
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
     proxy.manager.ctx.host._read = lambda: 2_000  # no room to pin the weights: level 2

@@ -21,67 +21,30 @@ Tests wait on states and on the ledger with deadlines, never on time.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, simgpu, wait_for
+from kit.simgpu import (
+    chat,
+    outsider,
+    profiling,
+    tiny_checkpoint,
+    utils_started,
+)
 
-from fake_vllm.simgpu import Ledger, nvml_module
+from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import Config
-from vllm_proxy.engine import instance_logs
 from vllm_proxy.instance import Instance, State
-
-#: What the simulated engines hold outside their budget (a real H100 context is of this order).
-CONTEXT_MB = 512
-#: vLLM's startup check, as the simulated engine prints it.
-STARTUP_REFUSAL = "less than desired GPU memory utilization"
-
-
-@pytest.fixture
-def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
-    """One simulated 24000 MiB GPU; the proxy's NVML import gets the stand-in over it."""
-    path = tmp_path / "gpu.json"
-    ledger = Ledger.create(path, [{"total_mb": 24_000}, {"total_mb": 24_000}])
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    return ledger
 
 
 def sim_config(
     tmp_path: Path, ledger: Ledger, models: dict[str, dict[str, Any]], devices: list[int] | None
 ) -> Config:
-    sim = {"FAKE_ENGINE_SIM_GPU": str(ledger.path), "FAKE_ENGINE_SIM_CONTEXT_MB": str(CONTEXT_MB)}
-    for model in models.values():
-        model["env"] = {**sim, "FAKE_ENGINE_SIM_PROFILE_S": "0.05", **model.get("env", {})}
-    cfg = make_config(
-        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0}
-    )
-    gpu = cfg.gpu.model_copy(
-        update={"monitor": "nvml", "poll_interval_s": 0.1, "devices": devices or [0]}
-    )
-    admission = cfg.admission.model_copy(update={"queue_timeout_s": 20})
-    return cfg.model_copy(update={"gpu": gpu, "admission": admission})
-
-
-async def chat(proxy: RunningProxy, model: str) -> tuple[int, str]:
-    resp = await proxy.chat(model, max_tokens=2)
-    return resp.status, await resp.text()
-
-
-def utils_started(proxy: RunningProxy, name: str) -> list[float]:
-    """The --gpu-memory-utilization of every engine the model was started with, in order."""
-    out = []
-    logs = instance_logs(proxy.model(name).spec)
-    for n in sorted(logs):
-        for line in logs[n].read_text().splitlines():
-            if "[vllm-proxy] starting engine" in line:
-                out.append(float(re.findall(r"--gpu-memory-utilization (\S+)", line)[0]))
-    return out
+    return simgpu.sim_config(tmp_path, ledger, models, devices, queue_timeout_s=20)
 
 
 async def asleep_after_one_request(
@@ -98,19 +61,6 @@ async def asleep_after_one_request(
     return proxy, inst, proxy.manager.memory
 
 
-def all_logs(proxy: RunningProxy, name: str) -> str:
-    return "".join(p.read_text() for p in instance_logs(proxy.model(name).spec).values())
-
-
-def engine_pids(ledger: Ledger, device: int = 0) -> set[int]:
-    return {pid for r in ledger.read() if r.id == device for pid in r.processes}
-
-
-def outsider(ledger: Ledger, device: int, mb: int) -> None:
-    """Another program on the GPU (this test process) holding `mb`."""
-    ledger.allocate(os.getpid(), device, mb, "outsider")
-
-
 # -- the context outside the budget ------------------------------------------------------------
 
 
@@ -124,13 +74,13 @@ async def test_a_start_the_planner_admits_passes_vllms_free_memory_check(
         sim_config(tmp_path, ledger, {"a": {"model": "x", "memory_mb": 11_800}}, None)
     )
     status, _ = await chat(proxy, "a")
-    assert status == 200, all_logs(proxy, "a")
-    assert STARTUP_REFUSAL not in all_logs(proxy, "a")
+    assert status == 200, proxy.engine_log("a")
+    assert simgpu.STARTUP_REFUSAL not in proxy.engine_log("a")
     inst = proxy.instance("a")
     util = utils_started(proxy, "a")[0]
     # vLLM holds its whole budget (KV fills it) plus the context: within the planned footprint.
     held = ledger.read()[0].used_mb - (24_000 - 11_800 - 256)
-    assert held == math.ceil(util * 24_000) + CONTEXT_MB <= 11_800
+    assert held == math.ceil(util * 24_000) + simgpu.CONTEXT_MB <= 11_800
     assert proxy.manager.memory is not None
     assert proxy.manager.memory.claims[inst.id].footprint_mb == 11_800
 
@@ -153,22 +103,13 @@ async def test_budgets_stay_constant_across_20_lru_cycles(
             assert status == 200, text
             utils[name].append(utils_started(proxy, name)[-1])  # the newest engine's log
             ids.add(proxy.instance(name).id)
-            assert STARTUP_REFUSAL not in all_logs(proxy, name)
+            assert simgpu.STARTUP_REFUSAL not in proxy.engine_log(name)
     for name in ("a", "b"):
         assert len(set(utils[name])) == 1, utils[name]
     assert len(ids) == 40, "every request started an engine, and none failed"
 
 
 # -- nobody frees memory while a neighbour profiles ----------------------------------------------
-
-
-def profiling(ledger: Ledger, skip: set[int]) -> bool:
-    """A starting engine (not in `skip`) has loaded its weights but not yet its KV cache."""
-    for pid in engine_pids(ledger) - skip:
-        tags = ledger.tags(pid, 0)
-        if "weights" in tags and "kv_cache" not in tags:
-            return True
-    return False
 
 
 @pytest.mark.parametrize("how", ["sleep", "stop"])
@@ -179,12 +120,12 @@ async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
     memory while another engine profiled, and vLLM failed it ("Error in memory profiling")."""
     models = {
         "a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600}},
-        "b": {"model": "x", "memory_mb": 8_000, "env": {"FAKE_ENGINE_SIM_PROFILE_S": "1.5"}},
+        "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=1.5).env()},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
     assert (await chat(proxy, "a"))[0] == 200
     a = proxy.instance("a")
-    a_pids = engine_pids(ledger)
+    a_pids = simgpu.engine_pids(ledger)
     b_request = asyncio.ensure_future(chat(proxy, "b"))
     await wait_for(lambda: profiling(ledger, a_pids), what="b profiling its start")
     if how == "sleep":
@@ -193,7 +134,7 @@ async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
         a._idle_expired()
     status, text = await b_request
     assert status == 200, text
-    assert "Error in memory profiling" not in all_logs(proxy, "b")
+    assert "Error in memory profiling" not in proxy.engine_log("b")
     assert proxy.engine_starts("b") == 1
     # The neighbour's sleep or stop went ahead once the start had finished.
     if how == "sleep":
@@ -211,11 +152,11 @@ async def test_the_sleep_residue_is_measured_and_planned_with(
     """Regression: a sleeping engine was assumed to hold a fixed sleep_memory_mb; vLLM keeps its
     context and CUDA graphs (unless they are offloaded), which nothing measured."""
     models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600},
-                    "env": {"FAKE_ENGINE_SIM_GRAPHS_MB": "700"}}}  # fmt: skip
+                    "env": FakeEngine(sim_graphs_mb=700).env()}}  # fmt: skip
     cfg = sim_config(tmp_path, ledger, models, None)
     proxy, inst, memory = await asleep_after_one_request(start_proxy, cfg, "a")
     residue = ledger.read()[0].used_mb
-    assert residue == CONTEXT_MB + 700  # the context and the CUDA graphs stay
+    assert residue == simgpu.CONTEXT_MB + 700  # the context and the CUDA graphs stay
     assert memory.held_mb(inst.id) == residue
     assert memory.sleep_mb(inst.spec) == residue  # what the planner expects of the next sleep
     status, _ = await chat(proxy, "a")  # the wake needs only what the sleep freed
@@ -238,7 +179,7 @@ async def test_a_level_2_wake_follows_vllms_order_on_a_tight_gpu(
     buffers sat on top of a mapped KV cache: on a packed GPU the wake ran out of memory and the
     engine was stopped and cold-started. Here the GPU holds exactly what the planner asks for
     the wake, and the reload needs 1100 MiB while the KV cache is still unmapped."""
-    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "1100", "FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED": "0"}
+    env = FakeEngine(sim_reload_temp_mb=1100, sim_reload_temp_cached=False).env()
     models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": {"level": 2, "after_idle_s": 3600},
                     "env": env}}  # fmt: skip
     cfg = sim_config(tmp_path, ledger, models, None)
@@ -263,7 +204,7 @@ async def test_a_level_2_wake_is_planned_with_the_reload_buffer_it_keeps(
     the engine then holds more than its budget and context. The planner counts that buffer
     outside the budget, so a wake it admits fits, and the engine never holds more than its
     claim."""
-    env = {"FAKE_ENGINE_SIM_RELOAD_TEMP_MB": "400"}  # cached after the reload, as in vLLM
+    env = FakeEngine(sim_reload_temp_mb=400).env()  # cached after the reload, as in vLLM
     models = {"a": {"model": "x", "memory_mb": 20_000, "sleep": {"level": 2, "after_idle_s": 3600},
                     "env": env}}  # fmt: skip
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
@@ -279,7 +220,7 @@ async def test_a_level_2_wake_is_planned_with_the_reload_buffer_it_keeps(
         outsider(ledger, 0, ledger.read()[0].free_mb - need)
         status, text = await chat(proxy, "a")
         assert status == 200 and "<garbage>" not in text, text
-        held = ledger.held(max(engine_pids(ledger) - {os.getpid()}))[0]
+        held = ledger.held(max(simgpu.engine_pids(ledger) - {os.getpid()}))[0]
         assert held <= memory.claims[inst.id].footprint_mb == 20_000
         ledger.free(os.getpid(), 0, "outsider")
     assert proxy.engine_starts("a") == 1
@@ -288,22 +229,12 @@ async def test_a_level_2_wake_is_planned_with_the_reload_buffer_it_keeps(
 # -- no room for the KV cache ------------------------------------------------------------------
 
 
-def tiny_checkpoint(tmp_path: Path) -> str:
-    """A local config.json for the estimate: a small budget (weights from params_b)."""
-    path = tmp_path / "ckpt"
-    path.mkdir()
-    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4}
-    config |= {"hidden_size": 256, "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
-    (path / "config.json").write_text(json.dumps(config))
-    return str(path)
-
-
 async def test_an_estimate_without_room_for_the_kv_cache_is_grown_and_retried(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
     """Regression: "No available memory for the cache blocks" was no out-of-memory marker, and
     the same too-small budget was tried again at every request."""
-    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "900", "FAKE_ENGINE_SIM_ACTIVATION_MB": "300"}
+    env = FakeEngine(sim_weights_mb=900, sim_activation_mb=300).env()
     models = {"a": {"model": tiny_checkpoint(tmp_path), "params_b": 0.05, "env": env}}
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
     memory = proxy.manager.memory
@@ -314,13 +245,13 @@ async def test_an_estimate_without_room_for_the_kv_cache_is_grown_and_retried(
     assert status == 200, text
     utils = utils_started(proxy, "a")
     assert len(utils) >= 2 and utils == sorted(utils) and utils[-1] > utils[0]
-    assert "No available memory for the cache blocks" in all_logs(proxy, "a")
+    assert "No available memory for the cache blocks" in proxy.engine_log("a")
 
 
 async def test_a_fixed_budget_without_room_for_the_kv_cache_names_the_key(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SIM_WEIGHTS_MB": "2000"}
+    env = FakeEngine(sim_weights_mb=2000).env()
     models = {"a": {"model": "x", "memory_mb": 2_500, "env": env}}
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
     status, text = await chat(proxy, "a")

@@ -11,69 +11,40 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, sleepy, wait_for
+from kit import sleep_config as config
+from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
-from vllm_proxy.config import GpuDevice, parse_config
+from vllm_proxy.config import parse_config
 from vllm_proxy.instance import Instance, State
 
 SLEEPY = {"level": 1, "after_idle_s": 0.3}
 
 
-def config(
-    tmp_path: Path,
-    models: dict[str, dict[str, Any]],
-    budget_mb: int | None = None,
-    **engine: Any,
-) -> Any:
-    cfg = make_config(
-        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0, **engine}
-    )
-    if budget_mb is None:
-        return cfg
-    gpu = cfg.gpu.model_copy(
-        update={"monitor": "static", "devices": [GpuDevice(id=0, memory_mb=budget_mb)]}
-    )
-    return cfg.model_copy(update={"gpu": gpu})
-
-
-def sleepy(**extra: Any) -> dict[str, Any]:
-    return {"model": "x", "sleep": dict(SLEEPY), **extra}
-
-
 async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:
-    resp = await proxy.chat(model, max_tokens=4, **extra)
-    body = await resp.read()
-    if resp.status != 200:
-        return resp.status, body.decode()
-    return resp.status, json.loads(body)["choices"][0]["message"]["content"]
+    return await proxy.reply(model, max_tokens=4, **extra)
 
 
-async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
-    """A sample of the instance's engine's own /metrics (the fake's counters)."""
-    assert inst.engine is not None
-    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
-        text = await resp.text()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+async def stopped_then_cold_started(proxy: RunningProxy, inst: Instance, why: str) -> None:
+    """`inst` stops (`why`), and the next request for m starts the engine a second time."""
+    await wait_for(lambda: inst.state is State.STOPPED, what=why)
+    assert (await chat(proxy, "m"))[0] == 200
+    assert proxy.engine_starts("m") == 2
+
+
+async def transitions(proxy: RunningProxy, kind: str) -> float | None:
+    """How many transitions of `kind` (``wake_l1``...) of model m the proxy timed."""
+    series = "vllm_proxy_engine_transition_seconds_count"
+    return await proxy_metric(proxy, series, kind=kind, model_id="m")
 
 
 async def asleep(inst: Instance) -> None:
     await wait_for(lambda: inst.asleep, what=f"{inst.id} asleep")
-
-
-async def proxy_metric(proxy: RunningProxy, pattern: str) -> float | None:
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    match = re.search(re.escape(pattern) + r" ([0-9.e+-]+)", text)
-    return float(match.group(1)) if match else None
 
 
 # -- config -----------------------------------------------------------------------------------
@@ -112,9 +83,7 @@ def test_sleep_level_is_validated(tmp_path: Path) -> None:
 async def test_idle_sleep_then_concurrent_requests_cause_one_wake(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy()}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy()}), "m")
     pid = inst.engine.pid if inst.engine else None
     await asleep(inst)
     assert inst.state is State.SLEEPING and inst.sleep_level == 1
@@ -127,18 +96,13 @@ async def test_idle_sleep_then_concurrent_requests_cause_one_wake(
     assert proxy.engine_starts("m") == 1, "woken, not restarted"
     assert await engine_metric(proxy, inst, "fake_engine:wakes_total") == 1
     assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
-    assert (
-        await proxy_metric(
-            proxy, 'vllm_proxy_engine_transition_seconds_count{kind="wake_l1",model_id="m"}'
-        )
-        == 1
-    )
+    assert await transitions(proxy, "wake_l1") == 1
 
 
 async def test_a_stream_longer_than_after_idle_is_never_cut_by_a_sleep(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}  # ~1 s of tokens
+    env = FakeEngine(tokens=20, token_delay=0.05).env()  # ~1 s of tokens
     proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
     resp = await proxy.chat("m", stream=True)
     inst = proxy.instance("m")
@@ -159,13 +123,11 @@ async def test_a_stream_longer_than_after_idle_is_never_cut_by_a_sleep(
 async def test_idle_timeout_still_stops_a_sleeping_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(idle_timeout_s=1.0)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    proxy, inst = await start_proxy.serving(
+        config(tmp_path, {"m": sleepy(idle_timeout_s=1.0)}), "m"
+    )
     await asleep(inst)
-    await wait_for(lambda: inst.state is State.STOPPED, what="stopped after total idleness")
-    assert (await chat(proxy, "m"))[0] == 200
-    assert proxy.engine_starts("m") == 2
+    await stopped_then_cold_started(proxy, inst, "stopped after total idleness")
 
 
 # -- swap by sleep and wake -------------------------------------------------------------------
@@ -194,16 +156,16 @@ async def test_two_preloaded_models_swap_by_sleep_and_wake(
     assert proxy.engine_starts("a") == 1 and proxy.engine_starts("b") == 1
     for inst in (a, b):
         assert await engine_metric(proxy, inst, "fake_engine:requests_while_asleep_total") == 0
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    assert 'vllm_proxy_evictions_total{model_id="a"' not in text, "nothing was stopped"
+    metrics = await proxy_samples(proxy)
+    assert not metrics.find("vllm_proxy_evictions_total", model_id="a"), "nothing was stopped"
 
 
 async def test_level_2_wake_reloads_weights_before_serving(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(sleep={"level": 2})}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    proxy, inst = await start_proxy.serving(
+        config(tmp_path, {"m": sleepy(sleep={"level": 2})}), "m"
+    )
     task = inst.sleep("test")
     assert task is not None
     await task
@@ -214,12 +176,7 @@ async def test_level_2_wake_reloads_weights_before_serving(
     # vLLM's own order (weights, reload, KV cache); a level-1+ sleep already cleared the caches.
     assert await engine_metric(proxy, inst, "fake_engine:reset_prefix_cache_total") == 0
     assert await engine_metric(proxy, inst, "fake_engine:garbage_completions_total") == 0
-    assert (
-        await proxy_metric(
-            proxy, 'vllm_proxy_engine_transition_seconds_count{kind="wake_l2",model_id="m"}'
-        )
-        == 1
-    )
+    assert await transitions(proxy, "wake_l2") == 1
 
 
 # -- eviction order ---------------------------------------------------------------------------
@@ -229,7 +186,7 @@ async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
     policy = {"level": 1, "after_idle_s": 60}
-    long = {"FAKE_ENGINE_TOKENS": "60", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    long = FakeEngine(tokens=60, token_delay=0.05).env()
     models = {
         "a": {"model": "x", "memory_mb": 300, "sleep": policy},
         "b": {"model": "x", "memory_mb": 300, "sleep": policy},
@@ -265,15 +222,17 @@ async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
 @pytest.mark.parametrize(
     ("knob", "extra"),
     [
-        ("FAKE_ENGINE_WAKE_FAIL", {}),
-        ("FAKE_ENGINE_WAKE_LIES", {}),
-        ("FAKE_ENGINE_WAKE_HANG", {"wake_timeout_s": 0.5}),
+        ("wake_fail", {}),
+        ("wake_lies", {}),
+        ("wake_hang", {"wake_timeout_s": 0.5}),
     ],
 )
 async def test_a_failed_wake_stops_the_engine_and_cold_starts(
     tmp_path: Path, start_proxy: StartProxy, knob: str, extra: dict[str, Any]
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env={knob: "1"}, **extra)}))
+    proxy = await start_proxy(
+        config(tmp_path, {"m": sleepy(env=FakeEngine(**{knob: True}).env(), **extra)})
+    )
     assert (await chat(proxy, "m"))[0] == 200
     first = proxy.instance("m")
     await asleep(first)
@@ -284,19 +243,19 @@ async def test_a_failed_wake_stops_the_engine_and_cold_starts(
     assert proxy.instance("m") is not first and proxy.engine_starts("m") == 2
     assert (
         await proxy_metric(
-            proxy, 'vllm_proxy_engine_restarts_total{model_id="m",reason="wake_failed"}'
+            proxy, "vllm_proxy_engine_restarts_total", model_id="m", reason="wake_failed"
         )
         == 1
     )
 
 
 async def test_a_failed_sleep_stops_the_engine(tmp_path: Path, start_proxy: StartProxy) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env={"FAKE_ENGINE_SLEEP_FAIL": "1"})}))
+    proxy = await start_proxy(
+        config(tmp_path, {"m": sleepy(env=FakeEngine(sleep_fail=True).env())})
+    )
     assert (await chat(proxy, "m"))[0] == 200
     inst = proxy.instance("m")
-    await wait_for(lambda: inst.state is State.STOPPED, what="stopped after a failed sleep")
-    assert (await chat(proxy, "m"))[0] == 200
-    assert proxy.engine_starts("m") == 2
+    await stopped_then_cold_started(proxy, inst, "stopped after a failed sleep")
 
 
 async def test_warmup_runs_before_the_instance_serves(
@@ -316,7 +275,7 @@ async def test_warmup_runs_before_the_instance_serves(
 
 async def test_a_failing_warmup_fails_the_start(tmp_path: Path, start_proxy: StartProxy) -> None:
     # The engine crashes on its first completion: the warm-up's.
-    env = {"FAKE_ENGINE_CRASH_AFTER": "0"}
+    env = FakeEngine(crash_after=0).env()
     proxy = await start_proxy(config(tmp_path, {"m": {"model": "x", "warmup": True, "env": env}}))
     status, text = await chat(proxy, "m")
     assert status == 502 and "warm-up" in text
@@ -338,16 +297,16 @@ async def test_admin_sleep_and_wake(tmp_path: Path, start_proxy: StartProxy) -> 
     assert row["state"] == "sleeping" and inst["state"] == "sleeping" and inst["sleep_level"] == 2
     assert row["sleep"] == {"level": 1, "after_idle_s": 60.0}
     assert (
-        await proxy_metric(proxy, 'vllm_proxy_instance_sleep_level{instance="m#1",model_id="m"}')
+        await proxy_metric(proxy, "vllm_proxy_instance_sleep_level", instance="m#1", model_id="m")
         == 2
     )
-    assert await proxy_metric(proxy, 'vllm_proxy_instances{model_id="m",state="sleeping"}') == 1
+    assert await proxy_metric(proxy, "vllm_proxy_instances", model_id="m", state="sleeping") == 1
 
     resp = await proxy.http.post(base + "/m/wake")
     assert resp.status == 200
     row = await resp.json()
     assert row["state"] == "running" and row["instances"][0]["sleep_level"] == 0
-    assert await proxy_metric(proxy, 'vllm_proxy_instances{model_id="m",state="running"}') == 1
+    assert await proxy_metric(proxy, "vllm_proxy_instances", model_id="m", state="running") == 1
 
     resp = await proxy.http.post(base + "/m/wake")
     assert resp.status == 200, "waking an awake model is a no-op"
@@ -362,7 +321,7 @@ async def test_admin_sleep_and_wake(tmp_path: Path, start_proxy: StartProxy) -> 
 async def test_admin_sleep_waits_for_requests_in_flight(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_TOKENS": "20", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+    env = FakeEngine(tokens=20, token_delay=0.05).env()
     policy = {"level": 1, "after_idle_s": 60}
     proxy = await start_proxy(config(tmp_path, {"m": sleepy(sleep=policy, env=env)}))
     stream = await proxy.chat("m", stream=True)

@@ -5,26 +5,25 @@ Every test pins an invariant of docs/design.md ("Sleep tiers"): no request reach
 waking engine (the fake counts them), nothing is put to sleep with a request in flight or
 queued, memory counts as awake until the /sleep call returned, a failed wake is never served
 from, and no stop leaves an instance stuck in SLEEPING, WAKING or STOPPING or an engine alive.
-Slow sleep and wake calls (``FAKE_ENGINE_SLEEP_DELAY``/``FAKE_ENGINE_WAKE_DELAY``) open the
+Slow sleep and wake calls (`FakeEngine.sleep_delay`/`wake_delay`) open the
 windows; each test waits on states with deadlines, never on time.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, alive, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, alive, sleepy, wait_for
+from kit import sleep_config as config
+from kit.metrics import engine_metric, proxy_samples
+from kit.watch import watching
 
-from vllm_proxy.config import GpuDevice
 from vllm_proxy.engine import EngineProcess
 from vllm_proxy.instance import DOWN, Instance, State
 
@@ -33,59 +32,18 @@ SLEEPY = {"level": 1, "after_idle_s": 0.3}
 SETTLED = frozenset({State.RUNNING, State.STOPPED, State.ERROR})
 
 
-def config(
-    tmp_path: Path,
-    models: dict[str, dict[str, Any]],
-    budget_mb: int | None = None,
-    queue_timeout_s: float | None = None,
-    **engine: Any,
-) -> Any:
-    cfg = make_config(
-        tmp_path, models, server={"admin_open": True}, engine={"health_interval_s": 0, **engine}
-    )
-    if queue_timeout_s is not None:
-        admission = cfg.admission.model_copy(update={"queue_timeout_s": queue_timeout_s})
-        cfg = cfg.model_copy(update={"admission": admission})
-    if budget_mb is None:
-        return cfg
-    gpu = cfg.gpu.model_copy(
-        update={"monitor": "static", "devices": [GpuDevice(id=0, memory_mb=budget_mb)]}
-    )
-    return cfg.model_copy(update={"gpu": gpu})
-
-
-def sleepy(sleep: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
-    return {"model": "x", "sleep": sleep or dict(SLEEPY), **extra}
-
-
 async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:
-    resp = await proxy.chat(model, max_tokens=4, **extra)
-    body = await resp.read()
-    if resp.status != 200:
-        return resp.status, body.decode()
-    return resp.status, json.loads(body)["choices"][0]["message"]["content"]
+    return await proxy.reply(model, max_tokens=4, **extra)
 
 
-async def engine_metric(proxy: RunningProxy, inst: Instance, name: str) -> float:
-    """A sample of the instance's engine's own /metrics (the fake's counters)."""
-    assert inst.engine is not None
-    async with inst.engine.client(proxy.http).get(inst.engine.base_url + "/metrics") as resp:
-        text = await resp.text()
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def proxy_metrics(proxy: RunningProxy) -> dict[str, float]:
-    text = await (await proxy.http.get(proxy.url + "/metrics")).text()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            out[key] = float(value)
-    return out
+async def falling_asleep_after(
+    start_proxy: StartProxy, tmp_path: Path, sleep_delay: float
+) -> tuple[RunningProxy, Instance]:
+    """Model m served once, then its idle sleep under way: its /sleep call takes `sleep_delay`."""
+    models = {"m": sleepy(env=FakeEngine(sleep_delay=sleep_delay).env())}
+    proxy, inst = await start_proxy.serving(config(tmp_path, models), "m")
+    await wait_for(lambda: falling_asleep(inst), what="the /sleep call in flight")
+    return proxy, inst
 
 
 def falling_asleep(inst: Instance) -> bool:
@@ -153,30 +111,6 @@ def over_budget(proxy: RunningProxy, waking: set[int], budget: int = 1000) -> st
     )
 
 
-@asynccontextmanager
-async def watching(check: Callable[[], str | None]) -> AsyncIterator[list[str]]:
-    """Evaluate `check` at every turn of the event loop (every 5 ms at least) while the body
-    runs; the yielded list collects every violation it reported."""
-    seen: list[str] = []
-
-    async def loop() -> None:
-        while True:
-            problem = check()
-            if problem is not None and problem not in seen:
-                seen.append(problem)
-            await asyncio.sleep(0.005)
-
-    task = asyncio.ensure_future(loop())
-    try:
-        yield seen
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        problem = check()
-        if problem is not None and problem not in seen:
-            seen.append(problem)
-
-
 def no_lease_unless_running(proxy: RunningProxy) -> str | None:
     for inst in proxy.manager.all_instances():
         if inst.leases and inst.state is not State.RUNNING and inst.state is not State.STOPPING:
@@ -192,11 +126,9 @@ async def test_an_admin_sleep_whose_client_hangs_up_still_wakes_with_the_weights
 ) -> None:
     """The admin client gives up while the level-2 /sleep call is in flight. The engine still
     goes to sleep and discards its weights; the wake must reload them, never serve garbage."""
-    env = {"FAKE_ENGINE_SLEEP_DELAY": "1.0"}
+    env = FakeEngine(sleep_delay=1.0).env()
     policy = {"level": 1, "after_idle_s": 60}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(policy, env=env)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy(policy, env=env)}), "m")
     impatient = aiohttp.ClientTimeout(total=0.3)
     try:
         async with aiohttp.ClientSession(timeout=impatient) as admin:
@@ -219,10 +151,10 @@ async def test_idle_timeout_never_stops_an_engine_a_request_waits_to_wake(
     """A request arrives while the /sleep call is in flight and waits to wake the engine; the
     idle timeout (total idleness) expires meanwhile. The engine is not idle: it must be woken,
     not stopped and replaced by a cold start."""
-    env = {"FAKE_ENGINE_SLEEP_DELAY": "1.5"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env, idle_timeout_s=1.0)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    env = FakeEngine(sleep_delay=1.5).env()
+    proxy, inst = await start_proxy.serving(
+        config(tmp_path, {"m": sleepy(env=env, idle_timeout_s=1.0)}), "m"
+    )
     await wait_for(lambda: falling_asleep(inst), what="the /sleep call in flight")
     status, _ = await chat(proxy, "m")  # waits for the sleep call, then for the wake
     assert status == 200
@@ -236,8 +168,8 @@ async def test_an_unload_during_a_wake_starts_no_engine_while_it_drains(
 ) -> None:
     """Unload while a request's wake is in flight: the waking engine stops, and no new engine
     may start until the unload is over; then the waiting request gets one cold start."""
-    env = {"FAKE_ENGINE_WAKE_DELAY": "1.0"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
+    engine = FakeEngine(wake_delay=1.0)
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=engine.env())}))
     assert (await chat(proxy, "m"))[0] == 200
     model, first = proxy.model("m"), proxy.instance("m")
     await wait_for(lambda: first.asleep, what="asleep")
@@ -251,7 +183,7 @@ async def test_an_unload_during_a_wake_starts_no_engine_while_it_drains(
                 return f"{fresh} created while the unload drained"
         return None
 
-    async with watching(no_start_while_draining) as problems:
+    async with watching(no_start_while_draining, at_end=True) as problems:
         resp = await proxy.http.post(proxy.url + "/admin/models/m/unload")
         assert resp.status == 200
         assert first.state is State.STOPPED
@@ -310,8 +242,8 @@ async def test_a_wake_never_allocates_while_an_engine_starts_on_the_same_device(
     cache: it must not run while another engine starts on the same device (either order)."""
     policy = {"level": 1, "after_idle_s": 60}
     models = {
-        "a": sleepy(policy, memory_mb=600, env={"FAKE_ENGINE_WAKE_DELAY": "0.5"}),
-        "b": {"model": "x", "memory_mb": 600, "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.0"}},
+        "a": sleepy(policy, memory_mb=600, env=FakeEngine(wake_delay=0.5).env()),
+        "b": {"model": "x", "memory_mb": 600, "env": FakeEngine(startup_delay=1.0).env()},
     }
     proxy = await start_proxy(config(tmp_path, models, budget_mb=2000, sleep_memory_mb=100))
     assert (await chat(proxy, "a"))[0] == 200
@@ -332,7 +264,7 @@ async def test_a_wake_never_allocates_while_an_engine_starts_on_the_same_device(
 
     cold = asyncio.ensure_future(chat(proxy, "b"))
     await wait_for(lambda: proxy.model("b").instances and proxy.instance("b").engine, what="b")
-    async with watching(overlap) as problems:
+    async with watching(overlap, at_end=True) as problems:
         results = await asyncio.gather(cold, chat(proxy, "a"))
     assert [s for s, _ in results] == [200, 200]
     assert problems == []
@@ -348,14 +280,14 @@ async def test_memory_counts_as_awake_until_the_sleep_call_returned(
     only once a's slow /sleep call has returned."""
     policy = {"level": 1, "after_idle_s": 60}
     models = {
-        "a": sleepy(policy, memory_mb=600, env={"FAKE_ENGINE_SLEEP_DELAY": "1.0"}),
+        "a": sleepy(policy, memory_mb=600, env=FakeEngine(sleep_delay=1.0).env()),
         "b": {"model": "x", "memory_mb": 600},
     }
     proxy = await start_proxy(config(tmp_path, models, budget_mb=1000, sleep_memory_mb=100))
     assert (await chat(proxy, "a"))[0] == 200
     a = proxy.instance("a")
 
-    async with watching(lambda: over_budget(proxy, waking)) as problems:
+    async with watching(lambda: over_budget(proxy, waking), at_end=True) as problems:
         status, _ = await chat(proxy, "b")
     assert status == 200 and a.asleep
     assert problems == []
@@ -365,12 +297,8 @@ async def test_memory_counts_as_awake_until_the_sleep_call_returned(
 async def test_a_request_during_the_sleep_call_gets_one_wake_of_the_same_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SLEEP_DELAY": "0.8"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
-    await wait_for(lambda: falling_asleep(inst), what="the /sleep call in flight")
-    async with watching(lambda: no_lease_unless_running(proxy)) as problems:
+    proxy, inst = await falling_asleep_after(start_proxy, tmp_path, 0.8)
+    async with watching(lambda: no_lease_unless_running(proxy), at_end=True) as problems:
         results = await asyncio.gather(*(chat(proxy, "m") for _ in range(10)))
     assert [s for s, _ in results] == [200] * 10
     assert problems == []
@@ -382,7 +310,7 @@ async def test_a_request_during_the_sleep_call_gets_one_wake_of_the_same_engine(
 async def test_a_failed_sleep_with_a_request_waiting_falls_back_to_a_cold_start(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SLEEP_FAIL": "1", "FAKE_ENGINE_SLEEP_DELAY": "0.8"}
+    env = FakeEngine(sleep_fail=True, sleep_delay=0.8).env()
     proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
     assert (await chat(proxy, "m"))[0] == 200
     first = proxy.instance("m")
@@ -396,17 +324,13 @@ async def test_a_failed_sleep_with_a_request_waiting_falls_back_to_a_cold_start(
 async def test_a_stop_during_the_sleep_call_leaves_nothing_half_way(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_SLEEP_DELAY": "2.0"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
-    await wait_for(lambda: falling_asleep(inst), what="the /sleep call in flight")
+    proxy, inst = await falling_asleep_after(start_proxy, tmp_path, 2.0)
     resp = await proxy.http.post(proxy.url + "/admin/models/m/unload")
     assert resp.status == 200
     assert inst.state is State.STOPPED and not alive(engine_pid(inst))
     await wait_for(lambda: inst._sleep_call is None, what="the sleep call over")
-    metrics = await proxy_metrics(proxy)
-    assert all(v >= 0 for k, v in metrics.items() if k.startswith("vllm_proxy_instances{"))
+    samples = await proxy_samples(proxy)
+    assert all(s.value >= 0 for s in samples.find("vllm_proxy_instances"))
     assert (await chat(proxy, "m"))[0] == 200
 
 
@@ -417,7 +341,7 @@ async def test_a_waking_instance_is_never_evicted_and_both_models_are_served(
     instance is never a victim), then takes it by putting a back to sleep once a is idle."""
     policy = {"level": 1, "after_idle_s": 60}
     models = {
-        "a": sleepy(policy, memory_mb=600, env={"FAKE_ENGINE_WAKE_DELAY": "1.0"}),
+        "a": sleepy(policy, memory_mb=600, env=FakeEngine(wake_delay=1.0).env()),
         "b": {"model": "x", "memory_mb": 600},
     }
     proxy = await start_proxy(
@@ -439,7 +363,7 @@ async def test_a_waking_instance_is_never_evicted_and_both_models_are_served(
             return f"a went {' -> '.join(s.name for s in states)}"
         return over_budget(proxy, waking)
 
-    async with watching(a_never_stopped_while_waking) as problems:
+    async with watching(a_never_stopped_while_waking, at_end=True) as problems:
         results = await asyncio.gather(woken, chat(proxy, "b"))
     assert [s for s, _ in results] == [200, 200]
     assert problems == []
@@ -465,7 +389,7 @@ async def test_two_models_swap_under_concurrent_load_from_both(
     async def client(name: str) -> list[int]:
         return [(await chat(proxy, name))[0] for _ in range(6)]
 
-    async with watching(check) as problems:
+    async with watching(check, at_end=True) as problems:
         results = await asyncio.gather(*(client(n) for n in "aabb"))
     assert [set(r) for r in results] == [{200}] * 4
     assert problems == []
@@ -483,27 +407,23 @@ async def test_two_models_swap_under_concurrent_load_from_both(
 async def test_an_engine_killed_while_asleep_is_replaced_by_a_cold_start(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy()}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy()}), "m")
     await wait_for(lambda: inst.asleep, what="asleep")
     os.killpg(engine_pid(inst), signal.SIGKILL)
     await wait_for(lambda: inst.state is State.ERROR, what="the crash seen")
     status, text = await chat(proxy, "m")
     assert status == 200 and text.startswith("tok0")
     assert proxy.instance("m") is not inst
-    metrics = await proxy_metrics(proxy)
-    assert all(v >= 0 for k, v in metrics.items() if k.startswith("vllm_proxy_instances{"))
-    assert 'vllm_proxy_instance_sleep_level{instance="m#1",model_id="m"}' not in metrics
+    samples = await proxy_samples(proxy)
+    assert all(s.value >= 0 for s in samples.find("vllm_proxy_instances"))
+    assert not samples.find("vllm_proxy_instance_sleep_level", instance="m#1", model_id="m")
 
 
 async def test_an_engine_killed_while_waking_is_replaced_by_a_cold_start(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_WAKE_DELAY": "2.0"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
-    assert (await chat(proxy, "m"))[0] == 200
-    inst = proxy.instance("m")
+    env = FakeEngine(wake_delay=2.0).env()
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy(env=env)}), "m")
     await wait_for(lambda: inst.asleep, what="asleep")
     request = asyncio.ensure_future(chat(proxy, "m"))
     await wait_for(lambda: inst.state is State.WAKING, what="waking")
@@ -519,14 +439,14 @@ async def test_an_engine_killed_while_waking_is_replaced_by_a_cold_start(
 async def test_a_reload_that_changes_the_engine_during_a_wake_serves_the_new_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    env = {"FAKE_ENGINE_WAKE_DELAY": "1.0"}
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
+    engine = FakeEngine(wake_delay=1.0)
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=engine.env())}))
     assert (await chat(proxy, "m"))[0] == 200
     old = proxy.instance("m")
     await wait_for(lambda: old.asleep, what="asleep")
     request = asyncio.ensure_future(chat(proxy, "m"))
     await wait_for(lambda: old.state is State.WAKING, what="waking")
-    new_env = {**env, "FAKE_ENGINE_TOKENS": "2"}
+    new_env = engine.but(tokens=2).env()
     specs = config(tmp_path, {"m": sleepy(env=new_env)}).specs()
     report = proxy.manager.reload(specs, 5.0)
     assert report["restarted"] == ["m"]
@@ -540,7 +460,7 @@ async def test_a_reload_that_changes_the_engine_during_a_wake_serves_the_new_eng
 async def test_shutdown_while_asleep_and_while_a_wake_hangs_leaves_no_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    models = {"a": sleepy(), "b": sleepy(env={"FAKE_ENGINE_WAKE_HANG": "1"}, wake_timeout_s=30)}
+    models = {"a": sleepy(), "b": sleepy(env=FakeEngine(wake_hang=True).env(), wake_timeout_s=30)}
     proxy = await start_proxy(config(tmp_path, models))
     for name in "ab":
         assert (await chat(proxy, name))[0] == 200

@@ -16,10 +16,9 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
-from conftest import RunningProxy, StartProxy, make_config, wait_for
+from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
-from vllm_proxy.app import Server
-from vllm_proxy.config import Config, load_config, parse_config
+from vllm_proxy.config import Config, parse_config
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_FLAGS = [
@@ -38,7 +37,7 @@ SCREENSHOT_COPY_ENV = "VLLM_PROXY_STATUS_SCREENSHOT"
 
 
 #: A stream on this engine holds its lease for minutes (until the client goes away).
-SLOW = {"FAKE_ENGINE_TOKENS": "10000", "FAKE_ENGINE_TOKEN_DELAY": "0.05"}
+SLOW = FakeEngine(tokens=10000, token_delay=0.05).env()
 GPU_MB = 1200
 
 
@@ -74,20 +73,18 @@ class StatusProxy(NamedTuple):
 
 
 @pytest.fixture
-async def status_proxy(tmp_path: Path) -> AsyncIterator[StatusProxy]:
-    """A proxy started from a config file (so it can reload), with a client session of its own."""
+async def status_proxy(tmp_path: Path, start_proxy: StartProxy) -> AsyncIterator[StatusProxy]:
+    """A proxy started from a config file (so it can reload), with a client session of its own
+    (no time limit: the streams it holds run for minutes)."""
     path = write_config(tmp_path, status_models(SLOW))
-    server = Server(load_config(path), str(path))
-    session = aiohttp.ClientSession()
+    server = (await start_proxy.file(path)).server
     held: list[aiohttp.ClientResponse] = []
-    await server.start()
-    try:
-        yield StatusProxy(RunningProxy(server, session), path, held)
-    finally:
-        for resp in held:
-            resp.close()
-        await session.close()
-        await server.shutdown()
+    async with aiohttp.ClientSession() as session:
+        try:
+            yield StatusProxy(RunningProxy(server, session), path, held)
+        finally:
+            for resp in held:
+                resp.close()
 
 
 async def run_chromium(url: str, profile: Path, *args: str) -> tuple[int, str, str]:

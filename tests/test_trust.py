@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
-from conftest import StartProxy, free_port, make_config
+from kit import StartProxy, free_port, make_config
 
 import vllm_proxy.engine as engine_module
 

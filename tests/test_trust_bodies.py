@@ -12,14 +12,23 @@ import json
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from conftest import FAKE_ENGINE, RunningProxy, StartProxy, free_port, make_config, wait_for
+from kit import (
+    FAKE_ENGINE,
+    FakeEngine,
+    RunningProxy,
+    StartProxy,
+    free_port,
+    heap_probe,
+    make_config,
+    wait_for,
+    wait_healthy,
+    write_config,
+)
 
 MIB = 1024 * 1024
 JSON = {"Content-Type": "application/json"}
@@ -51,27 +60,17 @@ def peak_rss(pid: int) -> int:
 
 
 @pytest.fixture
-def proxy_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+def proxy_process(tmp_path: Path, start_proxy: StartProxy) -> tuple[subprocess.Popen[bytes], str]:
     """The proxy as a process of its own (its memory measured alone), one model."""
     port = free_port()
-    cfg = {
+    data = {
         "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "st")},
         "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
         "models": {"m1": {"model": "x"}},
     }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    with open(tmp_path / "proxy.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_proxy", "--config", str(path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    try:
-        yield proc, f"http://127.0.0.1:{port}"
-    finally:
-        proc.kill()
-        proc.wait()
+    path = write_config(tmp_path / "config.yaml", data)
+    proxy = start_proxy.process(path, port, tmp_path / "proxy.log")
+    return proxy.proc, proxy.url
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM in /proc")
@@ -86,15 +85,7 @@ async def test_a_31_kib_gzip_body_of_dense_json_costs_about_its_inflated_size(
     body = dense_gzip(32 * MIB - 1024)
     assert len(body) < 64 * 1024
     async with aiohttp.ClientSession() as http:
-
-        async def health() -> bool:
-            try:
-                async with http.get(url + "/health") as r:
-                    return r.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await wait_for(health, timeout=30, what="the proxy listening")
+        await wait_healthy(http, url)
         async with http.post(url + "/v1/chat/completions", json={"model": "nope"}) as r:
             assert r.status == 404  # warm: the request path has run once
         before = peak_rss(proc.pid)
@@ -190,7 +181,7 @@ async def test_bodies_waiting_for_a_model_are_capped_by_max_bodies_mb(
     """Two requests of 450 KB wait for their model to start (their bodies held); a third
     would pass 1 MiB of bodies: 503 + Retry-After at once. Once they are served, every byte is
     given back and the third goes through."""
-    models = {"m1": {"model": "x", "env": {"FAKE_ENGINE_STARTUP_DELAY": "1.5"}}}
+    models = {"m1": {"model": "x", "env": FakeEngine(startup_delay=1.5).env()}}
     server = {"max_bodies_mb": 1, "max_body_mb": 1}
     proxy = await start_proxy(make_config(tmp_path, models, server=server))
     body = chat_body("m1", 450_000)
@@ -318,9 +309,5 @@ def test_a_burst_of_large_bodies_leaves_at_most_128_mib_of_free_heap() -> None:
         "    hold.release()\n"
         "print(rss() - base)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    if out.returncode == 3:
-        pytest.skip("not glibc")
-    assert out.returncode == 0, out.stderr
-    kept = int(out.stdout)
+    kept = heap_probe(code)
     assert kept <= 128 * MIB, f"{kept / MIB:.0f} MiB still resident after the burst"

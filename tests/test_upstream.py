@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
-from conftest import free_port, wait_for
+from kit import RawEngine, free_port, wait_for
 
 from vllm_proxy.body import Pieces
 from vllm_proxy.proxy import Tap
@@ -194,13 +194,20 @@ async def no_drain() -> None:
     raise AssertionError("the relay never asked for a drain")
 
 
+async def relayed(pool: UpstreamPool, port: int, path: str, timeout: float = 5) -> Client:
+    """A request to `path`, its response relayed whole to a client that is never backed up."""
+    resp = await pool.request(port, "POST", path, [], b"", 5)
+    client = Client()
+    try:
+        await relay(resp, client, no_drain, timeout)
+    finally:
+        resp.release()
+    return client
+
+
 async def test_relay_hands_every_piece_over_as_it_arrives(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
-    resp = await pool.request(upstream.port, "POST", "/halves", [], b"", 5)
-    client = Client()
-    await relay(resp, client, no_drain, 5)
-    resp.release()
-    pieces = client.pieces
+    pieces = (await relayed(pool, upstream.port, "/halves")).pieces
     # What arrives is handed on at once: the first half of an event goes before the engine
     # has sent the rest; the bytes are the engine's, in order.
     assert pieces[0] == b'data: {"n": 0, ' and len(pieces) >= 4
@@ -324,10 +331,7 @@ async def test_relay_stops_reading_while_the_client_is_backed_up(upstream: Upstr
 async def test_relay_times_out_on_silence_not_on_length(upstream: Upstream) -> None:
     pool = UpstreamPool(limit=8)
     # 8 events 0.1 s apart: the whole stream takes longer than the timeout, no gap does.
-    resp = await pool.request(upstream.port, "POST", "/stream?n=8&delay=0.1", [], b"", 5)
-    client = Client()
-    await relay(resp, client, no_drain, 0.5)
-    resp.release()
+    client = await relayed(pool, upstream.port, "/stream?n=8&delay=0.1", 0.5)
     assert len(client.pieces) == 8
     resp = await pool.request(upstream.port, "POST", "/stream?n=2&delay=5", [], b"", 5)
     client = Client()
@@ -399,89 +403,99 @@ async def test_a_connection_paused_by_its_last_read_is_pooled_reading(upstream: 
     pool.close()
 
 
-async def test_a_stream_whose_last_read_backs_the_client_up_leaves_a_usable_connection() -> None:
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+STREAM_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+@contextlib.asynccontextmanager
+async def engine_server(handler: Handler) -> AsyncIterator[int]:
+    """A loopback server running `handler` per connection (a peer's hang-up ends it quietly);
+    yields its port, and closes the server and every connection it accepted."""
     writers: list[asyncio.StreamWriter] = []
 
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
         with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            await answer(reader, writer)
+            await handler(reader, writer)
 
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while await reader.readuntil(b"\r\n\r\n"):
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-            await writer.drain()
-            await asyncio.sleep(0.1)  # the relay has started: the rest comes in one read
-            writer.write(b"9\r\ndata: 0\n\n\r\n0\r\n\r\n")
-            await writer.drain()
-
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    pool = UpstreamPool(limit=8)
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
     try:
-        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
-        conn = resp._conn
-        client = Client(backed_after=1)  # the event's write leaves the client backed up
-
-        async def drain() -> None:
-            client.backed_after = None
-
-        await relay(resp, client, drain, 5)
-        resp.release()
-        assert client.pieces == [b"data: 0\n\n"]
-        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 2)
-        assert resp._conn is conn
-        client = Client()
-        await relay(resp, client, no_drain, 2)
-        resp.release()
-        assert client.pieces == [b"data: 0\n\n"]
+        yield server.sockets[0].getsockname()[1]
     finally:
-        pool.close()
         server.close()
         for writer in writers:
             writer.close()
             with contextlib.suppress(ConnectionError):
                 await writer.wait_closed()
         await server.wait_closed()
+
+
+async def test_a_stream_whose_last_read_backs_the_client_up_leaves_a_usable_connection() -> None:
+    relaying = asyncio.Event()  # set by the test as it hands the response to the relay
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(STREAM_HEAD)
+            await writer.drain()
+            await relaying.wait()  # the relay has started: the rest comes in one read
+            relaying.clear()
+            writer.write(b"9\r\ndata: 0\n\n\r\n0\r\n\r\n")
+            await writer.drain()
+
+    pool = UpstreamPool(limit=8)
+    async with engine_server(answer) as port:
+        try:
+            resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
+            conn = resp._conn
+            client = Client(backed_after=1)  # the event's write leaves the client backed up
+
+            async def drain() -> None:
+                client.backed_after = None
+
+            relaying.set()
+            await relay(resp, client, drain, 5)
+            resp.release()
+            assert client.pieces == [b"data: 0\n\n"]
+            resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 2)
+            assert resp._conn is conn
+            client = Client()
+            relaying.set()
+            await relay(resp, client, no_drain, 2)
+            resp.release()
+            assert client.pieces == [b"data: 0\n\n"]
+        finally:
+            pool.close()
 
 
 async def test_bad_framing_mid_stream_relays_what_came_before_it_then_fails() -> None:
     """The events parsed from a read before its broken chunk reach the client first; then the
     relay ends with the engine's error and the connection is not reused."""
-    writers: list[asyncio.StreamWriter] = []
+    relaying = asyncio.Event()  # set by the test as it hands the response to the relay
 
-    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        writers.append(writer)
-        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError):
-            await reader.readuntil(b"\r\n\r\n")
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
-                         b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
-            await writer.drain()
-            await asyncio.sleep(0.1)  # the relay has started
-            writer.write(b"9\r\ndata: 0\n\n\r\nZZ\r\nnot a chunk\r\n")
-            await writer.drain()
-            await reader.read()  # until the proxy closes
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(STREAM_HEAD)
+        await writer.drain()
+        await relaying.wait()  # the relay has started
+        writer.write(b"9\r\ndata: 0\n\n\r\nZZ\r\nnot a chunk\r\n")
+        await writer.drain()
+        await reader.read()  # until the proxy closes
 
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     pool = UpstreamPool(limit=8)
-    try:
-        resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
-        client = Client()
-        with pytest.raises(UpstreamError, match="bad HTTP response"):
-            await relay(resp, client, no_drain, 5)
-        resp.release()
-        assert client.pieces == [b"data: 0\n\n"]
-        assert not pool._idle.get(port), "a connection with a broken response is not reused"
-    finally:
-        pool.close()
-        server.close()
-        for writer in writers:
-            writer.close()
-            with contextlib.suppress(ConnectionError):
-                await writer.wait_closed()
-        await server.wait_closed()
+    async with engine_server(answer) as port:
+        try:
+            resp = await pool.request(port, "POST", "/v1/chat/completions", [], b"", 5)
+            client = Client()
+            relaying.set()
+            with pytest.raises(UpstreamError, match="bad HTTP response"):
+                await relay(resp, client, no_drain, 5)
+            resp.release()
+            assert client.pieces == [b"data: 0\n\n"]
+            assert not pool._idle.get(port), "a connection with a broken response is not reused"
+        finally:
+            pool.close()
 
 
 async def test_refused_connection_is_an_upstream_error() -> None:
@@ -563,48 +577,6 @@ async def test_one_model_cannot_take_every_connection(upstream: Upstream) -> Non
 # -- conformance against a raw-socket engine ---------------------------------------------------
 
 
-class RawEngine:
-    """A loopback server that answers each request with scripted bytes, and counts requests."""
-
-    def __init__(self, *answers: bytes | None) -> None:
-        self.answers = list(answers)  # None: read the request, then close without answering
-        self.requests = 0
-        self.connections = 0
-        self.port = 0
-        self.server: asyncio.Server | None = None
-
-    async def __aenter__(self) -> RawEngine:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        assert self.server is not None
-        self.server.close()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while self.answers:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-                await reader.readexactly(length)
-                self.requests += 1
-                answer = self.answers.pop(0)
-                if answer is None:
-                    break
-                writer.write(answer)
-                await writer.drain()
-                if b"connection: close" in answer.lower() or (
-                    b"content-length" not in (answer.lower()) and b"chunked" not in answer.lower()
-                ):
-                    break
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
 
 
@@ -679,14 +651,14 @@ async def test_a_huge_response_head_is_an_error() -> None:
 async def test_a_request_that_went_out_is_never_sent_again() -> None:
     """The engine reads the second request on a kept-alive connection and closes without an
     answer: that is an error for the client, never a resend (the generation may have begun)."""
-    async with RawEngine(OK, None) as engine:
+    async with RawEngine(OK, None, OK) as engine:  # a resend would get the last answer
         pool = UpstreamPool(limit=4)
         assert (await body_of(engine.port, pool))[2] == b"ok"
         with pytest.raises(UpstreamError):
             await pool.request(engine.port, "POST", "/x", [], b"{}", 5)
-        await asyncio.sleep(0.1)  # a resend would arrive now (bounded look, nothing to wait on)
-        assert engine.requests == 2
         pool.close()
+        await engine.idle()  # every connection the engine accepted, handled to its end
+        assert (engine.requests, engine.connections, engine.answers) == (2, 1, [OK])
 
 
 @pytest.mark.parametrize(

