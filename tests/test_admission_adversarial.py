@@ -255,7 +255,7 @@ async def test_clients_that_hang_up_while_held_or_waiting_leave_no_ticket_and_st
     more, and it would have stopped A for nobody), B is never started, A's stream runs on."""
     data = settings(
         tmp_path, {"a": {"env": ENDLESS}, "b": {}}, {"max_reorder_s": 0, "queue_timeout_s": 20},
-        min_resident_s=0, keepalive_s=0.2,
+        min_resident_s=0, loading_keepalive_interval_s=0.2,
     )  # fmt: skip
     proxy = await start(start_proxy, data)
     watch = Watch(proxy)
@@ -639,7 +639,7 @@ async def test_a_sleeping_victim_is_woken_not_started_again(
     streams (strict FIFO: held). S is put to sleep for B and woken for its next request:
     one engine start for S, every request complete, the budget kept. A wake whose client
     hangs up while it waits for memory is given up, leaving S asleep."""
-    models = {"s": {"sleep": {"level": 1, "after_idle_s": 60}, "sleep_memory_mb": 100}, "b": {}}
+    models = {"s": {"sleep": {"level": 1, "after_idle_s": 60, "memory_mb": 100}}, "b": {}}
     data = settings(tmp_path, models, {"max_reorder_s": 0, "queue_timeout_s": 10},
                     min_resident_s=0)  # fmt: skip
     proxy = await start(start_proxy, data)

@@ -20,6 +20,16 @@ def backoff() -> tuple[Backoff, Clock]:
     return Backoff("m", clock), clock
 
 
+def failed_start(b: Backoff, key: str, max_s: float = 60) -> None:
+    """An instance that never became ready."""
+    b.ended(key, failed=True, ran=False, stopped=False, max_s=max_s)
+
+
+def died(b: Backoff, key: str) -> None:
+    """An instance that was ready, then crashed."""
+    b.ended(key, failed=True, ran=True, stopped=False, max_s=60)
+
+
 DELAYS = [
     pytest.param(0, 60, 0, 0.0, id="no failure"),
     pytest.param(1, 60, 0, 1.0, id="first"),
@@ -41,7 +51,7 @@ def test_delay_doubles_up_to_the_cap(failures: int, max_s: float, grace: int, de
 def test_a_failed_start_backs_off_and_refuses_until_the_delay_is_over() -> None:
     b, clock = backoff()
     assert b.refusal("boom") is None
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     assert b.failures == 1 and b.remaining() == 1.0
     err = b.refusal("exit code 7")
     assert err is not None
@@ -53,22 +63,22 @@ def test_a_failed_start_backs_off_and_refuses_until_the_delay_is_over() -> None:
     assert refused is not None and refused.headers["Retry-After"] == "1", "rounded up"
     clock.now += 0.6
     assert b.remaining() == 0 and b.refusal("exit code 7") is None
-    b.ended("m#2", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#2")
     assert b.failures == 2 and b.remaining() == 2.0
 
 
 def test_the_cap_is_the_models_as_reloaded() -> None:
     b, _ = backoff()
     for n in range(1, 4):
-        b.ended(f"m#{n}", failed=True, ran=False, stopped=False, max_s=60)
+        failed_start(b, f"m#{n}")
     assert b.remaining() == 4.0
-    b.ended("m#4", failed=True, ran=False, stopped=False, max_s=3)
+    failed_start(b, "m#4", max_s=3)
     assert b.failures == 4 and b.remaining() == 3.0
 
 
 def test_a_start_that_comes_up_lets_the_next_go_at_once_but_keeps_the_count() -> None:
     b, _ = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.up("m#2", started=True)
     assert b.remaining() == 0 and b.failures == 1
 
@@ -77,25 +87,25 @@ def test_the_first_death_on_probation_is_free_the_second_backs_off() -> None:
     b, clock = backoff()
     b.up("m#1", started=True)
     clock.now += STABLE_S - 1
-    b.ended("m#1", failed=True, ran=True, stopped=False, max_s=60)
+    died(b, "m#1")
     assert b.failures == 1 and b.remaining() == 0, "one quick crash is retried at once"
     b.up("m#2", started=True)
     clock.now += 5
-    b.ended("m#2", failed=True, ran=True, stopped=False, max_s=60)
+    died(b, "m#2")
     assert b.failures == 2 and b.remaining() == 1.0
 
 
 def test_a_death_on_probation_after_a_failed_start_backs_off() -> None:
     b, _ = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.up("m#2", started=True)
-    b.ended("m#2", failed=True, ran=True, stopped=False, max_s=60)
+    died(b, "m#2")
     assert b.failures == 2 and b.remaining() == 1.0
 
 
 def test_living_through_probation_ends_the_loop() -> None:
     b, clock = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.up("m#2", started=True)
     clock.now += STABLE_S - 0.1
     assert b.failures == 1
@@ -109,10 +119,10 @@ def test_probation_over_clears_a_back_off_begun_meanwhile() -> None:
     b, clock = backoff()
     b.up("m#1", started=True)
     clock.now += 10
-    b.ended("m#2", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#2")
     assert b.remaining() == 1.0
     clock.now += 0.5
-    b.ended("m#3", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#3")
     assert b.failures == 2 and b.remaining() == 2.0
     clock.now += STABLE_S - 10.5
     assert b.failures == 0 and b.remaining() == 0
@@ -120,10 +130,10 @@ def test_probation_over_clears_a_back_off_begun_meanwhile() -> None:
 
 def test_a_failure_after_probation_is_over_counts_from_zero() -> None:
     b, clock = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.up("m#2", started=True)
     clock.now += STABLE_S + 1
-    b.ended("m#3", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#3")
     assert b.failures == 1 and b.remaining() == 1.0
 
 
@@ -131,22 +141,22 @@ def test_a_death_after_probation_ends_the_loop() -> None:
     b, clock = backoff()
     b.up("m#1", started=True)
     clock.now += STABLE_S + 1
-    b.ended("m#2", failed=True, ran=False, stopped=False, max_s=60)
-    b.ended("m#1", failed=True, ran=True, stopped=False, max_s=60)
+    failed_start(b, "m#2")
+    died(b, "m#1")
     assert b.failures == 0
 
 
 def test_a_woken_instance_is_not_on_probation() -> None:
     b, _ = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.up("m#2", started=False)
-    b.ended("m#2", failed=True, ran=True, stopped=False, max_s=60)
+    died(b, "m#2")
     assert b.failures == 0, "a woken engine that dies is no failed start"
 
 
 def test_a_stop_after_it_ran_ends_the_loop_a_refused_start_does_not() -> None:
     b, _ = backoff()
-    b.ended("m#1", failed=True, ran=False, stopped=False, max_s=60)
+    failed_start(b, "m#1")
     b.ended("m#2", failed=False, ran=False, stopped=False, max_s=60)  # admission refused
     assert b.failures == 1
     b.up("m#3", started=True)

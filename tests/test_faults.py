@@ -59,7 +59,7 @@ async def test_crash_loop_backs_off_and_a_success_resets(
     marker = tmp_path / "healthy-now"
     script = f'[ -e {marker} ] || {{ echo "boom" >&2; exit 7; }}; exec {" ".join(FAKE_ENGINE)} "$@"'
     models = {"m1": {"model": "x", "command": ["sh", "-c", script, "sh"]}}
-    proxy = await start_proxy(make_config(tmp_path, models, engine={"backoff_max_s": 2}))
+    proxy = await start_proxy(make_config(tmp_path, models, engine={"max_backoff_s": 2}))
     model = proxy.model("m1")
 
     resp = await proxy.chat("m1")  # a real start: the engine exits with 7

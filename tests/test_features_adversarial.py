@@ -343,7 +343,14 @@ async def test_a_stream_for_a_failing_adapter_that_waited_for_its_engine_ends_wi
 ) -> None:
     a = adapter(tmp_path, "a")
     env = FakeEngine(startup_delay=1, lora_fail=("a",)).env()
-    models = {"base": {"model": "x", "adapters": {"a": str(a)}, "keepalive_s": 0.2, "env": env}}
+    models = {
+        "base": {
+            "model": "x",
+            "adapters": {"a": str(a)},
+            "loading_keepalive_interval_s": 0.2,
+            "env": env,
+        }
+    }
     proxy = await start_proxy(lora_config(tmp_path, models))
     async with proxy.http.post(
         proxy.url + "/v1/completions",
@@ -720,7 +727,9 @@ async def test_bodies_sent_one_byte_per_http_chunk_cost_neither_memory_nor_minut
 
 
 def realtime_config(tmp_path: Path, **server: Any) -> Any:
-    models = {"whisper": {"model": "org/whisper", "aliases": ["w"], "keepalive_s": 0.2}}
+    models = {
+        "whisper": {"model": "org/whisper", "aliases": ["w"], "loading_keepalive_interval_s": 0.2}
+    }
     return make_config(tmp_path, models, server={"body_timeout_s": 1, **server})
 
 

@@ -14,7 +14,7 @@ memory when the test starts, so the tests hold on any GPU size:
 
 Every engine holds up to ``CONTEXT_MB`` beyond its ``gpu_mb`` for torch's CUDA
 context; each model's ``memory_mb`` counts it (memory_mb is everything an engine holds), and
-``sleep_memory_mb`` is the planner's guess until the proxy has measured what a sleeping engine
+``sleep.memory_mb`` is the planner's guess until the proxy has measured what a sleeping engine
 keeps (its context).
 """
 
@@ -107,7 +107,6 @@ def gpu_config(tmp_path: Path, models: dict[str, dict[str, Any]]) -> Config:
                 "stop_timeout_s": 10,
                 "idle_timeout_s": 0,
                 "port_range": [20000, 29999],
-                "sleep_memory_mb": CONTEXT_MB,
             },
             "gpu": {
                 "monitor": "nvml",
@@ -259,7 +258,7 @@ async def test_sleep_levels_1_and_2_free_the_memory_nvml_sees(
     tmp_path: Path, start_proxy: StartProxy, http: aiohttp.ClientSession
 ) -> None:
     size = moderate_mb()
-    policy = {"level": 1, "after_idle_s": 3600}
+    policy = {"level": 1, "after_idle_s": 3600, "memory_mb": CONTEXT_MB}
     proxy = await start_proxy(
         gpu_config(tmp_path, {"m": engine(size + CONTEXT_MB, size, sleep=policy)})
     )
@@ -297,7 +296,7 @@ async def test_two_models_that_fit_one_awake_swap_by_sleep_and_wake(
     Alternate requests put one to sleep and wake the other, with exactly two engine processes
     ever started; a wake before the other's memory is free would fail in the engine."""
     memory_mb, gpu_mb = shares(0.6)
-    policy = {"level": 2, "after_idle_s": 3600}
+    policy = {"level": 2, "after_idle_s": 3600, "memory_mb": CONTEXT_MB}
     models = {name: engine(memory_mb, gpu_mb, sleep=policy) for name in "ab"}
     proxy = await start_proxy(gpu_config(tmp_path, models))
     async with peak_engines(proxy) as peak:

@@ -16,7 +16,7 @@ EXPECTED = "".join(f"tok{i} " for i in range(12))
 
 def config(tmp_path: Path, **model: Any) -> Any:
     m = {"model": "x", "env": SLOW_START.env(), **model}
-    return make_config(tmp_path, {"m": m}, engine={"keepalive_s": 0.3})
+    return make_config(tmp_path, {"m": m}, engine={"loading_keepalive_interval_s": 0.3})
 
 
 async def raw_stream(proxy: RunningProxy, path: str = "/v1/chat/completions") -> bytes:

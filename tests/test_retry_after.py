@@ -112,7 +112,7 @@ async def test_no_connection_slot_503_has_retry_after(
     cfg = make_config(
         tmp_path,
         {"m1": {"model": "x", "env": LONG}},
-        server={"max_upstream_connections": 1, "connection_wait_s": 0.2},
+        server={"max_upstream_connections": 1, "connection_queue_timeout_s": 0.2},
     )
     proxy = await start_proxy(cfg)
     stream = await first_chunk(proxy, "m1")  # holds the model's only engine connection

@@ -437,7 +437,7 @@ async def test_host_ram_promised_to_a_sleep_is_released_on_every_path(
         "times_out": FakeEngine(sim_sleep_s=3).env(),
         "stopped": FakeEngine(sim_sleep_s=1).env(),
     }[how]
-    models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "sleep_timeout_s": 1.5,
+    models = {"a": {"model": "x", "memory_mb": 8_000, "sleep": {**L1, "timeout_s": 1.5},
                     "env": env}}  # fmt: skip
     proxy = await start_proxy(sim_config(tmp_path, ledger, models))
     host = proxy.manager.ctx.host
@@ -819,10 +819,10 @@ async def test_stale_measurement_after_a_wake_stops_instead_of_sleeping(
     assert proxy.engine_starts("a") == proxy.engine_starts("b") == 1
 
 
-def a_then_slow_b(a_engine: FakeEngine, **a_keys: Any) -> dict[str, dict[str, Any]]:
-    """`a` (level-1 sleep, `a_engine`, `a_keys`) and `b`, whose start profiles for 4 s."""
+def a_then_slow_b(a_engine: FakeEngine, **sleep: Any) -> dict[str, dict[str, Any]]:
+    """`a` (level-1 sleep with `sleep`'s keys, `a_engine`) and `b`, whose start profiles for 4 s."""
     return {
-        "a": {"model": "x", "memory_mb": 8_000, "sleep": L1, "env": a_engine.env(), **a_keys},
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": {**L1, **sleep}, "env": a_engine.env()},
         "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=4).env()},
     }
 
@@ -845,7 +845,7 @@ async def b_waiting_for_memory(
 async def test_sleep_timeout_releases_the_lock_while_the_engine_still_sleeps(
     tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
 ) -> None:
-    models = a_then_slow_b(FakeEngine(sim_sleep_s=2.5), sleep_timeout_s=1)
+    models = a_then_slow_b(FakeEngine(sim_sleep_s=2.5), timeout_s=1)
     proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
     assert a.sleep("test") is not None  # its /sleep takes 2.5 s, the proxy gives up after 1 s
     await wait_for(lambda: a._owns_devices, what="a's sleep holding the lock")

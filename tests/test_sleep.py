@@ -16,14 +16,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from kit import FakeEngine, RunningProxy, StartProxy, make_config, sleepy, wait_for
+from kit import SLEEPY, FakeEngine, RunningProxy, StartProxy, make_config, sleepy, wait_for
 from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.instance import Instance, State
-
-SLEEPY = {"level": 1, "after_idle_s": 0.3}
 
 
 async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:
@@ -224,14 +222,14 @@ async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
     [
         ("wake_fail", {}),
         ("wake_lies", {}),
-        ("wake_hang", {"wake_timeout_s": 0.5}),
+        ("wake_hang", {"wake_timeout_s": 0.5}),  # sleep.wake_timeout_s
     ],
 )
 async def test_a_failed_wake_stops_the_engine_and_cold_starts(
     tmp_path: Path, start_proxy: StartProxy, knob: str, extra: dict[str, Any]
 ) -> None:
     proxy = await start_proxy(
-        config(tmp_path, {"m": sleepy(env=FakeEngine(**{knob: True}).env(), **extra)})
+        config(tmp_path, {"m": sleepy({**SLEEPY, **extra}, env=FakeEngine(**{knob: True}).env())})
     )
     assert (await chat(proxy, "m"))[0] == 200
     first = proxy.instance("m")

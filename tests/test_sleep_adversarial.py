@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from kit import FakeEngine, RunningProxy, StartProxy, alive, sleepy, wait_for
+from kit import SLEEPY, FakeEngine, RunningProxy, StartProxy, alive, sleepy, wait_for
 from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_samples
 from kit.watch import watching
@@ -27,7 +27,6 @@ from kit.watch import watching
 from vllm_proxy.engine import EngineProcess
 from vllm_proxy.instance import DOWN, Instance, State
 
-SLEEPY = {"level": 1, "after_idle_s": 0.3}
 #: States an instance may be left in once everything has settled.
 SETTLED = frozenset({State.RUNNING, State.STOPPED, State.ERROR})
 
@@ -460,7 +459,10 @@ async def test_a_reload_that_changes_the_engine_during_a_wake_serves_the_new_eng
 async def test_shutdown_while_asleep_and_while_a_wake_hangs_leaves_no_engine(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    models = {"a": sleepy(), "b": sleepy(env=FakeEngine(wake_hang=True).env(), wake_timeout_s=30)}
+    models = {
+        "a": sleepy(),
+        "b": sleepy({**SLEEPY, "wake_timeout_s": 30}, env=FakeEngine(wake_hang=True).env()),
+    }
     proxy = await start_proxy(config(tmp_path, models))
     for name in "ab":
         assert (await chat(proxy, name))[0] == 200

@@ -18,6 +18,7 @@
 from kit.chat import chat_body, chat_text, healthy, sse_events
 from kit.configs import (
     FAKE_ENGINE,
+    SLEEPY,
     budget_config,
     config_data,
     make_config,
@@ -43,6 +44,7 @@ from kit.wait import (
 
 __all__ = [
     "FAKE_ENGINE",
+    "SLEEPY",
     "FakeEngine",
     "Proxies",
     "ProxyProcess",

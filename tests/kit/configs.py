@@ -82,11 +82,20 @@ def sleep_config(
     models: dict[str, dict[str, Any]],
     budget_mb: int | None = None,
     queue_timeout_s: float | None = None,
+    sleep_memory_mb: int | None = None,
     **engine: Any,
 ) -> Config:
     """The sleep tier's shape: admin API open, no health probes (the test drives every change),
-    optionally a static budget of `budget_mb` and the admission queue's timeout."""
+    optionally a static budget of `budget_mb`, the admission queue's timeout and, for every
+    model with a sleep policy, the memory it is planned to keep asleep (``sleep.memory_mb``)."""
     admission = {"queue_timeout_s": queue_timeout_s} if queue_timeout_s is not None else None
+    if sleep_memory_mb is not None:
+        models = {
+            name: {**m, "sleep": {"memory_mb": sleep_memory_mb, **m["sleep"]}}
+            if isinstance(m.get("sleep"), dict)
+            else m
+            for name, m in models.items()
+        }
     return make_config(
         tmp_path,
         models,
