@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 import yaml
-from kit import FAKE_ENGINE, group_alive, wait_for
+from kit import FAKE_ENGINE, FakeEngine, group_alive, wait_for
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import load_config
@@ -99,7 +99,7 @@ async def test_reload_under_traffic_hands_over_without_a_failed_request(tmp_path
     """A changed arg while a stream and a steady flow of short requests run: the stream ends
     intact, every request gets 200, one engine remains, and the model reads as loaded
     throughout."""
-    stream_env = {"FAKE_ENGINE_TOKENS": "60", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    stream_env = FakeEngine(tokens=60, token_delay=0.1).env()
     path = write(tmp_path / "c.yaml", {"m": {"model": "org/m", "env": stream_env}})
     async with running(path) as server, aiohttp.ClientSession() as http:
         client = Client(server, http)
@@ -167,7 +167,7 @@ async def test_handover_on_a_budget_that_holds_one_waits_for_the_old_instance(
     """Static budget of 1000 MiB, a 600 MiB model: the new instance is admitted only after the
     old one has drained and stopped (no over-admission), and every request is served."""
     gpu = {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]}
-    env = {"FAKE_ENGINE_TOKENS": "15", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    env = FakeEngine(tokens=15, token_delay=0.1).env()
     path = write(tmp_path / "c.yaml", {"m": {"model": "org/m", "memory_mb": 600, "env": env}},
                  gpu=gpu, admission={"queue_timeout_s": 30})  # fmt: skip
     async with running(path) as server, aiohttp.ClientSession() as http:
@@ -263,7 +263,7 @@ async def test_explicit_empty_models_removes_every_model(tmp_path: Path) -> None
 async def test_request_waiting_for_a_removed_model_gets_an_error_and_no_engine(
     tmp_path: Path,
 ) -> None:
-    slow = {"FAKE_ENGINE_STARTUP_DELAY": "1.5"}
+    slow = FakeEngine(startup_delay=1.5).env()
     path = write(tmp_path / "c.yaml", {"a": {"model": "org/a", "env": slow}, "b": {"model": "x"}})
     async with running(path) as server, aiohttp.ClientSession() as http:
         client = Client(server, http)
@@ -336,7 +336,7 @@ async def test_a_request_queued_for_memory_of_a_removed_model_gets_model_removed
     tmp_path: Path,
 ) -> None:
     gpu = {"monitor": "static", "devices": [{"id": 0, "memory_mb": 1000}]}
-    env = {"FAKE_ENGINE_TOKENS": "30", "FAKE_ENGINE_TOKEN_DELAY": "0.1"}
+    env = FakeEngine(tokens=30, token_delay=0.1).env()
     models = {"a": {"model": "org/a", "memory_mb": 600, "env": env},
               "c": {"model": "org/c", "memory_mb": 600}}  # fmt: skip
     path = write(tmp_path / "c.yaml", models, gpu=gpu, admission={"queue_timeout_s": 30})
