@@ -27,7 +27,7 @@ TTFT via the proxy - TTFT direct in the same round (direct includes the wake cal
 wake adds <= 50 ms. Where the proxy's time goes: its own ``vllm_proxy_engine_transition_seconds``
 (its wake calls, or spawn to ready) and the times of its ``SLEEPING -> WAKE_WAITING`` and
 ``WAKING -> RUNNING`` log lines (``NEW -> STARTING -> RUNNING`` for a cold start) against
-the client's clock: request -> WAKING is routing and the start of the wake, RUNNING -> first
+the client's clock: request -> WAKE_WAITING is routing and the start of the wake, RUNNING -> first
 token is the lease and the relay, and TTFT minus the engine calls is everything the proxy did
 outside them (admission included).
 
@@ -369,7 +369,7 @@ def table(res: dict[str, Any]) -> list[str]:
         "Where the proxy's time goes (p50 / p90 ms; from the proxy's log, 1 ms resolution, and"
         " its `vllm_proxy_engine_transition_seconds`):",
         "",
-        "| case | request -> WAKING (cold: STARTING) | engine calls (proxy's histogram) |"
+        "| case | request -> WAKE_WAITING (cold: STARTING) | engine calls (proxy's histogram) |"
         " RUNNING -> first token at the client | TTFT - engine calls |",
         "|---|---:|---:|---:|---:|",
     ]
