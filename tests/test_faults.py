@@ -23,7 +23,9 @@ async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: S
     request waiting for an answer gets 503 + Retry-After, the stream an SSE error event, and the
     next request is served by a new instance."""
     env = FakeEngine(tokens=100, token_delay=0.05).env()
-    cfg = make_config(tmp_path, {"m1": {"model": "x", "env": env}}, engine=WATCH)
+    cfg = make_config(
+        tmp_path, {"m1": {"model": "x", "env": env}}, server={"admin_open": True}, engine=WATCH
+    )
     proxy = await start_proxy(cfg)
     assert (await proxy.chat("m1", max_tokens=1)).status == 200
     hung = proxy.instance("m1")
@@ -44,6 +46,11 @@ async def test_hung_engine_is_killed_and_replaced(tmp_path: Path, start_proxy: S
     assert '"engine_unhealthy"' in body and body.endswith("data: [DONE]\n\n")
     assert hung.state is State.UNHEALTHY and hung.unhealthy
     await wait_for(lambda: not group_alive(pgid), what="the hung group killed")
+    # Operators see the public state (as in the metrics) and the exact one as `phase`.
+    row = hung.status()
+    assert (row["state"], row["phase"]) == ("error", "unhealthy")
+    async with proxy.http.get(proxy.url + "/admin/models/m1/logs?instance=m1%231") as logs:
+        assert (await logs.text()).startswith("==> m1#1 (error) <==")
 
     resp = await proxy.chat("m1", max_tokens=1)
     assert resp.status == 200

@@ -198,3 +198,29 @@ async def test_a_retired_instance_drains_and_a_new_one_stops_at_once(tmp_path: P
     assert not inst.routable
     with pytest.raises(InvalidTransition):
         inst.acquire()
+
+
+@pytest.mark.parametrize("old", [State.STARTING, State.WAKING])
+def test_an_instance_up_after_it_was_retired_is_up_for_the_back_off(
+    tmp_path: Path, old: State
+) -> None:
+    """Regression: a start (or a wake) that ends after a reload retired its instance lands in
+    DRAINING, not RUNNING; the model's back-off must still see it come up (a fresh start is
+    on probation), as it did when a retired instance was RUNNING."""
+    from vllm_proxy.model import Model
+
+    cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
+    ctx = EngineContext(
+        session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics()
+    )
+    model = Model(cfg.specs()["m"], ctx, lambda name: f"{name}#1")
+    ups: list[tuple[str, bool]] = []
+    model.backoff.up = lambda key, started: ups.append((key.id, started))  # type: ignore[method-assign]
+    inst = model._new_instance()
+    inst.retired = True
+    inst.state = State.DRAINING  # what `Instance._awake_state` gives a retired instance
+    model._instance_changed(inst, old)
+    assert ups == [("m#1", old is State.STARTING)]
+    ups.clear()
+    model._instance_changed(inst, State.RUNNING)  # retired while RUNNING: not a new start
+    assert ups == []

@@ -170,7 +170,8 @@ class Admin:
         parts = []
         for inst in shown:
             text = read_tail(inst.log_path, lines=lines, max_bytes=lines * 1024)
-            parts.append(f"==> {inst.id} ({inst.state.value}) <==\n{text}\n" if text else "")
+            state = inst.state.public.value  # the state operators see everywhere else
+            parts.append(f"==> {inst.id} ({state}) <==\n{text}\n" if text else "")
         return web.Response(text="".join(parts), content_type="text/plain")
 
     async def reload(self, request: web.Request) -> web.Response:

@@ -473,7 +473,9 @@ class Model:
 
     def _instance_changed(self, inst: Instance, old: State) -> None:
         """Every state change of one of our instances: keep the books and the summary."""
-        if inst.state is State.RUNNING:  # up: no more waiting; a fresh start is on probation
+        if inst.state in AWAKE and old in (State.STARTING, State.WAKING):
+            # Up (RUNNING, or DRAINING when it was retired meanwhile): no more waiting; a fresh
+            # start is on probation.
             self.backoff.up(inst, started=old is State.STARTING)
             self.autoscaler.check_load()  # the replica floor, and load that came meanwhile
         if inst.state in DOWN and inst.done:
