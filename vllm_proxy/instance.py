@@ -325,7 +325,8 @@ class Instance:
 
     @property
     def done(self) -> bool:
-        """Ended: its process is gone (or was never started) and it will never run again."""
+        """Ended (STOPPED, UNHEALTHY, ERROR): no process (any more, or none was spawned when
+        admission refused the start) and it never runs again. A NEW instance is not done."""
         return self.state in DOWN
 
     @property
