@@ -220,11 +220,21 @@ def test_false_turns_a_flag_off_and_store_true_flags_are_left_out() -> None:
     assert not any("log-stats" in a for a in argv)  # a store_true flag: false is its default
 
 
-def test_level_2_with_a_drafter_keeps_the_drafters_weights() -> None:
-    models = {"m": {"model": "x", "sleep": {"level": 2},
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_drafter_keeps_its_weights_through_any_level_2_sleep(level: int) -> None:
+    """reload_weights brings back the target model only (vLLM 0.33 v1/worker/gpu_worker.py:
+    264-298); a level-1 policy can be taken at level 2 too (host RAM short, an operator's
+    ?level=2), so the drafter is preserved whatever the policy's level."""
+    models = {"m": {"model": "x", "sleep": {"level": level},
                     "args": {"speculative_config": {"method": "eagle"}}}}  # fmt: skip
     argv = parse_config({"models": models}).specs()["m"].engine_argv(9000)
     assert argv[argv.index("--sleep-preserve-parameter-names") + 1] == "draft.*"
+
+
+def test_a_model_reloads_its_weights_unless_its_load_format_cannot() -> None:
+    models = {"auto": {"model": "x"}, "t": {"model": "x", "args": {"load_format": "tensorizer"}}}
+    specs = parse_config({"models": models}).specs()
+    assert specs["auto"].reloadable and not specs["t"].reloadable
 
 
 def test_pooling_models_are_recognised(tmp_path: Path) -> None:

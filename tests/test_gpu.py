@@ -50,6 +50,7 @@ class FakeNvml:
         self.memory_error: Exception | None = None
         self.uuids: list[str] = [f"GPU-{i:08x}" for i in range(len(devices))]
         self.mig: set[int] = set()
+        self.names: list[str] | None = None
 
     def nvmlInit(self) -> None:
         self.init_calls += 1
@@ -79,6 +80,11 @@ class FakeNvml:
 
     def nvmlDeviceGetUUID(self, handle: int) -> str:
         return self.uuids[handle]
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        if self.names is None:
+            raise NVMLError_NotSupported("Not Supported")
+        return self.names[handle]
 
     def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
         if not self.mig:
@@ -290,12 +296,75 @@ def test_estimate_from_params_b_with_explicit_dtype() -> None:
         kv_cache_dtype="fp8",
     )
     assert fp.detail["weights_mb"] == 15_259  # 8e9 x 2 bytes
-    # 2 x 32 x 8 x 128 x 8192 x 16 x 1 byte = 8 GiB
-    assert fp.detail["kv_cache_mb"] == 8_192
-    # 512 MiB + 8192 tokens (the cap) x 4096 x 2 bytes
-    assert fp.detail["activation_tokens"] == 8_192
-    assert fp.detail["activations_mb"] == 576
-    assert fp.per_device_mb == 15_259 + 8_192 + 576 + 768
+    # Room for 4 full-length sequences, whatever max_num_seqs lets run at once:
+    # 2 x 32 x 8 x 128 x 8192 x 4 x 1 byte = 2 GiB
+    assert (fp.detail["kv_cache_mb"], fp.detail["kv_sequences"]) == (2_048, 4)
+    # An unknown device: vLLM's small-GPU default of 2048 batched tokens; no vocabulary known.
+    assert fp.detail["activation_tokens"] == 2_048
+    assert fp.detail["activations_mb"] == 512 + 16  # 2048 tokens x 4096 x 2 bytes
+    assert fp.per_device_mb == 15_259 + 2_048 + 528 + 768
+
+
+VOCAB_128K = {**CONFIG, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 131_072}
+VOCAB_128K |= {"num_key_value_heads": 16, "num_hidden_layers": 24, "max_position_embeddings": 4096}
+
+
+@pytest.mark.parametrize(
+    ("total", "name", "seqs", "tokens"),
+    [
+        pytest.param(81_559, "NVIDIA H100 80GB HBM3", 1_024, 8_192, id="h100"),
+        pytest.param(143_771, "NVIDIA H200", 1_024, 8_192, id="h200"),
+        pytest.param(183_359, "NVIDIA B200", 1_024, 16_384, id="b200"),
+        pytest.param(81_920, "NVIDIA A100-SXM4-80GB", 256, 2_048, id="a100-80g"),
+        pytest.param(46_068, "NVIDIA L40S", 256, 2_048, id="l40s"),
+        pytest.param(None, None, 256, 2_048, id="unknown"),
+    ],
+)
+def test_estimate_follows_vllms_batch_defaults_for_the_device(
+    total: int | None, name: str | None, seqs: int, tokens: int
+) -> None:
+    """vLLM 0.33 defaults max_num_seqs and max_num_batched_tokens by device
+    (engine/arg_utils.py:2970-3006), and its profiling runs the sampler over
+    min(max_num_seqs, max_num_batched_tokens) rows x the vocabulary (v1/worker/
+    gpu_model_runner.py:5866-5925, 6132-6140): an H100 or H200 profiles 1024 rows."""
+    fp = estimate_footprint_mb(
+        model_config=VOCAB_128K, params_b=1.75, device_total_mb=total, device_name=name
+    )
+    assert (fp.detail["max_num_seqs"], fp.detail["activation_tokens"]) == (seqs, tokens)
+    # rows x 131072 x 8 bytes: 1 GiB for 1024 rows, a quarter of that for 256
+    assert fp.detail["sampler_mb"] == seqs * 131_072 * 8 // MIB
+    act = 512 + tokens * 2048 * 2 // MIB + fp.detail["sampler_mb"]
+    assert fp.detail["activations_mb"] == act
+    assert fp.detail["kv_sequences"] == 4  # not max_num_seqs: 1024 x 4096 tokens would be 48 GiB
+
+
+def test_estimate_defaults_are_bounded_by_the_model_length() -> None:
+    """Defaults shrink to what the length allows: max_num_batched_tokens is at most
+    max_num_seqs x max_model_len, and max_num_seqs at most that (engine/arg_utils.py:3177-3234)."""
+    fp = estimate_footprint_mb(
+        model_config=VOCAB_128K, params_b=1, max_model_len=4, device_total_mb=81_559,
+        device_name="NVIDIA H100",
+    )  # fmt: skip
+    assert (fp.detail["activation_tokens"], fp.detail["max_num_seqs"]) == (4_096, 1_024)
+    given = estimate_footprint_mb(
+        model_config=VOCAB_128K, params_b=1, max_num_seqs=2, max_num_batched_tokens=512,
+        device_total_mb=81_559, device_name="NVIDIA H100",
+    )  # fmt: skip
+    assert (given.detail["activation_tokens"], given.detail["max_num_seqs"]) == (512, 2)
+    assert given.detail["kv_sequences"] == 2, "never more sequences than may run at once"
+    assert given.detail["sampler_mb"] == 2  # 2 rows x 131072 x 8 bytes
+
+
+def test_kv_cache_memory_bytes_replaces_the_kv_estimate(tmp_path: Path) -> None:
+    """--kv-cache-memory-bytes sizes vLLM's cache exactly, per GPU (v1/worker/gpu_worker.py:
+    659-680): the estimate takes it as the KV part."""
+    (tmp_path / "config.json").write_text(json.dumps(VOCAB_128K))
+    models = {"m": {"model": str(tmp_path), "params_b": 1,
+                    "args": {"kv_cache_memory_bytes": "3G", "max_model_len": 4096}}}  # fmt: skip
+    spec = parse_config({"models": models}).specs()["m"]
+    fp = footprint_for_spec(spec, 81_559, spec.params_b, device_name="NVIDIA H100")
+    assert fp.detail["kv_from"] == "kv_cache_memory_bytes"
+    assert fp.detail["kv_cache_mb"] == 3 * 1024
 
 
 def llama_8b(tp: int) -> Footprint:
@@ -314,11 +383,11 @@ def llama_8b(tp: int) -> Footprint:
 def test_tensor_parallel_divides_weights_and_kv() -> None:
     one, four, sixteen = llama_8b(1), llama_8b(4), llama_8b(16)
     assert (one.detail["weights_mb"], four.detail["weights_mb"]) == (15_259, 3_815)
-    assert (one.detail["kv_cache_mb"], four.detail["kv_cache_mb"]) == (16_384, 4_096)
+    assert (one.detail["kv_cache_mb"], four.detail["kv_cache_mb"]) == (4_096, 1_024)
     assert four.detail["activations_mb"] == one.detail["activations_mb"]
-    assert four.gpus == 4 and four.per_device_mb == 3_815 + 4_096 + 576 + 768 + 512
+    assert four.gpus == 4 and four.per_device_mb == 3_815 + 1_024 + 528 + 768 + 512
     # 8 kv heads on 16 devices: each device still holds one head
-    assert sixteen.detail["kv_cache_mb"] == 2_048
+    assert sixteen.detail["kv_cache_mb"] == 512
 
 
 @pytest.mark.parametrize(
@@ -353,11 +422,11 @@ def test_footprint_for_spec_reads_args(model_dir: Path) -> None:
 @pytest.mark.parametrize(
     ("footprint", "total", "expected"),
     [
-        (40_079, 80_000, 0.5),  # rounded down: vLLM's ceil(util x total) stays inside the budget
-        (40_080, 80_000, 0.501),
-        (20_390, 81_559, 0.25),
-        (1, 80_000, 0.001),
-        (0, 80_000, 0.001),
+        (40_079, 80_000, 0.500987),  # rounded down: vLLM's ceil(util x total) stays inside
+        (40_000, 80_000, 0.5),
+        (20_390, 81_559, 0.250003),
+        (1, 80_000, 0.000012),
+        (0, 80_000, 0.000001),
         (80_000, 80_000, 0.99),
         (99_000, 80_000, 0.99),
     ],
@@ -365,7 +434,17 @@ def test_footprint_for_spec_reads_args(model_dir: Path) -> None:
 def test_utilization_for_rounds_down_and_clamps(
     footprint: int, total: int, expected: float
 ) -> None:
-    assert utilization_for(footprint, total) == expected
+    util = utilization_for(footprint, total)
+    assert util == expected
+    assert math.ceil(util * total) <= max(footprint, 1) or footprint >= 0.99 * total
+
+
+def test_utilization_loses_at_most_a_fraction_of_a_mib_of_the_budget() -> None:
+    """vLLM accepts any float: the proxy's rounding costs the KV cache under 0.2 MiB on an
+    H200, where three decimals cost up to 143 MiB."""
+    for budget in range(1_000, 140_000, 997):
+        util = utilization_for(budget, 143_771)
+        assert 0 <= budget - util * 143_771 < 0.2
 
 
 # -- Memory on NVML (fake driver) -----------------------------------------------------------
@@ -392,9 +471,9 @@ def test_memory_on_nvml_places_engines_inside_their_share(tmp_path: Path) -> Non
     p = memory.placement(specs["planned"], (1,))
     assert p.env == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "1"}
     # The budget is memory_mb less the context outside it: (20000 - 768) / 80000, rounded down.
-    assert p.overrides == {"gpu_memory_utilization": 0.24}
+    assert p.overrides == {"gpu_memory_utilization": 0.2404}
     argv = specs["planned"].engine_argv(8001, p.overrides)
-    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.24"
+    assert argv[argv.index("--gpu-memory-utilization") + 1] == "0.2404"
     q = memory.placement(specs["fraction"], (0,))
     assert q.footprint_mb == 20_000 + 768 and q.overrides == {}  # the user's own fraction stays
     # A model whose env pins a GPU keeps it, in PCI bus order, and is planned there only.
@@ -630,3 +709,122 @@ def test_no_room_for_the_kv_cache_grows_an_estimated_budget_only(tmp_path: Path)
     assert memory.budget("est") == before + max(before // 4, 512)
     why = memory.grow_budget(memory._specs["fixed"])
     assert why is not None and "memory_mb" in why and memory.budget("fixed") == 20_000 - 768
+
+
+# -- what a running engine may take (vLLM 0.33 frees its transient peak and takes it back) --
+
+
+def _claimed(memory: Any, iid: str, mb: int) -> None:
+    from vllm_proxy.memory import Placement
+
+    memory.claim(iid, Placement((0,), mb))
+
+
+def test_a_running_engine_below_its_claim_is_planned_at_its_claim(tmp_path: Path) -> None:
+    """vLLM reserves its transient peak inside the budget but frees it after profiling and at
+    every wake (utils/mem_utils.py:298-321, device_allocator/cumem.py:297-298,342-343), and
+    takes it back on its first full batch. An engine of 13500 MiB read at 10500 still needs its
+    3000: a neighbour of 11500 must not be admitted into them on a 24000 MiB GPU (it was:
+    13500 - 256 looked free, and the first engine's next large batch died of CUDA OOM)."""
+    import os
+
+    fake = FakeNvml([(24_000, 10_500)])
+    fake.procs = {0: [(os.getpid(), 10_500 * MIB)]}
+    memory = _nvml_memory(tmp_path, fake, {"a": {"model": "x", "memory_mb": 13_500}})
+    _claimed(memory, "a#1", memory.footprint("a"))
+    memory.snapshots = memory.source.read()
+    memory.measure({"a#1": (os.getpgid(0), 0.0)})
+    assert memory.measured == {"a#1": 10_500}
+    assert memory.held_mb("a#1") == 13_500, "planned at what it may take, not what it holds"
+    assert memory.unrealised_mb("a#1", os.getpgid(0), 0) == 3_000
+    (view,) = memory.device_views({0: memory.unrealised_mb("a#1", os.getpgid(0), 0)})
+    free = view.total_mb - view.used_mb - view.pending_mb - memory.reserve_mb
+    assert free == 24_000 - 13_500 - 256 < 11_500
+    # A measurement above the claim wins (the engine holds more than planned).
+    fake.procs = {0: [(os.getpid(), 14_000 * MIB)]}
+    fake.devices = [(24_000, 14_000)]
+    memory.snapshots = memory.source.read()
+    memory.measure({"a#1": (os.getpgid(0), 0.0)})
+    assert memory.held_mb("a#1") == 14_000
+    assert memory.unrealised_mb("a#1", os.getpgid(0), 0) == 0
+
+
+def test_a_measurement_below_the_budget_never_lowers_the_overhead(tmp_path: Path) -> None:
+    """An engine read below budget + overhead may only not have regrown its peak yet: the
+    overhead stays at the guess; only a reading above it teaches a larger one."""
+    import os
+
+    fake = FakeNvml([(80_000, 5_000)])
+    fake.procs = {0: [(os.getpid(), 5_000 * MIB)]}
+    memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
+    memory.snapshots = memory.source.read()
+    memory.measure({"m#1": (os.getpgid(0), 0.0)})
+    assert memory.overhead("m") == 768 and memory.footprint("m") == 20_000
+
+
+def test_the_sleep_residue_without_per_process_readings_keeps_what_the_engine_held(
+    tmp_path: Path,
+) -> None:
+    """Without per-process NVML (containers, MPS) the residue is what the engine held less what
+    the device dropped by. Measured at readiness (peak released), then regrown by a batch the
+    proxy cannot see, the engine dropped more than its start reading: the residue came out as
+    0 while it still held its context (and later wakes or starts over-committed). Counted from
+    its claim it is exact."""
+    from vllm_proxy.memory import Usage
+
+    fake = FakeNvml([(24_000, 10_500)])
+    memory = _nvml_memory(tmp_path, fake, {"a": {"model": "x", "memory_mb": 13_500}})
+    _claimed(memory, "a#1", memory.footprint("a"))
+    memory._set_measured("a#1", 10_500)  # the device delta across its start
+    before = Usage({0: 13_500}, {}, frozenset())  # the peak came back meanwhile
+    after = Usage({0: 1_000}, {}, frozenset())  # context and graphs stay asleep
+    assert memory.residue("a#1", before, after) == 1_000
+
+
+def test_placement_passes_the_max_num_seqs_the_estimate_assumed(
+    tmp_path: Path, model_dir: Path
+) -> None:
+    """The estimate's sampler pass depends on max_num_seqs, which vLLM defaults by device: the
+    engine is started with the value the estimate used, whatever device vLLM believes it is on
+    (an operator's own value is left alone)."""
+    fake = FakeNvml([(81_559, 0)])
+    fake.names = ["NVIDIA H100 80GB HBM3"]
+    models = {"est": {"model": str(model_dir)},
+              "own": {"model": str(model_dir), "args": {"max_num_seqs": 8}}}  # fmt: skip
+    memory = _nvml_memory(tmp_path, fake, models)
+    specs = memory_specs(tmp_path, models)
+    assert memory.estimates["est"].detail["max_num_seqs"] == 1_024  # the H100 default
+    assert memory.placement(specs["est"], (0,)).overrides["max_num_seqs"] == 1_024
+    assert "max_num_seqs" not in memory.placement(specs["own"], (0,)).overrides
+
+
+def test_a_level_2_model_claims_no_reload_buffer(tmp_path: Path) -> None:
+    """The final wake_up(tags=kv_cache) empties torch's cache before it maps the KV cache
+    (device_allocator/cumem.py:342-343): the reload's temporaries are gone once the wake ends,
+    so a level-2 model's footprint is its budget and overhead, as any model's, and a level-1
+    model woken from level 2 needs no more than its footprint either."""
+    fake = FakeNvml([(24_000, 0)])
+    models = {"l2": {"model": "x", "memory_mb": 20_000, "sleep": {"level": 2}},
+              "l1": {"model": "x", "memory_mb": 10_000, "sleep": {"level": 1}}}  # fmt: skip
+    memory = _nvml_memory(tmp_path, fake, models)
+    assert memory.footprint("l2") == 20_000 and memory.budget("l2") == 20_000 - 768
+    _claimed(memory, "l1#1", memory.footprint("l1"))
+    memory.sleep_claim("l1#1", 1_000, level=2)  # demoted for host RAM
+    assert memory.wake_need("l1#1") == 10_000 - 1_000
+
+
+def test_a_level_2_policy_whose_reload_cannot_fit_in_its_kv_room_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The reload materialises each module while the KV cache is unmapped, in its room
+    (model_loader/reload/layerwise.py:344-402): a largest tensor larger than the KV cache
+    planned would fail every wake. Refused at load, naming the key; level 1 is fine."""
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    write_safetensors(model / "model.safetensors", {"huge": ("F32", [2048, 1024])})  # 8 MiB
+    fake = FakeNvml([(24_000, 0)])
+    with pytest.raises(ConfigError, match=r"models\.m\.sleep\.level: .*largest tensor \(8 MiB"):
+        _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 2}}})
+    memory = _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 1}}})
+    assert memory.estimates["m"].detail["kv_cache_mb"] < 8

@@ -316,6 +316,23 @@ async def test_admin_sleep_and_wake(tmp_path: Path, start_proxy: StartProxy) -> 
     assert resp.status == 409 and (await resp.json())["error"]["code"] == "not_sleeping"
 
 
+async def test_admin_level_2_is_refused_for_a_model_that_cannot_reload(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A level-2 wake reloads the weights with the model's loader, which tensorizer and the
+    other one-shot formats cannot do (vLLM 0.33 model_loader/reload/inplace.py:73-79): an
+    operator's ?level=2 on such a model gets 409 and the model keeps serving."""
+    models = {"m": sleepy(sleep={"level": 1}, args={"load_format": "tensorizer"})}
+    proxy = await start_proxy(config(tmp_path, models))
+    assert (await chat(proxy, "m"))[0] == 200
+    resp = await proxy.http.post(proxy.url + "/admin/models/m/sleep?level=2")
+    body = await resp.json()
+    assert resp.status == 409 and body["error"]["code"] == "sleep_level_unsupported", body
+    assert "load_format" in body["error"]["message"]
+    assert proxy.instance("m").state is State.RUNNING
+    assert (await chat(proxy, "m"))[0] == 200
+
+
 async def test_admin_sleep_waits_for_requests_in_flight(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
@@ -425,73 +442,132 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
 # -- level 1 needs host RAM -------------------------------------------------------------------
 
 
-def test_level_1_falls_back_to_level_2_without_host_ram_for_the_weights(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    from unittest.mock import MagicMock
-
-    import psutil
-
-    from vllm_proxy.instance import EngineContext
-    from vllm_proxy.metrics import Metrics
-
-    cfg = parse_config(
-        {"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x", "sleep": {}}}}
-    )
-    available = psutil.virtual_memory().available // 2**20
-    weights = {"mb": available * 4}
-    ctx = EngineContext(
-        session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics(),
-        weights_mb=lambda _spec: weights["mb"],
-    )  # fmt: skip
-    inst = Instance(cfg.specs()["m"], "m#1", ctx, lambda _i, _o: None)
-    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
-        assert inst._choose_level(1) == 2
-    # The weights and the runtime pool are pinned.
-    assert "using level 2" in caplog.text and f"{weights['mb'] + 512} MiB" in caplog.text
-    weights["mb"] = 1
-    assert inst._choose_level(1) == 1, "weights that fit in host RAM keep level 1"
-    assert inst._choose_level(2) == 2
-
-
-def test_level_1_sleeps_in_flight_share_one_host_ram_figure(tmp_path: Path) -> None:
-    """Two victims put to sleep together must not both count the same free host RAM."""
+def _sleepy_instance(
+    tmp_path: Path, model: dict[str, Any], weights: int | None, room: int, iid: str = "m#1"
+) -> tuple[Any, Any]:
+    """An instance of model `m` whose level-1 sleep pins `weights` MiB (+ the 512 MiB runtime
+    pool), with `room` MiB of host RAM; its context's host figures."""
     from unittest.mock import MagicMock
 
     from vllm_proxy.hostmem import HostRam
     from vllm_proxy.instance import EngineContext
     from vllm_proxy.metrics import Metrics
 
-    cfg = parse_config(
-        {"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x", "sleep": {}}}}
-    )
-    host = HostRam(lambda: 10_000)  # MiB available to the proxy's engines
+    cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": model}})
+    host = HostRam(lambda: room)
     ctx = EngineContext(
         session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics(),
-        weights_mb=lambda _spec: 4_000, host=host,
+        weights_mb=lambda _spec: weights, host=host,
     )  # fmt: skip
-    first = Instance(cfg.specs()["m"], "m#1", ctx, lambda _i, _o: None)
-    second = Instance(cfg.specs()["m"], "m#2", ctx, lambda _i, _o: None)
+    return Instance(cfg.specs()["m"], iid, ctx, lambda _i, _o: None), host
+
+
+def test_level_1_falls_back_to_level_2_without_host_ram_for_the_weights(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 40_000, 10_000)
+    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
+        assert inst._choose_level(1) == 2
+    # The weights and the runtime pool are pinned at level 1, the runtime pool at level 2.
+    assert "using level 2" in caplog.text and "40512 MiB" in caplog.text
+    assert host.promised == {"m#1": 512}
+    host.settle("m#1")
+    inst2, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 1, 10_000)
+    assert inst2._choose_level(1) == 1, "weights that fit in host RAM keep level 1"
+    assert inst2._choose_level(2) == 2
+
+
+def test_level_2_needs_host_ram_for_its_runtime_pool_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Level 2 still pins the runtime pool (vLLM 0.33 device_allocator/sleep_mode_backend.py:
+    127-137): with no room even for that, no level fits and the engine is stopped instead
+    (a sleep that pins past the cgroup limit gets the engine OOM-killed)."""
+    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {"level": 2}}, 1_000, 1_200)
+    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
+        assert inst._choose_level(2) is None
+    assert "no sleep level fits in host RAM" in caplog.text and host.promised == {}
+
+
+def test_a_model_that_cannot_reload_is_not_demoted_to_level_2(tmp_path: Path) -> None:
+    """A level-2 wake of a tensorizer (or other one-shot) checkpoint fails reload_weights
+    (vLLM 0.33 model_loader/reload/inplace.py:73-79): short of host RAM for level 1, such a
+    model is stopped, never put to a level-2 sleep it cannot wake from."""
+    model = {"model": "x", "sleep": {"level": 1}, "args": {"load_format": "tensorizer"}}
+    inst, _ = _sleepy_instance(tmp_path, model, 40_000, 10_000)
+    assert inst._choose_level(1) is None
+
+
+def test_a_second_sleep_pins_only_what_the_engine_does_not_keep_yet(tmp_path: Path) -> None:
+    """PyTorch's caching host allocator keeps the pinned blocks after the wake (vLLM never
+    empties it): the engine's next sleep reuses them, and what its first sleep pinned, as
+    measured, is what the model's other engines are planned with."""
+    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 9_000)
+    assert inst._choose_level(1) == 1 and host.promised == {"m#1": 4_512}
+    host.settle("m#1")
+    key = ("m", inst.spec.engine_key())
+    host.slept("m#1", key, 1, 5_900)  # measured: more than the guess (power-of-two blocks)
+    assert host.retained == {"m#1": 5_900} and host.need_mb("m#1", key, 1, 4_512) == 0
+    assert inst._choose_level(1) == 1 and host.promised == {}, "nothing more to pin"
+    other, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 9_000, "m#2")
+    other.ctx.host = host
+    assert host.need_mb("m#2", key, 1, 4_512) == 5_900, "planned with the measured figure"
+    host._read = lambda: 6_000  # type: ignore[method-assign]
+    assert other._choose_level(1) == 2, "5900 + margin no longer fits; the runtime pool does"
+    host.forget("m#1")
+    assert host.retained == {}
+
+
+def test_level_1_sleeps_in_flight_share_one_host_ram_figure(tmp_path: Path) -> None:
+    """Two victims put to sleep together must not both count the same free host RAM."""
+    first, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 10_000)
+    second, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 10_000, "m#2")
+    second.ctx.host = host
     assert first._choose_level(1) == 1  # 4000 + 512 runtime pool + 1024 margin fit in 10000
     assert host.promised == {"m#1": 4_512}
     assert second._choose_level(1) == 2, "the first sleep's 4512 MiB are promised"
-    host.settle("m#1")  # its /sleep returned: the pinned memory now shows as used
+    host.settle("m#1")
+    host.settle("m#2")
     assert second._choose_level(1) == 1
 
 
 def test_host_ram_room_comes_from_the_cgroup_limit(tmp_path: Path) -> None:
     from vllm_proxy.hostmem import cgroup_room_mb
 
+    root_only = tmp_path / "self-root"
+    root_only.write_text("0::/\n")
     (tmp_path / "memory.max").write_text(f"{8 * 2**30}\n")
     (tmp_path / "memory.current").write_text(f"{3 * 2**30}\n")
-    assert cgroup_room_mb(tmp_path) == 5 * 1024
+    assert cgroup_room_mb(tmp_path, root_only) == 5 * 1024
     (tmp_path / "memory.max").write_text("max\n")
-    assert cgroup_room_mb(tmp_path) is None  # unlimited: the host's figure applies
+    assert cgroup_room_mb(tmp_path, root_only) is None  # unlimited: the host's figure applies
     v1 = tmp_path / "v1"
     (v1 / "memory").mkdir(parents=True)
     (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{2 * 2**30}\n")
     (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
-    assert cgroup_room_mb(v1) == 1024
+    v1_self = tmp_path / "v1-self"
+    v1_self.write_text("3:cpu,cpuacct:/\n2:memory:/\n")
+    assert cgroup_room_mb(v1, v1_self) == 1024
+
+
+def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path: Path) -> None:
+    """Under systemd's MemoryMax= the limit sits on the service's own cgroup
+    (/proc/self/cgroup), not at the root of the hierarchy: every level from there up counts,
+    the tightest wins."""
+    from vllm_proxy.hostmem import cgroup_room_mb
+
+    unit = tmp_path / "system.slice" / "vllm-proxy.service"
+    unit.mkdir(parents=True)
+    (unit / "memory.max").write_text(f"{8 * 2**30}\n")
+    (unit / "memory.current").write_text(f"{3 * 2**30}\n")
+    (tmp_path / "memory.max").write_text("max\n")
+    (tmp_path / "memory.current").write_text(f"{50 * 2**30}\n")
+    own = tmp_path / "cgroup"
+    own.write_text("0::/system.slice/vllm-proxy.service\n")
+    assert cgroup_room_mb(tmp_path, own) == 5 * 1024
+    (tmp_path / "system.slice" / "memory.max").write_text(f"{4 * 2**30}\n")
+    (tmp_path / "system.slice" / "memory.current").write_text(f"{3 * 2**30}\n")
+    assert cgroup_room_mb(tmp_path, own) == 1024, "the slice above is tighter"
 
 
 def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> None:

@@ -127,12 +127,17 @@ class Admission:
             )  # fmt: skip
             # Growth still to come: a start's, or a wake's once its claim is made (while its
             # victims free memory, and after); before that it holds what NVML already shows.
+            # An awake engine's growth still to come: the transient peak vLLM freed after
+            # profiling or a wake and takes back on its first full batch.
             woken = state in (State.WAKE_WAITING, State.WAKING) and i.id not in memory.asleep
             growing = state is State.STARTING or woken
-            if growing and memory.kind == "nvml":
+            if memory.kind == "nvml" and (growing or state in AWAKE):
                 pgid = i.engine.pid if i.engine is not None else None
                 for d in claim.devices:
-                    rest = max(held - memory.allocated_mb(i.id, pgid, d), 0)
+                    if growing:
+                        rest = max(held - memory.allocated_mb(i.id, pgid, d), 0)
+                    else:
+                        rest = memory.unrealised_mb(i.id, pgid, d)
                     pending[d] = pending.get(d, 0) + rest
         return views, pending
 

@@ -740,6 +740,13 @@ class ModelSpec:
         return any(a.endswith(POOLING_ARCHITECTURES) for a in _architectures(self.model))
 
     @property
+    def reloadable(self) -> bool:
+        """A level-2 wake can reload its weights: its loader reads the checkpoint again (not one
+        of `NO_RELOAD_FORMATS`)."""
+        args = {_arg_name(k): v for k, v in self.args}
+        return str(args.get("load_format") or "auto") not in NO_RELOAD_FORMATS
+
+    @property
     def sleep_mode(self) -> bool:
         """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
         return self.sleep is not None
@@ -760,9 +767,11 @@ class ModelSpec:
         args = {**dict(self.args), **(overrides or {})}
         if self.sleep_mode:
             args.setdefault("enable_sleep_mode", True)
-            if self.sleep is not None and self.sleep.level == 2 and "speculative_config" in args:
+            if "speculative_config" in args:
                 # reload_weights brings back the target model only: keep the drafter's weights
-                # through the sleep (vLLM 0.33 gpu_worker.py:264-298; "draft.*" may match none).
+                # through a level-2 sleep (vLLM 0.33 gpu_worker.py:264-298; "draft.*" may match
+                # none). Set at every level: a level-1 sleep may be taken at level 2 (host RAM
+                # short, or an operator's ?level=2).
                 args.setdefault("sleep_preserve_parameter_names", ["draft.*"])
         if self.lora:  # adapters are loaded at run time: LoRA on, slots and rank from the spec
             given = {_arg_name(k) for k in args}

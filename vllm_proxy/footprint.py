@@ -39,19 +39,24 @@ MIB = 1024 * 1024
 CUDA_CONTEXT_MB = 768
 #: ... and on each device of an engine on more than one GPU, NCCL's buffers (`gpu.nccl_mb`).
 NCCL_MB = 512
-#: Fixed part of the activation estimate (workspace, sampler, CUDA graphs).
+#: Fixed part of the activation estimate (workspace, CUDA graphs).
 ACTIVATION_BASE_MB = 512
-#: A level-2 wake's reload buffer per device when the checkpoint's tensors cannot be read.
-RELOAD_BUFFER_MB = 512
-#: vLLM's default number of sequences in one batch.
-DEFAULT_MAX_NUM_SEQS = 256
-#: Full-length sequences the KV cache is sized for when ``max_num_seqs`` is not given. Planning
-#: for vLLM's 256 would ask for hundreds of GiB on any long-context model; vLLM itself only needs
-#: room for one ``max_model_len`` sequence to start, and packs more into whatever it is given.
+#: Bytes per (row x vocabulary) element of the profiling sampler pass: vLLM samples the logits of
+#: ``min(max_num_seqs, max_num_batched_tokens)`` rows in fp32 with top-k/top-p, which keeps about
+#: two such copies alive at its peak (vLLM 0.33 ``v1/worker/gpu_model_runner.py:5866-5925``).
+SAMPLER_BYTES = 8
+#: A level-2 wake's reload peak per device when the checkpoint's tensors cannot be read.
+RELOAD_PEAK_MB = 512
+#: Full-length sequences the KV cache is sized for. Planning for vLLM's ``max_num_seqs`` (256 or
+#: 1024) would ask for hundreds of GiB on any long-context model; vLLM itself only needs room
+#: for one ``max_model_len`` sequence to start, and packs more into whatever it is given.
 DEFAULT_KV_SEQUENCES = 4
-#: Tokens in one forward pass when max_num_batched_tokens is not given (vLLM's chunked prefill
-#: never schedules more than that per step, so activations do not grow with the whole batch).
-DEFAULT_MAX_BATCHED_TOKENS = 8192
+#: vLLM's API-server batch defaults by device, (max_num_seqs, max_num_batched_tokens): at least
+#: 160 GiB (B200, B300); at least 70 GiB other than an A100 or a GB10 (H100, H200); the rest
+#: (vLLM 0.33 ``engine/arg_utils.py:2970-3006``). Devices are compared in GiB of CUDA's total.
+LARGE_GPU_DEFAULTS = (1024, 16384)
+BIG_GPU_DEFAULTS = (1024, 8192)
+SMALL_GPU_DEFAULTS = (256, 2048)
 #: Bytes per element, keyed by vLLM ``--dtype`` names and safetensors dtype codes.
 DTYPE_BYTES: dict[str, float] = {
     "float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "fp8": 1,
@@ -105,6 +110,8 @@ def estimate_footprint_mb(
     max_model_len: int | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    kv_cache_memory_bytes: int | None = None,
+    device_name: str | None = None,
     context_mb: int = CUDA_CONTEXT_MB,
     nccl_mb: int = NCCL_MB,
 ) -> Footprint:
@@ -127,15 +134,18 @@ def estimate_footprint_mb(
          dtype, other tensors (quantised weights, packed ints) at their own size. ``dtype="auto"``
          serves at the checkpoint's ``torch_dtype``, and float32 checkpoints at 16 bits as
          vLLM does;
-       * kv_cache = 2 x layers x kv_heads x head_dim x max_model_len x max_num_seqs x kv bytes
+       * kv_cache = 2 x layers x kv_heads x head_dim x max_model_len x kv_sequences x kv bytes
          (kv_heads defaults to attention heads, head_dim to hidden_size / heads, max_model_len to
          max_position_embeddings; with ``tp`` larger than kv_heads the heads are replicated, so
-         each device holds ``ceil(kv_heads / tp)``). With ``max_num_seqs`` given this is room for
-         every sequence at full length at once; without it, for ``DEFAULT_KV_SEQUENCES`` (4)
-         full-length sequences, since vLLM's default of 256 would be hundreds of GiB;
-       * activations = 512 MiB + tokens x hidden_size x 2 bytes, with tokens =
-         max_num_seqs x max_model_len capped at max_num_batched_tokens (default 8192), since
-         vLLM runs at most that many tokens per step.
+         each device holds ``ceil(kv_heads / tp)``): room for ``DEFAULT_KV_SEQUENCES`` (4)
+         full-length sequences (fewer when ``max_num_seqs`` is smaller), whatever
+         ``max_num_seqs`` allows to run at once. ``kv_cache_memory_bytes`` (vLLM's
+         ``--kv-cache-memory-bytes``) replaces it: vLLM then sizes the cache to exactly that;
+       * activations = 512 MiB (workspace, CUDA graphs) + tokens x hidden_size x 2 bytes + the
+         profiling sampler pass, ``min(max_num_seqs, tokens) x vocab_size x SAMPLER_BYTES``,
+         with tokens = ``max_num_batched_tokens``, at most max_num_seqs x max_model_len.
+         Where they are not given, ``max_num_seqs`` and ``max_num_batched_tokens`` are vLLM's
+         defaults for the device (`batch_defaults`: 1024 and 8192 on an H100 or H200).
 
        The architecture comes from ``model_config`` or ``config.json`` in ``model_path``
        (``text_config`` of multimodal models is used when present).
@@ -161,12 +171,19 @@ def estimate_footprint_mb(
     serve_bytes = _serving_dtype_bytes(dtype, arch)
     weights, params, how = _weights_bytes(params_b, serve_bytes, model_dir)
     max_len = max_model_len or _arch_int(arch, "max_position_embeddings")
-    seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-    kv_seqs = max_num_seqs or DEFAULT_KV_SEQUENCES
+    default_seqs, default_tokens = batch_defaults(device_total_mb, device_name)
+    # vLLM 0.33 engine/arg_utils.py:3177-3234: defaults bounded by each other and the length.
+    tokens = max_num_batched_tokens or min(default_tokens, (max_num_seqs or default_seqs) * max_len)
+    seqs = max_num_seqs or min(default_seqs, tokens)
+    kv_seqs = min(DEFAULT_KV_SEQUENCES, seqs)
     kv_bytes = _kv_dtype_bytes(kv_cache_dtype, serve_bytes)
-    kv = _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
-    tokens = min(seqs * max_len, max_num_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS)
-    act = ACTIVATION_BASE_MB * MIB + tokens * _arch_int(arch, "hidden_size") * 2
+    if kv_cache_memory_bytes is not None:
+        kv = float(kv_cache_memory_bytes)
+    else:
+        kv = _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
+    vocab = int(arch.get("vocab_size") or 0)
+    sampler = min(seqs, tokens) * vocab * SAMPLER_BYTES
+    act = ACTIVATION_BASE_MB * MIB + tokens * _arch_int(arch, "hidden_size") * 2 + sampler
     parts = {
         "weights_mb": _ceil_mb(weights / (tp * pp)),
         "kv_cache_mb": _ceil_mb(kv),
@@ -175,22 +192,45 @@ def estimate_footprint_mb(
     detail: dict[str, Any] = {**parts, "overhead_mb": overhead, "params": params}
     detail["weights_from"] = how
     detail |= {"max_model_len": max_len, "max_num_seqs": seqs, "kv_sequences": kv_seqs}
-    detail |= {"activation_tokens": tokens, "tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
+    detail |= {"activation_tokens": tokens, "sampler_mb": _ceil_mb(sampler)}
+    detail |= {"tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
+    if kv_cache_memory_bytes is not None:
+        detail["kv_from"] = "kv_cache_memory_bytes"
     return Footprint(sum(parts.values()) + overhead, "estimate", detail, gpus, overhead)
+
+
+def batch_defaults(total_mb: int | None, name: str | None = None) -> tuple[int, int]:
+    """vLLM's API-server defaults (max_num_seqs, max_num_batched_tokens) on a device of
+    `total_mb` named `name` (vLLM 0.33 ``engine/arg_utils.py:2970-3006``): the H100/H200 tier
+    from 70 GiB on, except an A100 or a GB10; from 160 GiB on, the B200 tier. Unknown: the
+    small tier."""
+    gib = (total_mb or 0) / 1024
+    lowered = (name or "").lower()
+    if gib >= 160:
+        return LARGE_GPU_DEFAULTS
+    if gib >= 70 and "a100" not in lowered and "gb10" not in lowered:
+        return BIG_GPU_DEFAULTS
+    return SMALL_GPU_DEFAULTS
+
+
+#: Decimals of the ``--gpu-memory-utilization`` the proxy passes (vLLM takes any float).
+UTIL_DECIMALS = 6
 
 
 def utilization_for(budget_mb: int, total_mb: int) -> float:
     """The ``--gpu-memory-utilization`` that gives vLLM at most `budget_mb` of a `total_mb`
     device.
 
-    Rounded down to 3 decimals, so that vLLM's own ``ceil(util x total)`` (its startup check
-    and its KV sizing) never asks for more than the planner set aside; clamped to
-    [0.001, 0.99].
+    Rounded down to `UTIL_DECIMALS` decimals (under 0.2 MiB of an 80 GiB device), so that vLLM's
+    own ``ceil(util x total)`` (its startup check and its KV sizing, against CUDA's total,
+    which is smaller than NVML's) never asks for more than the planner set aside; clamped to
+    [0.000001, 0.99].
     """
     if total_mb <= 0:
         raise ValueError(f"device total must be positive, got {total_mb} MiB")
-    thousandths = max(budget_mb, 0) * 1000 // total_mb
-    return min(max(thousandths, 1), 990) / 1000
+    scale = 10**UTIL_DECIMALS
+    units = max(budget_mb, 0) * scale // total_mb
+    return min(max(units, 1), scale * 99 // 100) / scale
 
 
 def footprint_for_spec(
@@ -199,12 +239,14 @@ def footprint_for_spec(
     params_b: float | None = None,
     context_mb: int = CUDA_CONTEXT_MB,
     nccl_mb: int = NCCL_MB,
+    device_name: str | None = None,
 ) -> Footprint:
     """`estimate_footprint_mb` fed from a model's config: ``memory_mb`` and its vLLM ``args``.
 
     Reads ``gpu_memory_utilization`` (or ``device_memory_utilization``), the parallel sizes
     (`parallel_sizes`), ``dtype``, ``kv_cache_dtype``, ``max_model_len``, ``max_num_seqs`` and
-    ``max_num_batched_tokens``; the model path is ``spec.model``.
+    ``max_num_batched_tokens`` and ``kv_cache_memory_bytes``; the model path is ``spec.model``.
+    `device_total_mb` and `device_name` choose vLLM's batch defaults (`batch_defaults`).
     """
     args = {k.replace("-", "_"): v for k, v in spec.args}
     util = args.get("gpu_memory_utilization", args.get("device_memory_utilization"))
@@ -224,6 +266,8 @@ def footprint_for_spec(
         max_model_len=_arg_int(args.get("max_model_len")),
         max_num_seqs=_arg_int(args.get("max_num_seqs")),
         max_num_batched_tokens=_arg_int(args.get("max_num_batched_tokens")),
+        kv_cache_memory_bytes=_arg_bytes(args.get("kv_cache_memory_bytes")),
+        device_name=device_name,
         context_mb=context_mb,
         nccl_mb=nccl_mb,
     )
@@ -264,17 +308,17 @@ def lora_host_mb(spec: ModelSpec) -> int:
     return largest_sizes_mb(known, 1) * (cached or spec.max_adapters)
 
 
-def reload_buffer_mb(spec: ModelSpec) -> int:
-    """What a level-2 wake's weight reload leaves allocated on each device beyond the budget.
+def reload_peak_mb(spec: ModelSpec) -> int:
+    """The largest buffer a level-2 wake's weight reload materialises on each device.
 
-    vLLM reloads layer by layer, materialising each module on the device, and nothing empties
-    torch's cache afterwards, so the largest of those buffers stays held until the next sleep
-    (vLLM 0.33 ``model_loader/reload/layerwise.py``). Sized as the checkpoint's largest tensor
-    over the tensor-parallel size when its safetensors headers are local, else
-    `RELOAD_BUFFER_MB`; 0 for a model without a level-2 sleep policy.
+    vLLM reloads layer by layer, each module in torch's default allocator, while the weights are
+    mapped and the KV cache is not yet; the final ``wake_up?tags=kv_cache`` empties torch's cache
+    before it maps the KV cache (vLLM 0.33 ``model_loader/reload/layerwise.py:344-402``,
+    ``device_allocator/cumem.py:342-343``). So the reload needs no memory beyond the engine's
+    footprint, as long as its peak fits in the room the KV cache will take. Sized as the
+    checkpoint's largest tensor over the tensor-parallel size when its safetensors headers are
+    local (a fused module can be larger: a lower bound), else `RELOAD_PEAK_MB`.
     """
-    if spec.sleep is None or spec.sleep.level != 2:
-        return 0
     model_dir = _local_dir(spec.model)
     files = safetensors_files(model_dir) if model_dir is not None else []
     try:
@@ -283,8 +327,42 @@ def reload_buffer_mb(spec: ModelSpec) -> int:
     except (ValueError, OSError):
         largest = 0
     if not largest:
-        return RELOAD_BUFFER_MB
+        return RELOAD_PEAK_MB
     return _ceil_mb(largest / parallel_sizes(spec)[0])
+
+
+def pinned_weights_mb(spec: ModelSpec) -> int | None:
+    """Host RAM a level-1 sleep pins for the weights, all devices together, before it was
+    measured.
+
+    One pinned backup per CuMem allocation (vLLM 0.33 ``device_allocator/cumem.py:256-276``),
+    from PyTorch's caching host allocator, which rounds each block up to a power of two: here
+    each checkpoint tensor over the tensor-parallel size, rounded so, at the serving dtype
+    (vLLM fuses some tensors, so the real blocks differ; the first sleep is measured and
+    replaces this). Tensor-parallel ranks each pin their slice; pipeline stages split the
+    tensors; local data-parallel ranks each pin a copy. None when the headers are not local."""
+    model_dir = _local_dir(spec.model)
+    files = safetensors_files(model_dir) if model_dir is not None else []
+    if not files:
+        return None
+    tp, _pp, _pcp, dp = parallel_sizes(spec)
+    try:
+        arch = _architecture(None, model_dir)
+        args = {k.replace("-", "_"): v for k, v in spec.args}
+        serve = _serving_dtype_bytes(str(args.get("dtype") or "auto"), arch)
+        total = 0
+        for path in files:
+            for dtype, numel in tensor_sizes(path):
+                size = serve if dtype in _CAST_DTYPES else DTYPE_BYTES[dtype]
+                total += _pow2(math.ceil(numel * size / tp))
+    except (ValueError, OSError):
+        return None
+    return _ceil_mb(total * tp * dp)
+
+
+def _pow2(n: int) -> int:
+    """`n` rounded up to a power of two (PyTorch's host allocator's block sizes)."""
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def parallel_sizes(spec: ModelSpec) -> tuple[int, int, int, int]:
@@ -316,6 +394,18 @@ def _arg_int(value: Any) -> int | None:
         return None
     text = str(value).strip()
     scale = {"k": 1000, "K": 1024, "m": 10**6, "M": 1024**2}.get(text[-1:], 1)
+    number = text[:-1] if scale != 1 else text
+    return int(float(number) * scale)
+
+
+def _arg_bytes(value: Any) -> int | None:
+    """vLLM's human-readable byte sizes (``--kv-cache-memory-bytes``): ``k``/``m``/``g`` are
+    powers of 1000, ``K``/``M``/``G`` of 1024."""
+    if value is None or value is False or str(value).strip() == "":
+        return None
+    text = str(value).strip()
+    units = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 1024, "M": 1024**2, "G": 1024**3}
+    scale = units.get(text[-1:], 1)
     number = text[:-1] if scale != 1 else text
     return int(float(number) * scale)
 

@@ -171,6 +171,18 @@ class NvmlMonitor:
             raise ValueError(f"{value!r} names a GPU twice")
         return tuple(out)
 
+    def names(self) -> dict[int, str]:
+        """Each device's name (vLLM picks its batch defaults by it); "" where NVML cannot say."""
+        lib = self._lib()
+        count = int(lib.nvmlDeviceGetCount())
+        out = {}
+        for i in range(count) if self.devices is None else [i for i in self.devices if i < count]:
+            try:
+                out[i] = _text(lib.nvmlDeviceGetName(lib.nvmlDeviceGetHandleByIndex(i)))
+            except (lib.NVMLError, AttributeError):
+                out[i] = ""
+        return out
+
     def mig_devices(self) -> list[int]:
         """Indices of the GPUs with MIG mode on (NVML reports their memory as the parent's)."""
         lib = self._lib()

@@ -61,9 +61,10 @@ log = logging.getLogger(__name__)
 
 #: After a broken engine connection: how long to look for the exit of an engine that seems alive.
 EXIT_LOOK_S = 0.25
-#: Host RAM left free beyond the weights when choosing sleep level 1.
+#: Host RAM left free beyond what a sleep pins when choosing its level.
 HOST_RAM_MARGIN_MB = 1024
-#: The ``runtime`` pool a level-1 (and level-2) sleep also pins in host RAM, when unknown.
+#: The ``runtime`` pool a sleep of either level pins in host RAM, when unknown (LoRA slots come
+#: on top: `EngineContext.runtime_mb`).
 RUNTIME_POOL_MB = 512
 
 
@@ -220,8 +221,11 @@ class EngineContext:
     residue: Callable[[str, Usage | None, Usage | None], int | None] = lambda _i, _b, _a: None
     #: ... and a wait until a stopped engine's processes have left the GPU (bounded).
     wait_released: Callable[[Usage | None], Awaitable[bool]] = _no_wait
-    #: Host RAM (MiB) the model's weights take, all devices together, when known.
+    #: Host RAM (MiB) a level-1 sleep pins for the model's weights, all devices together, when
+    #: known ...
     weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
+    #: ... and for its ``runtime`` pool (pinned at both levels).
+    runtime_mb: Callable[[ModelSpec], int] = lambda _spec: RUNTIME_POOL_MB
     #: After vLLM found no room for the KV cache: raise the model's budget for its next start
     #: (None), or say why that cannot help.
     grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
@@ -381,6 +385,7 @@ class Instance:
             metrics.forget_instance(self.name, self.id)
             self.placement = None
             self.ctx.release_claim(self.id)
+            self.ctx.host.forget(self.id)
             self.ctx.on_capacity()
         elif new.public is not old.public:
             metrics.set_instance_state(self.name, self.id, old.public.value, new.public.value)
@@ -790,6 +795,9 @@ class Instance:
         ):
             return None
         chosen = self._choose_level(level or self.spec.sleep.level)
+        if chosen is None:  # no host RAM to pin even the runtime pool: free the GPU anyway
+            self.ctx.metrics.evictions.labels(self.name, reason).inc()
+            return self._begin_stop()
         if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
             self._sleep_timer.cancel()
             self._sleep_timer = None
@@ -798,27 +806,40 @@ class Instance:
         self._sleep_call.add_done_callback(consume_exception)
         return self._sleep_call
 
-    def _choose_level(self, level: int) -> int:
-        """Level 1 pins the weights and the runtime pool in host RAM: only when that much is
-        available (within the proxy's cgroup, less what other sleeps in flight will pin);
-        the choice is promised until the /sleep call returns."""
-        if level != 1:
-            return level
+    def _choose_level(self, level: int) -> int | None:
+        """The level a sleep asked at `level` takes, promised in host RAM until the /sleep call
+        returns; None when no level fits (the caller stops the engine instead).
+
+        Level 1 pins the weights and the runtime pool, level 2 the runtime pool alone, each less
+        what the engine already keeps pinned from an earlier sleep (PyTorch's host cache), within
+        the host RAM available to the proxy's cgroup less what other sleeps in flight will pin.
+        Level 1 falls back to level 2 only where the model can reload its weights."""
+        key = (self.name, self.spec.engine_key())
+        runtime = self.ctx.runtime_mb(self.spec)
         weights = self.ctx.weights_mb(self.spec)
-        if weights is None:
-            return level
-        need = weights + RUNTIME_POOL_MB
+        guesses = {1: None if weights is None else weights + runtime, 2: runtime}
+        levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
         room = self.ctx.host.room_mb()
-        if need + HOST_RAM_MARGIN_MB > room:
-            log.warning(
-                "%s: sleep level 1 would pin ~%d MiB of weights and runtime pool in host RAM but"
-                " only %d MiB are available (cgroup limit and sleeps in flight counted); using"
-                " level 2 (the weights are reloaded from disk on wake)",
-                self.id, need, room,
-            )  # fmt: skip
-            return 2
-        self.ctx.host.promise(self.id, need)
-        return level
+        for chosen in levels:
+            guess = guesses.get(chosen)
+            if guess is None:  # nothing known of what it pins: as asked
+                return chosen
+            need = self.ctx.host.need_mb(self.id, key, chosen, guess)
+            if need and need + HOST_RAM_MARGIN_MB > room:
+                log.warning(
+                    "%s: sleep level %d would pin ~%d MiB more in host RAM but only %d MiB are"
+                    " available (cgroup limits and sleeps in flight counted)",
+                    self.id, chosen, need, room,
+                )  # fmt: skip
+                continue
+            if chosen != level:
+                log.warning("%s: using level %d (the weights are reloaded from disk on wake)",
+                            self.id, chosen)  # fmt: skip
+            if need:
+                self.ctx.host.promise(self.id, need)
+            return chosen
+        log.warning("%s: no sleep level fits in host RAM; stopping the engine instead", self.id)
+        return None
 
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
@@ -827,16 +848,19 @@ class Instance:
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
         residue: int | None = None
+        host_before = host_after = None
         failed = False
         try:
             async with self._devices_held():
                 started = time.monotonic()
                 try:
                     before = await self.ctx.usage(engine.pid, self.devices)
+                    host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
                     after = await self.ctx.usage(engine.pid, self.devices)
                     residue = self.ctx.residue(self.id, before, after)
+                    host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -849,6 +873,11 @@ class Instance:
             return  # stopped meanwhile
         seconds = time.monotonic() - started
         self.sleep_level = level
+        grown = None if host_before is None or host_after is None else host_after - host_before
+        self.ctx.host.slept(self.id, (self.name, self.spec.engine_key()), level, grown)
+        pinned = self.ctx.host.retained.get(self.id)
+        if pinned is not None:
+            self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)
         self.ctx.metrics.transitions.labels(self.name, "sleep").observe(seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
@@ -1093,6 +1122,7 @@ class Instance:
             "last_error": self.last_error,
             "log": str(self.log_path),
             "adapters": self.adapters.status(),
+            "host_pinned_mb": self.ctx.host.retained.get(self.id),
         }
 
 

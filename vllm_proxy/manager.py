@@ -23,8 +23,8 @@ from .admission import Admission
 from .config import ModelSpec
 from .engine import EngineProcess
 from .errors import NotFound, Unavailable
-from .footprint import footprint_for_spec, lora_host_mb
-from .instance import AWAKE, EngineContext, Instance, consume_exception
+from .footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
+from .instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from .memory import Memory
 from .model import Model
 from .queueing import Queue, Rules
@@ -102,6 +102,7 @@ class Manager:
             ctx.wait_released = memory.wait_released
             ctx.grow_budget = memory.grow_budget
         ctx.weights_mb = self._weights_mb
+        ctx.runtime_mb = self._runtime_mb
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
         self.removed: set[Model] = set()
@@ -282,25 +283,37 @@ class Manager:
         self.queue.changed()
 
     def _weights_mb(self, spec: ModelSpec) -> int | None:
-        """Host RAM a level-1 sleep of `spec` pins: its weights, all devices together (the
-        caller adds the runtime pool). With LoRA adapters, their preallocated slots too (they
-        sit in vLLM's weights pool) and what its CPU cache of adapters may still take."""
+        """Host RAM a level-1 sleep of `spec` pins for its weights, all devices together (the
+        caller adds the runtime pool), until a sleep of its engine was measured: one pinned
+        block per allocation, each rounded up to a power of two by PyTorch's host allocator
+        (`footprint.pinned_weights_mb`), and what its CPU cache of adapters may still take."""
         fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
         if fp is None:
             try:
                 fp = footprint_for_spec(spec, None, spec.params_b)
             except (ValueError, OSError):
                 fp = None
-        weights = fp.detail.get("weights_mb") if fp is not None else None
         lora = lora_host_mb(spec)
+        pinned = pinned_weights_mb(spec)
+        if pinned is not None:
+            return pinned + lora
+        weights = fp.detail.get("weights_mb") if fp is not None else None
         if fp is not None and isinstance(weights, int | float):
-            slots = fp.detail.get("lora_mb", 0)
-            return (int(weights) + int(slots)) * fp.gpus + lora
+            return int(weights) * fp.gpus + lora
         if spec.params_b is not None:  # 16-bit weights
             return math.ceil(spec.params_b * 1e9 * 2 / 2**20) + lora
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
             return fp.budget_mb * fp.gpus + lora
         return None
+
+    def _runtime_mb(self, spec: ModelSpec) -> int:
+        """Host RAM a sleep of either level pins for the ``runtime`` pool, all devices
+        together: `RUNTIME_POOL_MB` per device plus the preallocated LoRA slots, which live in
+        that pool (vLLM 0.33 ``v1/worker/lora_model_runner_mixin.py:57-63``)."""
+        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
+        gpus = fp.gpus if fp is not None else 1
+        slots = int(fp.detail.get("lora_mb", 0)) if fp is not None else 0
+        return (RUNTIME_POOL_MB + slots) * gpus
 
     # -- reload --------------------------------------------------------------------------
 

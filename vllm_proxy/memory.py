@@ -29,9 +29,9 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .config import ArgValue, Config, GpuDevice, ModelSpec, SleepPolicy
+from .config import ArgValue, Config, GpuDevice, ModelSpec
 from .errors import ConfigError
-from .footprint import Footprint, footprint_for_spec, reload_buffer_mb, utilization_for
+from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
 from .metrics import Metrics
 from .scheduler import Demand, DeviceView, never_fits
@@ -160,6 +160,8 @@ class Memory:
         self._locks: dict[int, asyncio.Lock] = {}
         self.snapshots = source.read()
         self.totals = {s.id: s.total_mb for s in self.snapshots}
+        #: Device names where NVML gives them: vLLM's batch defaults depend on the device.
+        self.names: dict[int, str] = source.names() if isinstance(source, NvmlMonitor) else {}
         #: Memory claimed by each placed instance (admitted and not yet down), by instance id.
         self.claims: dict[str, Placement] = {}
         #: Instances asleep (their /sleep call returned): what each still holds per device ...
@@ -200,13 +202,18 @@ class Memory:
                 problems.append(f"models.{name}.env.CUDA_VISIBLE_DEVICES: {err}")
                 continue
             allowed = [d for d in (devices or spec.devices or self.totals) if d in self.totals]
-            total = min((self.totals[d] for d in allowed), default=None)
+            smallest = min(allowed, key=lambda d: self.totals[d], default=None)
+            total = self.totals[smallest] if smallest is not None else None
+            device = self.names.get(smallest) if smallest is not None else None
             try:
-                # A level-2 sleeper also keeps its reload's buffer after a wake: outside the budget.
-                context = self.context_mb + reload_buffer_mb(spec)
-                fp = footprint_for_spec(spec, total, spec.params_b, context, self.nccl_mb)
+                fp = footprint_for_spec(spec, total, spec.params_b, self.context_mb,
+                                        self.nccl_mb, device)  # fmt: skip
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
+                continue
+            why = _reload_misfit(spec, fp)
+            if why:
+                problems.append(f"models.{name}.sleep.level: {why}")
                 continue
             if self.kind == "nvml" and fp.budget_mb <= 0:
                 problems.append(
@@ -266,17 +273,13 @@ class Memory:
         return self.estimates[name].budget_mb + (boost[1] if boost else 0)
 
     def overhead(self, name: str) -> int:
-        """MiB per device outside the budget: the largest measured, else the config's guess. A
-        level-2 sleeper keeps at least the guess, which holds its reload buffer: a measurement
-        taken before its first wake does not show that buffer yet."""
+        """MiB per device outside the budget: the config's guess, or more where a measurement
+        showed more. A measurement never lowers it: vLLM frees its transient peak after
+        profiling and at every sleep and wake and takes it back on its first full batch, so an
+        engine read below budget + overhead may only not have regrown yet."""
         learned = self.overheads.get(name)
         guess = self.estimates[name].overhead_mb
-        if learned is None:
-            return guess
-        spec = self._specs.get(name)
-        if spec is not None and spec.sleep is not None and spec.sleep.level == 2:
-            return max(learned[1], guess)
-        return learned[1]
+        return max(learned[1], guess) if learned is not None else guess
 
     def footprint(self, name: str) -> int:
         """What one engine of the model holds on each device: budget plus overhead."""
@@ -353,11 +356,30 @@ class Memory:
 
     def held_mb(self, instance_id: str) -> int:
         """What a placed instance holds (or is promised) on each of its devices: asleep, what
-        its sleep left; running, what it was measured to hold; else its claim."""
+        its sleep left; awake, its claim or what it was measured to hold, the larger. A running
+        engine is never counted at what it holds now alone: vLLM reserves its transient peak
+        inside the budget but frees it after profiling and at every sleep and wake, and takes
+        it back on the first full batch (vLLM 0.33 ``utils/mem_utils.py:298-321``,
+        ``device_allocator/cumem.py:297-298,342-343``)."""
         if instance_id in self.asleep:
             return self.asleep[instance_id]
+        claim = self.claims[instance_id].footprint_mb
         measured = self.measured.get(instance_id)
-        return measured if measured is not None else self.claims[instance_id].footprint_mb
+        return claim if measured is None else max(claim, measured)
+
+    def unrealised_mb(self, instance_id: str, pgid: int | None, device: int) -> int:
+        """What an awake instance may still take on `device` beyond what it holds now (its
+        transient peak, freed and not yet regrown): its claim less its processes' memory where
+        NVML reports it per process, else less what it was measured to hold at its start (an
+        upper bound: the engine may have regrown since)."""
+        held = self.held_mb(instance_id)
+        snap = next((s for s in self.snapshots if s.id == device), None)
+        if pgid is not None and snap is not None and snap.processes:
+            mine = sum(mb for pid, mb in snap.processes.items() if _pgid(pid) == pgid)
+            if mine:
+                return max(held - mine, 0)
+        measured = self.measured.get(instance_id)
+        return max(held - measured, 0) if measured is not None else 0
 
     def wake_need(self, instance_id: str) -> int:
         """What a sleeping instance adds per device when it wakes: the model's footprint (with
@@ -365,16 +387,10 @@ class Memory:
         return max(self._awake_mb(instance_id) - self.held_mb(instance_id), 0)
 
     def _awake_mb(self, instance_id: str) -> int:
-        """What the instance holds once awake: its model's footprint, plus the reload buffer
-        when it slept at level 2 although its model's policy (and so its footprint) did not
-        count one (level 1 demoted for lack of host RAM, or an admin's level-2 sleep)."""
-        name = _model_of(instance_id)
-        mb = self.footprint(name)
-        spec = self._specs.get(name)
-        if self.slept_level.get(instance_id) == 2 and spec is not None:
-            if spec.sleep is None or spec.sleep.level != 2:
-                mb += reload_buffer_mb(dataclasses.replace(spec, sleep=SleepPolicy(level=2)))
-        return mb
+        """What the instance holds once awake: its model's footprint. A level-2 wake needs no
+        reload buffer beyond it: the reload's temporaries sit where the KV cache will be, and
+        the KV wake frees them first (`reload_peak_mb`)."""
+        return self.footprint(_model_of(instance_id))
 
     def allocated_mb(self, instance_id: str, pgid: int | None, device: int) -> int:
         """How much of its claim an instance that is starting or waking has allocated on
@@ -470,9 +486,14 @@ class Memory:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
             if "CUDA_DEVICE_ORDER" not in dict(spec.env):
                 env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-            if self.estimates[spec.name].source != "utilization":
+            est = self.estimates[spec.name]
+            if est.source != "utilization":
                 total = min(self.totals[d] for d in devices)
                 overrides["gpu_memory_utilization"] = utilization_for(self.budget(spec.name), total)
+            if est.source == "estimate" and "max_num_seqs" not in _arg_names(spec):
+                # The estimate's sampler pass and KV sizing assume this many: vLLM must agree
+                # whatever device it believes it runs on.
+                overrides["max_num_seqs"] = int(est.detail["max_num_seqs"])
         return Placement(devices, mb, overrides, env)
 
     def claim(self, instance_id: str, placement: Placement) -> None:
@@ -680,6 +701,28 @@ class Memory:
     def close(self) -> None:
         if isinstance(self.source, NvmlMonitor):
             self.source.close()
+
+
+def _reload_misfit(spec: ModelSpec, fp: Footprint) -> str | None:
+    """Why a level-2 sleep policy cannot wake in its footprint: the reload's largest buffer
+    does not fit in the room its KV cache will take (None: it fits, or the KV size is unknown)."""
+    if spec.sleep is None or spec.sleep.level != 2:
+        return None
+    kv = fp.detail.get("kv_cache_mb")
+    if not isinstance(kv, int):
+        return None
+    peak = reload_peak_mb(spec)
+    if peak <= kv:
+        return None
+    return (
+        f"a level-2 wake reloads the weights before the KV cache is mapped, in its room: the"
+        f" largest tensor ({peak} MiB per GPU) does not fit in the {kv} MiB planned for the KV"
+        " cache; use level 1, or a longer max_model_len / memory_mb"
+    )
+
+
+def _arg_names(spec: ModelSpec) -> set[str]:
+    return {k.replace("-", "_") for k, _ in spec.args}
 
 
 def _model_of(instance_id: str) -> str:

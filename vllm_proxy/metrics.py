@@ -129,6 +129,14 @@ class Metrics:
             ["model_id"],
             registry=r,
         )
+        self.host_pinned = Gauge(
+            "vllm_proxy_instance_host_pinned_mb",
+            "Host RAM the instance's engine keeps pinned after its sleeps (measured: the growth"
+            " of its processes' resident memory across each /sleep; PyTorch keeps the pinned"
+            " blocks cached after the wake)",
+            ["model_id", "instance"],
+            registry=r,
+        )
         self.instance_active = Gauge(
             "vllm_proxy_instance_requests_active",
             "Requests holding a lease on the instance",
@@ -272,6 +280,7 @@ class Metrics:
         _remove(self.instance_active, model, instance)
         _remove(self.memory_measured, model, instance)
         _remove(self.sleep_level, model, instance)
+        _remove(self.host_pinned, model, instance)
 
     def forget_model(self, model: str) -> None:
         """Drop a removed model's gauges (its counters and histograms stay)."""

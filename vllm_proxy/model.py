@@ -597,6 +597,12 @@ class Model:
                 f"model '{self.name}' has no sleep policy (set sleep: {{level: 1}} for it)",
                 code="sleep_not_enabled",
             )
+        if level == 2 and not self.spec.reloadable:
+            raise Conflict(
+                f"model '{self.name}' cannot sleep at level 2: its load_format cannot reload the"
+                " weights on wake; use level 1",
+                code="sleep_level_unsupported",
+            )
         self._drains += 1
         self._drains_begun += 1
         try:
