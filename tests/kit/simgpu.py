@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from fake_vllm.simgpu import Ledger, nvml_module
@@ -34,8 +35,22 @@ def sim_ledger(
         path, [{"total_mb": 24_000} for _ in range(devices)], per_process=per_process
     )
     monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
+    monkeypatch.setattr("vllm_proxy.hostmem.tree_rss_mb", lambda pid: pinned_rss(ledger, pid))
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return ledger
+
+
+def pinned_rss(ledger: Ledger, pid: int | None) -> int | None:
+    """What the proxy reads as an engine's host memory on the simulated GPU: the host memory
+    its process tree pinned in the ledger (a real engine's pinned blocks are resident in it)."""
+    if pid is None:
+        return None
+    try:
+        root = psutil.Process(pid)
+        pids = {root.pid, *(c.pid for c in root.children(recursive=True))}
+    except psutil.Error:
+        return None
+    return sum(ledger.pinned_mb(p) for p in pids)
 
 
 def sim_config(
