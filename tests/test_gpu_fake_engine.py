@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from kit import FakeEngine
+from kit.gpumeasure import pinned_from_log
 from test_fake_engine import (
     CHAT,
     GARBAGE_TEXT,
@@ -52,6 +53,10 @@ import json, os, types
 __version__ = "0.0-stub"
 uint8 = "uint8"
 _held = 0
+# Pinned host blocks as PyTorch's caching host allocator keeps them: rounded up to a power of
+# two, cached when freed, reused by size.
+_pinned = {"held": 0, "active": 0}
+_cached = {}
 
 
 def _log(event, **fields):
@@ -75,8 +80,15 @@ class device:
 
 
 class Tensor:
-    def __init__(self, size, where):
+    def __init__(self, size, where, pinned=False):
         global _held
+        self.block = 1 << (size - 1).bit_length() if pinned else 0
+        if self.block:
+            if _cached.get(self.block):
+                _cached[self.block] -= 1
+            else:
+                _pinned["held"] += self.block
+            _pinned["active"] += self.block
         if where == "cuda":
             with open(os.environ["STUB_TORCH_LIMIT_FILE"]) as limit:
                 if _held + size > int(limit.read()):
@@ -88,6 +100,9 @@ class Tensor:
         global _held
         if self.where == "cuda":
             _held -= self.size
+        if self.block:
+            _pinned["active"] -= self.block
+            _cached[self.block] = _cached.get(self.block, 0) + 1
 
     def copy_(self, other):
         _log("copy", src=other.where, dst=self.where, bytes=self.size)
@@ -100,7 +115,7 @@ class Tensor:
 
 def empty(size, dtype=None, device=None, pin_memory=False):
     where = "cuda" if device is not None and device.type == "cuda" else "host"
-    tensor = Tensor(size, where)
+    tensor = Tensor(size, where, pin_memory)
     _log("empty", where=where, bytes=size, pinned=pin_memory)
     return tensor
 
@@ -108,6 +123,9 @@ def empty(size, dtype=None, device=None, pin_memory=False):
 cuda = types.SimpleNamespace(
     is_available=lambda: os.environ.get("STUB_TORCH_CUDA") == "1",
     empty_cache=lambda: _log("empty_cache"),
+    host_memory_stats=lambda: {
+        "allocated_bytes.current": _pinned["held"], "active_bytes.current": _pinned["active"],
+    },
     synchronize=lambda device=None: None,
     OutOfMemoryError=OutOfMemoryError,
 )
@@ -289,6 +307,27 @@ async def test_level_1_backs_up_each_weights_tensor_and_the_runtime_pool_in_pinn
     assert await chat_text(session, fake) == NORMAL_TEXT
     assert await metric(session, fake, GPU_BYTES) == TOTAL
     assert "CuMemAllocator: sleep freed" in fake.stdout()
+
+
+async def test_pinned_backups_are_dropped_at_the_wake_and_their_blocks_stay_cached(
+    start_fake: StartFake, stub: StubTorch, session: aiohttp.ClientSession
+) -> None:
+    """The engine logs what torch's host allocator holds after each sleep and wake; the GPU
+    check reads it back (`kit.gpumeasure.pinned_from_log`)."""
+    fake = start_gpu(start_fake, stub)
+    blocks = sum(1 << (n - 1).bit_length() for n in (RUNTIME, *LAYOUT.weights)) / MIB
+    runtime_block = (1 << (RUNTIME - 1).bit_length()) / MIB
+    expected = (
+        (1, blocks, blocks), ("wake", blocks, 0.0), (1, blocks, blocks), ("wake", blocks, 0.0),
+        (2, blocks, runtime_block), ("wake", blocks, 0.0),
+    )  # fmt: skip
+    for level, held, in_use in expected:
+        if level == "wake":
+            assert (await post(session, f"{fake.url}/wake_up", None))[0] == 200
+        else:
+            assert (await post(session, f"{fake.url}/sleep?level={level}", None))[0] == 200
+        assert pinned_from_log(fake.stdout()) == (held, in_use), level
+    assert blocks > (RUNTIME + WEIGHTS) / MIB, "rounded up to powers of two"
 
 
 async def test_level_2_keeps_only_the_runtime_pool_and_reload_rewrites_the_weights(
