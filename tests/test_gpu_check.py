@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -159,3 +162,70 @@ def test_the_check_with_a_torch_without_cuda_says_no_gpu(tmp_path: Path) -> None
     assert done.returncode == NO_GPU, done.stdout + done.stderr
     assert "torch 0.0-stub sees no CUDA device" in done.stdout
     assert (tmp_path / "gpu.md").read_text() == "unchanged\n"
+
+
+# -- the real-vLLM check's pure parts ---------------------------------------------------------
+
+
+def _vllm_check() -> ModuleType:
+    path = ROOT / "scripts" / "gpu_check_vllm.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_vllm", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check_vllm"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_header_only_checkpoint(module: ModuleType, shape: object, out: Path) -> None:
+    """config.json and a safetensors file whose data is a hole: the estimate reads only the
+    header, so the full model's plan needs no 3.3 GB of weights."""
+    out.mkdir()
+    ids = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+    (out / "config.json").write_text(json.dumps(module.model_config(shape, ids)))
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dims in module.tensor_shapes(shape):
+        size = 2 * math.prod(dims)
+        header[name] = {
+            "dtype": "BF16",
+            "shape": list(dims),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    raw = json.dumps(header).encode()
+    with (out / "model.safetensors").open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
+def test_the_vllm_checks_model_is_planned_as_the_proxy_plans_it(tmp_path: Path) -> None:
+    check = _vllm_check()
+    assert check.parameters(check.FULL) == 1_751_222_272
+    write_header_only_checkpoint(check, check.FULL, tmp_path / "M")
+    h100 = check.planned(tmp_path / "M", 81559)
+    assert h100["detail"]["weights_mb"] == 3341 and h100["detail"]["kv_cache_mb"] == 3072
+    assert (h100["budget_mb"], h100["footprint_mb"], h100["util"]) == (6957, 7725, 0.085)
+    assert check.planned(tmp_path / "M", 143771)["util"] == 0.048
+    boosted = check.planned(tmp_path / "M", 81559, boost_mb=1738)
+    assert boosted["budget_mb"] == 6957 + 1738 and boosted["util"] == 0.106
+
+
+def test_the_vllm_checks_log_figures_are_read_from_vllms_own_lines() -> None:
+    check = _vllm_check()
+    log = (
+        "INFO Memory profiling takes 12.31 seconds. Total non KV cache memory: 5.1GiB; torch "
+        "peak memory increase: 1.42GiB; total consumed (from mem_get_info): 3.9GiB; weights "
+        "memory: 3.26GiB.\nINFO Available KV cache memory: 1.67 GiB\n"
+        "INFO GPU KV cache size: 13,680 tokens, Maximum concurrency for 4,096 tokens per "
+        "request: 3.34x\nINFO CuMemAllocator: sleep freed 5.02 GiB memory in total, of which "
+        "3.41 GiB is backed up in CPU and the rest 1.61 GiB is discarded directly.\n"
+        "INFO Sleep mode freed 5.1 GiB memory, 0.93 GiB memory is still in use.\n"
+    )
+    assert check.log_figures(log) == {
+        "profiling": [12.31, 5.1, 1.42, 3.9, 3.26],
+        "available_kv_gib": [1.67],
+        "kv_tokens": [13680.0],
+        "cumem_sleep": [5.02, 3.41],
+        "sleep_freed": [5.1, 0.93],
+    }
