@@ -42,6 +42,8 @@ MIB = 1024 * 1024
 #: Bound for an engine that imports the real torch (seconds on an idle machine; much more on a
 #: busy one). Waits return as soon as the engine is done.
 TORCH_IMPORT_S = 120.0
+#: The same for an engine on the stand-in torch (under a second on an idle machine).
+START_S = 60.0
 GPU_BYTES = f"fake_engine:gpu_bytes{{{LABELS}}}"
 
 # The calls gpu.py makes, on a pretend device with STUB_TORCH_LIMIT_FILE bytes (read on each
@@ -173,7 +175,7 @@ def stub(tmp_path: Path) -> StubTorch:
 def start_gpu(start_fake: StartFake, stub: StubTorch, megabytes: int = 10) -> Fake:
     env = {**SLEEP_ENV, **stub.env(), **FakeEngine(gpu_mb=megabytes).env()}
     fake = start_fake(env=env, args=SLEEP_ARGS)
-    wait_ready(fake)
+    wait_ready(fake, timeout=START_S)
     return fake
 
 
@@ -184,7 +186,7 @@ def test_gpu_mode_without_cuda_exits_with_a_clear_message(
     start_fake: StartFake, stub: StubTorch
 ) -> None:
     fake = start_fake(env={**stub.env(cuda=False), **FakeEngine(gpu_mb=10).env()})
-    assert fake.wait_exit() == 1
+    assert fake.wait_exit(START_S) == 1
     assert "FAKE_ENGINE_GPU_MB=10: GPU mode needs CUDA, but torch 0.0-stub sees no CUDA device" in (
         fake.stderr()
     )
@@ -209,14 +211,14 @@ def test_gpu_mode_fails_start_up_when_the_memory_is_not_there(
 ) -> None:
     stub.set_limit_mb(5)
     fake = start_fake(env={**stub.env(), **FakeEngine(gpu_mb=10).env()})
-    assert fake.wait_exit() == 1
+    assert fake.wait_exit(START_S) == 1
     assert "FAKE_ENGINE_GPU_MB=10: cannot hold 10 MiB on cuda:0" in fake.stderr()
     assert "Application startup complete." not in fake.stdout()
 
 
 def test_torch_is_not_imported_without_gpu_mode(start_fake: StartFake, stub: StubTorch) -> None:
     fake = start_fake(env={**SLEEP_ENV, **stub.env()}, args=SLEEP_ARGS)
-    wait_ready(fake)
+    wait_ready(fake, timeout=START_S)
     assert not stub.log.exists()
 
 
