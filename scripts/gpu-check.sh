@@ -15,8 +15,8 @@
 # Environment: PYTHON (default python3; its torch is used), GPU_CHECK_TIMEOUT_S (the bound on
 # the tests, default 420 s, so that the whole check stays under 8 minutes), GPU_CHECK_RESULTS
 # (folder for the logs and figures, default gpu-check-results/), GPU_CHECK_DOC (default
-# docs/gpu.md), NVIDIA_SMI (default nvidia-smi), OUT (if set, the results and the document are
-# copied there as well).
+# docs/gpu.md), GPU_CHECK_VENV (default .venv-gpu/), NVIDIA_SMI (default nvidia-smi), OUT (if
+# set, the results and the document are copied there as well).
 set -u
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
@@ -25,7 +25,7 @@ SMI=${NVIDIA_SMI:-nvidia-smi}
 BOUND=${GPU_CHECK_TIMEOUT_S:-420}
 RESULTS=${GPU_CHECK_RESULTS:-$ROOT/gpu-check-results}
 DOC=${GPU_CHECK_DOC:-$ROOT/docs/gpu.md}
-VENV=$ROOT/.venv-gpu
+VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
 STARTED=$(date +%s)
 
 say() { echo "gpu-check: $*"; }
@@ -40,8 +40,8 @@ command -v "$SMI" >/dev/null 2>&1 || no_gpu "$SMI not found (no NVIDIA driver on
 "$SMI" -L >/dev/null 2>&1 || no_gpu "'$SMI -L' fails (the driver sees no device)"
 command -v "$PY" >/dev/null 2>&1 || { say "$PY not found (set PYTHON)"; exit 2; }
 
-FILES="smi.csv nvidia-smi.txt torch.txt torch.err junit.xml measure.json pytest.log rc verdict
-section.md"
+FILES="smi.csv nvidia-smi.txt torch.txt torch.err venv.log junit.xml measure.json pytest.log rc
+verdict section.md"
 mkdir -p "$RESULTS" || exit 2
 for f in $FILES; do rm -f "$RESULTS/$f"; done
 "$SMI" --query-gpu=name,memory.total,driver_version --format=csv,noheader >"$RESULTS/smi.csv"
@@ -58,37 +58,54 @@ if [ $? -ne 0 ]; then
 fi
 say "torch $(cat "$RESULTS/torch.txt")"
 
-# -- the venv: the host's torch, the project's dependencies from wheels/ ---------------------
-if [ ! -x "$VENV/bin/python" ]; then
-    "$PY" -m venv --system-site-packages "$VENV" || { say "cannot create $VENV"; exit 2; }
+# -- the dependencies: the host's torch, the project's from wheels/ ---------------------------
+# A venv that sees the host's torch; where the host's Python has no venv or pip, the wheels
+# are unpacked into .gpu-site/ and put on the path instead (they need no build step).
+RUNPY=""
+SITE=""
+if [ -x "$VENV/bin/python" ] ||
+    "$PY" -m venv --system-site-packages "$VENV" >"$RESULTS/venv.log" 2>&1; then
+    RUNPY=$VENV/bin/python
+    if ls wheels/*.whl >/dev/null 2>&1; then
+        "$RUNPY" -m pip install -q --no-index --no-deps --disable-pip-version-check \
+            wheels/*.whl >>"$RESULTS/venv.log" 2>&1 || RUNPY=""
+    fi
 fi
-if ls wheels/*.whl >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q --no-index --no-deps --disable-pip-version-check \
-        wheels/*.whl || { say "installing wheels/*.whl failed"; exit 2; }
+if [ -z "$RUNPY" ]; then
+    say "no working venv with pip ($(tail -n 1 "$RESULTS/venv.log" 2>/dev/null)):" \
+        "unpacking wheels/*.whl into .gpu-site/"
+    rm -rf "$ROOT/.gpu-site"
+    mkdir -p "$ROOT/.gpu-site" || exit 2
+    for wheel in wheels/*.whl; do
+        [ -f "$wheel" ] || break
+        "$PY" -m zipfile -e "$wheel" "$ROOT/.gpu-site" || { say "cannot unpack $wheel"; exit 2; }
+    done
+    RUNPY=$PY
+    SITE="$ROOT/.gpu-site:"
 fi
 MODULES="aiohttp uvloop httptools pydantic yaml prometheus_client psutil pynvml pytest \
 pytest_asyncio pytest_timeout torch"
 for mod in $MODULES; do
-    if ! "$VENV/bin/python" -c "import $mod" 2>/dev/null; then
-        say "the venv cannot import $mod: bring the wheels (sh scripts/gpu-wheels.sh on a"
+    if ! PYTHONPATH="${SITE}${PYTHONPATH:-}" "$RUNPY" -c "import $mod" 2>/dev/null; then
+        say "$RUNPY cannot import $mod: bring the wheels (sh scripts/gpu-wheels.sh on a"
         say "machine with network, for this host's Python: $("$PY" -V 2>&1)) into wheels/"
         exit 2
     fi
 done
 
 # -- the GPU tier, bounded -------------------------------------------------------------------
-export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1 GPU_CHECK_OUT="$RESULTS/measure.json"
+export PYTHONPATH="${SITE}$ROOT" PYTHONUNBUFFERED=1 GPU_CHECK_OUT="$RESULTS/measure.json"
 COMMAND="pytest -m gpu -v -rs tests/test_gpu_tier.py"
 say "running $COMMAND (bound: ${BOUND}s)"
 {
-    timeout -k 15 "$BOUND" "$VENV/bin/python" -m pytest -m gpu -v -rs -p no:cacheprovider \
+    timeout -k 15 "$BOUND" "$RUNPY" -m pytest -m gpu -v -rs -p no:cacheprovider \
         --junitxml="$RESULTS/junit.xml" tests/test_gpu_tier.py 2>&1
     echo $? >"$RESULTS/rc"
 } | tee "$RESULTS/pytest.log"
 RC=$(cat "$RESULTS/rc" 2>/dev/null || echo 1)
 ELAPSED=$(($(date +%s) - STARTED))
 
-"$VENV/bin/python" scripts/gpu_report.py "$RESULTS" "$DOC" --rc "$RC" --seconds "$ELAPSED" \
+"$RUNPY" scripts/gpu_report.py "$RESULTS" "$DOC" --rc "$RC" --seconds "$ELAPSED" \
     --command "sh scripts/gpu-check.sh ($COMMAND)" || say "writing the report failed"
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
     for f in nvidia-smi.txt pytest.log junit.xml measure.json section.md; do
