@@ -13,7 +13,7 @@
 # nothing ran and nothing was written; 4 the tests ran past their time bound.
 #
 # Environment: PYTHON (default python3; its torch is used), GPU_CHECK_TIMEOUT_S (the bound on
-# the tests, default 420 s, so that the whole check stays under 8 minutes), GPU_CHECK_RESULTS
+# the tests, default 400 s, so that the whole check stays under 8 minutes), GPU_CHECK_RESULTS
 # (folder for the logs and figures, default gpu-check-results/), GPU_CHECK_DOC (default
 # docs/gpu.md), GPU_CHECK_VENV (default .venv-gpu/), NVIDIA_SMI (default nvidia-smi), OUT (if
 # set, the results and the document are copied there as well).
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.." || exit 2
 ROOT=$(pwd)
 PY=${PYTHON:-python3}
 SMI=${NVIDIA_SMI:-nvidia-smi}
-BOUND=${GPU_CHECK_TIMEOUT_S:-420}
+BOUND=${GPU_CHECK_TIMEOUT_S:-400}
 RESULTS=${GPU_CHECK_RESULTS:-$ROOT/gpu-check-results}
 DOC=${GPU_CHECK_DOC:-$ROOT/docs/gpu.md}
 VENV=${GPU_CHECK_VENV:-$ROOT/.venv-gpu}
