@@ -376,6 +376,57 @@ def greedy_ids(engine: Engine) -> list[int] | str:
     return choice.get("token_ids") or choice.get("text", "")
 
 
+def _get(data: dict[str, Any], *path: str) -> Any:
+    for key in path:
+        if not isinstance(data, dict) or key not in data:
+            return None
+        data = data[key]
+    return data
+
+
+def _minus(a: Any, b: Any) -> Any:
+    return None if a is None or b is None else round(a - b, 1)
+
+
+def summarize(results: dict[str, Any]) -> dict[str, Any]:
+    """The figures docs/gpu.md names, from the steps' results (None where a step is missing).
+    Device figures are NVML per process (MiB); host figures are the engine tree's RSS and the
+    drop in MemAvailable (MiB), since pinned memory shows in one or the other by driver."""
+    engine = ("engine_mb",)
+    l1, l2 = results.get("level1") or {}, results.get("level2") or {}
+    first = l1.get("first") or {}
+    sleep2 = l2.get("sleep") or {}
+    profiling = _get(results, "start", "log", "profiling")
+    return {
+        "P_ready": _get(results, "start", "P_ready", *engine),
+        "overhead": _get(results, "start", "overhead_mb"),
+        "available_kv_gib": (_get(results, "start", "log", "available_kv_gib") or [None])[0],
+        "kv_tokens": (_get(results, "start", "log", "kv_tokens") or [None])[0],
+        "torch_peak_gib": profiling[2] if profiling else None,
+        "P_full": _get(results, "peak", "P_full", *engine),
+        "P_woken": _get(l1, "P_woken", *engine),
+        "P_full2": _get(l1, "P_full2", *engine),
+        "R1": _get(l1, "R1", *engine),
+        "H1_rss": l1.get("H1_mb"),
+        "H1_mem_available": _minus(
+            _get(first, "awake", "mem_available_mb"), _get(first, "asleep", "mem_available_mb")
+        ),
+        "H1w_rss": l1.get("H1w_mb"),
+        "H1b_rss": l1.get("H1b_mb"),
+        "wake_l1_s": _get(l1, "P_woken", "seconds"),
+        "R2": _get(l2, "R2", *engine),
+        "H2_rss": l2.get("host_increase_mb"),
+        "H2_mem_available": _minus(
+            _get(sleep2, "awake", "mem_available_mb"), _get(sleep2, "asleep", "mem_available_mb")
+        ),
+        "W": _minus(_get(l2, "after_weights", *engine), _get(l2, "R2", *engine)),
+        "T": _minus(_get(l2, "after_reload", *engine), _get(l2, "after_weights", *engine)),
+        "P_l2": _get(l2, "P_l2", *engine),
+        "wake_l2_s": [_get(l2, k, "seconds") for k in ("after_weights", "after_reload", "P_l2")],
+        "greedy_same": l2.get("greedy_same"),
+    }
+
+
 # -- the steps ----------------------------------------------------------------------------------
 
 
@@ -476,7 +527,7 @@ class Check:
         done = asyncio.run(burst(self.engine.url))
         return {"burst": done, "P_full": self.reading()}
 
-    def sleep_and_wake(self, level: int) -> dict[str, Any]:
+    def sleep_and_read(self, level: int) -> dict[str, Any]:
         assert self.engine is not None
         since = self.engine.log_size()
         awake = self.reading()
@@ -487,13 +538,13 @@ class Check:
 
     def level1(self) -> dict[str, Any]:
         assert self.engine is not None
-        first = self.sleep_and_wake(1)
+        first = self.sleep_and_read(1)
         woke, _ = self.engine.post("/wake_up")
         self.engine.post("/v1/completions", completion("hello", 1))
         woken = self.reading(seconds=woke)
         full2 = asyncio.run(burst(self.engine.url))
         after_burst = self.reading()
-        again = self.sleep_and_wake(1)
+        again = self.sleep_and_read(1)
         woke2, _ = self.engine.post("/wake_up")
         rss0 = first["awake"]["rss_mb"]
         return {
@@ -512,7 +563,7 @@ class Check:
     def level2(self) -> dict[str, Any]:
         assert self.engine is not None
         before = greedy_ids(self.engine)
-        slept = self.sleep_and_wake(2)
+        slept = self.sleep_and_read(2)
         took_w, _ = self.engine.post("/wake_up?tags=weights")
         weights = self.reading(seconds=took_w)
         took_r, _ = self.engine.post("/collective_rpc", {"method": "reload_weights"})
@@ -548,6 +599,9 @@ class Check:
         finally:
             if self.engine is not None:
                 self.engine.stop()
+            self.results["summary"] = summarize(self.results)
+            self.save()
+            print(f"gpu-check-vllm: summary: {json.dumps(self.results['summary'])}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -229,3 +229,28 @@ def test_the_vllm_checks_log_figures_are_read_from_vllms_own_lines() -> None:
         "cumem_sleep": [5.02, 3.41],
         "sleep_freed": [5.1, 0.93],
     }
+
+
+def test_the_vllm_checks_summary_names_the_figures_and_survives_missing_steps() -> None:
+    check = _vllm_check()
+    empty = check.summarize({"baseline": {"error": "x"}})
+    assert set(empty) >= {"P_ready", "overhead", "P_full", "P_woken", "R1", "H1_rss", "R2", "W"}
+    assert empty["P_ready"] is None and empty["wake_l2_s"] == [None, None, None]
+
+    def at(mb: int, avail: float = 100000.0, seconds: float | None = None) -> dict:
+        return {"engine_mb": mb, "rss_mb": 900.0, "mem_available_mb": avail, "seconds": seconds}
+
+    results = {
+        "start": {"P_ready": at(7400), "overhead_mb": 700, "log": {"profiling": [9, 5, 1.4, 4, 3]}},
+        "peak": {"P_full": at(8900)},
+        "level1": {"first": {"awake": at(8900), "asleep": at(1100, 95000.0)}, "R1": at(1100),
+                   "H1_mb": 4500.0, "P_woken": at(7400, seconds=1.2)},
+        "level2": {"sleep": {"awake": at(8900), "asleep": at(1000, 99800.0)}, "R2": at(1000),
+                   "after_weights": at(4400, seconds=0.1), "after_reload": at(4900, seconds=3.0),
+                   "P_l2": at(7400, seconds=0.2), "greedy_same": True},
+    }  # fmt: skip
+    summary = check.summarize(results)
+    assert summary["torch_peak_gib"] == 1.4 and summary["H1_mem_available"] == 5000.0
+    assert (summary["W"], summary["T"], summary["P_l2"]) == (3400, 500, 7400)
+    assert summary["wake_l1_s"] == 1.2 and summary["wake_l2_s"] == [0.1, 3.0, 0.2]
+    assert summary["H2_mem_available"] == 200.0 and summary["greedy_same"] is True
