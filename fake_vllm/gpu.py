@@ -181,7 +181,7 @@ class GpuMemory:
     # -- the DeviceMemory protocol ---------------------------------------------------------------
 
     def held_bytes(self) -> int:
-        held = sum(sum(self.sizes[tag]) for tag, _ in tuple(self.tensors.items()))
+        held = sum(sum(self.sizes[tag]) for tag in tuple(self.tensors))
         return held + (self.layout.peak if self.peak is not None else 0)
 
     def asleep_tags(self) -> set[str]:
