@@ -70,14 +70,20 @@ no weights (vLLM then has no CuMem pool to release). Missing routes answer 404
 - Failed sleep/wake calls answer 500
   ``{"error":{"message":...,"type":"InternalServerError","param":null,"code":500}}``.
 
-GPU mode (``FAKE_ENGINE_GPU_MB``) holds real device memory through torch, imported only then:
-the memory is allocated before the port is bound, 70 % "weights" and 30 % "KV cache". Level-1
-sleep copies the weights to pinned host memory, frees both tensors and empties torch's cache
-(NVML sees the memory free); waking copies the weights back and reallocates the KV cache.
-Level 2 frees both without a copy; waking reallocates them uninitialised, and ``reload_weights``
-writes the weights again. A wake that cannot get the memory back answers 500 and leaves the
-missing tags asleep. Without torch or CUDA, or without the memory, start-up fails: a
-``fake_vllm: error: FAKE_ENGINE_GPU_MB=N: ...`` line on stderr and exit 1.
+GPU mode (``FAKE_ENGINE_GPU_MB=N``) holds real device memory through torch, imported only then,
+laid out and moved like vLLM 0.33's CuMem pools (``fake_vllm.gpu``): of the N MiB, 60 % are
+"weights" in 34 tensors of a Llama's uneven sizes, 25 % "KV cache", 3 % the "runtime" pool and
+12 % the activation peak. Before the port is bound the engine allocates the rest, and allocates
+the peak once for "profiling", then frees it and empties torch's cache: a ready engine holds
+N less the peak, and its first request takes the peak back (a request that cannot get it
+answers 500). Level-1 sleep copies each weights tensor and the runtime pool into its own pinned
+host tensor, level 2 only the runtime pool; both free everything on the device and empty torch's
+cache (NVML sees the memory free). A wake empties the cache, reallocates the runtime pool and
+the tags asked for, copies the backups back and drops them (torch's pinned host cache keeps
+them), without the peak. After level 2 the weights are uninitialised until ``reload_weights``.
+A wake that cannot get the memory back answers 500 and leaves the missing tags asleep. Without
+torch or CUDA, or without the memory, start-up fails: a ``fake_vllm: error: FAKE_ENGINE_GPU_MB=N:
+...`` line on stderr and exit 1.
 
 Knobs (environment variables):
 

@@ -82,11 +82,24 @@ class Engine:
             elif self.running >= self.settings.max_num_seqs:
                 await self._queue_for_slot()
             else:
+                self._regrow_peak()
                 self.running += 1
                 self.kv_tokens += kv_tokens
                 self._idle.clear()
                 return self.epoch
         return None
+
+    def _regrow_peak(self) -> None:
+        """GPU mode: the first request after a start or a wake takes the activation peak back,
+        as vLLM's first batch does; no memory for it answers 500. Done on the event loop, with
+        no await since the check of ``paused``, so it never overlaps a sleep or a wake."""
+        regrow = getattr(self.gpu, "regrow_peak", None)
+        if regrow is None:
+            return
+        try:
+            regrow()
+        except GpuError as exc:
+            raise _failure(f"CUDA out of memory in the model's forward pass: {exc}") from None
 
     async def _queue_for_slot(self) -> None:
         slot = self.loop.create_future()

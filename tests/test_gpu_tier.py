@@ -26,6 +26,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -33,8 +34,10 @@ from typing import Any
 import aiohttp
 import pytest
 from kit import FAKE_ENGINE, FakeEngine, RunningProxy, StartProxy, wait_for
+from kit.gpumeasure import Reading, Record, device_facts, measure, out_path
 from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
+from fake_vllm.gpu import MIB, layout
 from vllm_proxy.config import Config, parse_config
 from vllm_proxy.engine import instance_logs
 from vllm_proxy.gpu import GpuSnapshot, NvmlMonitor
@@ -187,10 +190,15 @@ async def test_nvml_readings_track_an_engines_allocation(
     tmp_path: Path, start_proxy: StartProxy, http: aiohttp.ClientSession
 ) -> None:
     size = moderate_mb()
+    peak = layout(size).peak // MIB
     before = device().used_mb
     proxy = await start_proxy(gpu_config(tmp_path, {"m": engine(size + CONTEXT_MB, size)}))
+    await admin(http, proxy, "m/load")
+    ready = device().used_mb
+    assert ready - before >= 0.9 * (size - peak), "ready, the engine holds all but its peak"
     await chat(http, proxy, "m")
     inst = proxy.instance("m")
+    assert device().used_mb - ready >= 0.9 * peak, "the first request takes the peak back"
     assert device().used_mb - before >= 0.9 * size, "the engine holds its memory"
 
     memory = proxy.manager.memory
@@ -316,3 +324,91 @@ async def test_two_models_that_fit_one_awake_swap_by_sleep_and_wake(
     metrics = await proxy_samples(proxy)
     assert not metrics.find("vllm_proxy_evictions_total"), "nothing was stopped"
     assert not metrics.find("vllm_proxy_engine_restarts_total"), "no failed wake or start"
+
+
+# -- what one engine holds through start, sleep and wake (the GPU check's figures) -------------
+
+
+def pinned_blocks_mb(sizes: list[int]) -> float:
+    """What PyTorch's caching host allocator takes for these backups: each rounded up to a
+    power of two."""
+    return sum(1 << (n - 1).bit_length() for n in sizes) / MIB
+
+
+async def test_an_engines_device_and_host_memory_through_start_sleep_and_wake(
+    tmp_path: Path, start_proxy: StartProxy, http: aiohttp.ClientSession
+) -> None:
+    """The rules of vLLM's CuMem path, played by the fake engine on a real device: ready
+    without the activation peak, which the first request takes back (also after each wake);
+    a sleep frees the whole allocation; level 1 pins at least the weights and the runtime pool
+    on the host, level 2 the runtime pool; pinned blocks stay cached after the wake and are
+    reused by the next sleep. Every reading goes to ``GPU_CHECK_OUT`` (JSON) when it is set."""
+    size = moderate_mb()
+    sizes = layout(size)
+    peak, runtime = sizes.peak / MIB, sizes.runtime / MIB
+    weights = sum(sizes.weights) / MIB
+    policy = {"level": 1, "after_idle_s": 3600, "memory_mb": CONTEXT_MB}
+    before = device().used_mb
+    proxy = await start_proxy(
+        gpu_config(tmp_path, {"m": engine(size + CONTEXT_MB, size, sleep=policy)})
+    )
+    facts = {
+        "mb": size,
+        "weights_mb": round(weights, 1),
+        "weights_tensors": len(sizes.weights),
+        "weights_pinned_blocks_mb": pinned_blocks_mb(list(sizes.weights)),
+        "kv_cache_mb": round(sizes.kv_cache / MIB, 1),
+        "runtime_mb": round(runtime, 1),
+        "runtime_pinned_blocks_mb": pinned_blocks_mb([sizes.runtime]),
+        "peak_mb": round(peak, 1),
+        "device_used_before_mb": before,
+    }
+    record = Record(out_path(), device_facts(DEVICE), facts)
+
+    async def step(name: str, seconds: float | None = None) -> Reading:
+        inst = proxy.instance("m")
+        assert inst.engine is not None and inst.engine.pid is not None
+        held = await engine_metric(proxy, inst, "fake_engine:gpu_bytes") / MIB
+        log = engine_log_text(proxy, "m")
+        return record.add(measure(name, DEVICE, inst.engine.pid, held, log, seconds))
+
+    async def timed(path: str) -> float:
+        started = time.monotonic()
+        await admin(http, proxy, path)
+        return time.monotonic() - started
+
+    async def first_request(name: str, woken: Reading) -> Reading:
+        await chat(http, proxy, "m")
+        full = await step(name)
+        assert full.device_used_mb - woken.device_used_mb >= 0.9 * peak, (name, "peak back")
+        assert full.engine_gpu_mb == size, name
+        return full
+
+    ready = await step("ready", await timed("m/load"))
+    assert ready.engine_gpu_mb == pytest.approx(size - peak), "ready without the activation peak"
+    assert ready.device_used_mb - before >= 0.9 * (size - peak)
+    full = await first_request("first request", ready)
+
+    pinned: float | None = None
+    for name, level in (("level 1", 1), ("level 1 again", 1), ("level 2", 2)):
+        asleep = await step(f"sleep {name}", await timed(f"m/sleep?level={level}"))
+        assert full.device_used_mb - asleep.device_used_mb >= 0.9 * size, (name, "all freed")
+        assert asleep.engine_gpu_mb == 0
+        if asleep.pinned_mb is not None and asleep.pinned_in_use_mb is not None:
+            kept = weights + runtime if level == 1 else runtime
+            assert asleep.pinned_in_use_mb >= kept, (name, "backups in pinned host memory")
+            if pinned is not None:
+                assert asleep.pinned_mb <= pinned, (name, "cached pinned blocks are reused")
+            pinned = asleep.pinned_mb
+        woken = await step(f"wake {name}", await timed("m/wake"))
+        back = woken.device_used_mb - asleep.device_used_mb
+        assert back >= 0.9 * (size - peak), (name, "awake again")
+        # Not the peak (half of it leaves room for torch's rounding of 36 allocations).
+        assert back <= size - 0.5 * peak, (name, "woken without the activation peak")
+        if woken.pinned_mb is not None and pinned is not None:
+            assert woken.pinned_mb >= pinned, (name, "pinned blocks stay cached after the wake")
+        full = await first_request(f"first request after {name}", woken)
+    inst = proxy.instance("m")
+    assert proxy.engine_starts("m") == 1, "woken each time, never restarted"
+    assert await engine_metric(proxy, inst, "fake_engine:reload_weights_total") == 1
+    assert await engine_metric(proxy, inst, "fake_engine:garbage_completions_total") == 0

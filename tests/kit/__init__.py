@@ -12,6 +12,7 @@
 * `watch` - `Watch`, the invariant watcher (memory within budget, no engine cut under a lease).
 * `raw` - `RawEngine`, a loopback server that answers with scripted bytes.
 * `simgpu` - the simulated GPU: the ledger fixture's setup and `sim_config`.
+* `gpumeasure` - the GPU check's readings of one engine (NVML, host memory, pinned memory).
 * `wait` - polling with deadlines, processes and ports.
 """
 
