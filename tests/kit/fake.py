@@ -38,7 +38,7 @@ class FakeEngine:
     #: Seconds ``/sleep`` and ``/wake_up`` take.
     sleep_delay: Number | None = None
     wake_delay: Number | None = None
-    #: Requests while asleep: ``reject`` (503) or ``park`` (wait for the wake).
+    #: Requests while asleep: ``park`` (the default: wait for the wake) or ``reject`` (503).
     asleep: Literal["reject", "park"] | None = None
     sleep_fail: bool = False
     wake_fail: bool = False
