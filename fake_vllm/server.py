@@ -51,9 +51,13 @@ from .state import Engine
 
 GARBAGE_WORD = "<garbage> "
 #: What vLLM's API server answers once its EngineCore died (``EngineDeadError.CLIENT_MESSAGE``,
-#: ``v1/engine/exceptions.py:22``), with a 500 (``serve/exception_handling/error_response.py:
-#: 68-72``).
+#: ``v1/engine/exceptions.py:22``), with a 500 (``entrypoints/serve/exception_handling/
+#: error_response.py:68-72``), and the error it logs (``v1/engine/exceptions.py:19-21``).
 ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
+ENGINE_DEAD_LOG = (
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
+    "(above) for the root cause."
+)
 #: The exit status of a fake engine whose EngineCore died.
 ENGINE_DEAD_CODE = 1
 
@@ -270,12 +274,11 @@ class FakeServer:
     async def _die(self, request: web.Request, fault: EngineFault) -> NoReturn:
         """vLLM's EngineCore dies on an exception in its busy loop ("EngineCore encountered a
         fatal error.", ``v1/engine/core.py:1582-1587``); the API server answers the request
-        500 and shuts down (``serve/exception_handling/handlers/vllm_error.py:61-66``). The
-        simulated memory goes with the EngineCore."""
+        500 and shuts down (``entrypoints/serve/exception_handling/handlers/vllm_error.py:
+        61-66``). The simulated memory goes with the EngineCore."""
         log("EngineCore encountered a fatal error.", "ERROR", sys.stderr)
         print(str(fault), file=sys.stderr)
-        print("vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See "
-              "stack trace (above) for the root cause.", file=sys.stderr, flush=True)  # fmt: skip
+        print(ENGINE_DEAD_LOG, file=sys.stderr, flush=True)
         response = json_response(
             {
                 "error": {

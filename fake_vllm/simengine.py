@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -99,6 +100,8 @@ class SimGpu:
         self.host_cache: Counter[int] = Counter()
         #: Memory unmapped by a failed sleep while the executor believes it is awake.
         self.lost = False
+        #: Concurrent requests step one at a time, as vLLM runs one batch at a time.
+        self._step_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start
 
@@ -215,16 +218,17 @@ class SimGpu:
         """A forward pass over ``batch_tokens``: the first full batch regrows the transient peak
         in torch's cache (released by profiling, every sleep and every wake). Raises
         `EngineFault` when it cannot, or when a failed sleep left the memory unmapped."""
-        if self.lost:
-            raise EngineFault(f"torch.AcceleratorError: {ILLEGAL_ACCESS}")
-        if not self.needs_step(batch_tokens):
-            return
-        peak = self.cached["activation"] = self.knobs.peak_mb
-        for device in self.devices:
-            try:
-                self.ledger.allocate(self.owner, device, peak, "activation")
-            except SimOutOfMemory as exc:
-                raise EngineFault(f"torch.OutOfMemoryError: {exc}") from None
+        with self._step_lock:
+            if self.lost:
+                raise EngineFault(f"torch.AcceleratorError: {ILLEGAL_ACCESS}")
+            if not self.needs_step(batch_tokens):
+                return
+            peak = self.cached["activation"] = self.knobs.peak_mb
+            for device in self.devices:
+                try:
+                    self.ledger.allocate(self.owner, device, peak, "activation")
+                except SimOutOfMemory as exc:
+                    raise EngineFault(f"torch.OutOfMemoryError: {exc}") from None
 
     # ------------------------------------------------------------------ sleep / wake / reload
 

@@ -706,6 +706,25 @@ async def test_a_neighbour_allocating_during_sleep_fails_it_and_the_engine_is_lo
     assert "CUDA error: an illegal memory access was encountered" in engine.stderr()
 
 
+async def test_a_sleep_that_cannot_pin_its_runtime_pool_loses_the_weights_it_unmapped(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """The allocator backs up and unmaps allocation after allocation (``device_allocator/
+    cumem.py:256-280``): when pinning the ``runtime`` pool fails, the weights are already
+    unmapped and the executor never set its sleeping tags (``v1/executor/abstract.py:
+    400-407``), so the engine cannot be woken into a working state."""
+    ledger = make_ledger(tmp_path, 16384, host_mb=WEIGHTS + RUNTIME // 2)
+    engine = await started(http, start_engine, ledger, *SLEEP_ARGS)
+    status, body = await post(http, f"{engine.url}/sleep?level=1")
+    assert status == 500
+    assert "out of memory (pinning 64.00 MiB of host memory" in body["error"]["message"]
+    assert "weights" not in ledger.tags(engine.pid, 0)
+    assert (await post(http, f"{engine.url}/wake_up"))[0] == 200
+    assert "weights" not in ledger.tags(engine.pid, 0)
+    assert (await post(http, f"{engine.url}/v1/chat/completions", CHAT))[0] == 500
+    assert await wait_exit(engine) == 1
+
+
 async def test_requests_park_while_asleep_and_are_answered_after_wake(
     tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
 ) -> None:
