@@ -101,9 +101,9 @@ def config(tmp: Path, port: int) -> dict[str, Any]:
     models: dict[str, Any] = {m: {"model": f"fake/{m}", "memory_mb": 450} for m in MODELS}
     for m in SLEEPERS:  # asleep it holds 50 MiB: two sleepers and two engines fit
         models[m].update(sleep={"level": 1, "after_idle_s": 600, "memory_mb": 50})
-    # Requests that reach an engine asleep: c's get a 503 from it (the fake engine's default),
-    # d's wait for a wake (as the newest vLLM does).
-    models["d"]["env"] = {"FAKE_ENGINE_ASLEEP": "park"}
+    # Requests that reach an engine asleep: c's get a 503 from it, d's wait for a wake (the
+    # fake engine's default, as vLLM 0.33 queues them).
+    models["c"]["env"] = {"FAKE_ENGINE_ASLEEP": "reject"}
     server = {"admin_open": True, "send_timeout_s": 2, "drain_timeout_s": 5,
               "max_bodies_mb": MAX_BODIES_MB, "metrics_api_keys": [METRICS_KEY]}  # fmt: skip
     return proxy_config(

@@ -48,11 +48,12 @@ no weights (vLLM then has no CuMem pool to release). Missing routes answer 404
   ``FAKE_ENGINE_WAKE_DELAY``: ``{"status":"awake","tags":null}``, or ``"sleeping"`` while a
   partial wake leaves a tag asleep. ``GET /is_sleeping`` is ``{"is_sleeping":true}`` from the
   start of ``/sleep`` until a wake has woken every tag (so also while a wake is under way).
-- While asleep, chat, completion and embedding requests are answered 503
+- While asleep, chat, completion and embedding requests park until the wake, as vLLM 0.33
+  queues them (and like vLLM they are left out of ``vllm:num_requests_waiting``);
+  ``FAKE_ENGINE_ASLEEP=reject`` answers them 503
   ``{"error":{"message":"The engine is sleeping; wake it up with POST /wake_up first.",
-  "type":"ServiceUnavailableError","param":null,"code":503}}`` (``FAKE_ENGINE_ASLEEP=park``
-  parks them until the wake instead, as the newest vLLM does, and like vLLM leaves them out of
-  ``vllm:num_requests_waiting``); either way each is counted.
+  "type":"ServiceUnavailableError","param":null,"code":503}}`` instead. Either way each is
+  counted.
   ``/health`` stays 200 and ``vllm:engine_sleep_state`` says ``awake``, ``weights_offloaded``
   (level 1) or ``discard_all`` (level 2).
 - After a level-2 sleep the weights are lost: once awake, every chat/completion token is
@@ -116,8 +117,8 @@ Knobs (environment variables):
 ``FAKE_ENGINE_SLEEP_DELAY`` / ``FAKE_ENGINE_WAKE_DELAY``
     Seconds ``/sleep`` and ``/wake_up`` take (default 0); the engine is asleep throughout both.
 ``FAKE_ENGINE_ASLEEP``
-    ``reject`` (default): requests that arrive while asleep get 503; ``park``: they wait for
-    the wake.
+    ``park`` (default): requests that arrive while asleep wait for the wake; ``reject``: they
+    get 503.
 ``FAKE_ENGINE_SLEEP_FAIL``
     ``1``: ``/sleep`` answers 500 (after the sleep delay) and the engine stays awake.
 ``FAKE_ENGINE_WAKE_FAIL``
@@ -126,19 +127,23 @@ Knobs (environment variables):
     ``1``: ``/wake_up`` never answers (503 at shutdown); the engine stays asleep.
 ``FAKE_ENGINE_WAKE_LIES``
     ``1``: ``/wake_up`` answers 200 ``awake`` but the engine stays asleep (``/is_sleeping``
-    true, requests 503).
+    true, requests park).
 Simulated-GPU mode (``FAKE_ENGINE_SIM_GPU=<ledger path>``, exclusive with GPU mode) holds memory
 in a ``fake_vllm.simgpu.Ledger`` shared with other processes, following vLLM 0.33's rules (listed
 in ``simgpu``'s docstring): the engine takes the first world-size devices of
 ``CUDA_VISIBLE_DEVICES`` (ledger indices; world size = ``-tp`` x ``-pp`` x
 ``--prefill-context-parallel-size``), creates a context outside the budget, checks that free
-memory holds ``ceil(--gpu-memory-utilization x total)``, profiles weights, activations and CUDA
-graphs over a window measured device-wide, and fills the rest of the budget with KV cache (or
-``--kv-cache-memory-bytes``). Failures print vLLM's own error line to stderr and exit 1. Sleep
-and wake move memory by CuMem tag (``--sleep-mode-offload-cudagraph`` pools the graphs),
-``reload_weights`` needs a transient allocation and time, requests park while asleep, the
-memory is released at exit, and ``GET /sim/calls`` lists the sleep, wake and collective_rpc
-calls in arrival order with their status. ``fake_vllm/simgpu_nvml/pynvml.py`` lets another
+memory holds ``ceil(--gpu-memory-utilization x total)``, profiles weights, the runtime pool,
+the transient peak and CUDA graphs over a window measured device-wide, releases the peak, and
+fills the rest of the budget with KV cache (or ``--kv-cache-memory-bytes``). Failures print
+vLLM's own error line to stderr and exit 1. The first request takes the peak back; when it
+cannot, or after a sleep that failed with its memory unmapped, the engine dies like vLLM's
+EngineCore: 500, a fatal-error log and exit 1. Sleep and wake move memory by CuMem allocation
+(``--sleep-mode-offload-cudagraph`` pools the graphs) and pin offloaded ones at a power of two,
+kept after the wake; ``reload_weights`` needs a transient allocation (freed at the
+``kv_cache`` wake) and time, requests park while asleep, the memory is released at exit, and
+``GET /sim/calls`` lists the sleep, wake and collective_rpc calls in arrival order with their
+status. ``fake_vllm/simgpu_nvml/pynvml.py`` lets another
 process read the same ledger through NVML calls.
 
 ``FAKE_ENGINE_GPU_MB``
@@ -148,16 +153,19 @@ process read the same ledger through NVML calls.
 ``FAKE_ENGINE_SIM_GPU``
     Path of a simulated-GPU ledger: turns on simulated-GPU mode (see above). Its sizes, in MiB
     per device: ``FAKE_ENGINE_SIM_CONTEXT_MB`` (512, CUDA context, outside the budget),
-    ``FAKE_ENGINE_SIM_WEIGHTS_MB`` (1024), ``FAKE_ENGINE_SIM_ACTIVATION_MB`` (256, tag
-    ``runtime``), ``FAKE_ENGINE_SIM_GRAPHS_MB`` (256, tag ``cudagraph``),
+    ``FAKE_ENGINE_SIM_WEIGHTS_MB`` (1024) or ``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB`` (the
+    weights' allocations, whole MiB, comma-separated; default one of the weights' size),
+    ``FAKE_ENGINE_SIM_RUNTIME_MB`` (64, the CuMem ``runtime`` pool),
+    ``FAKE_ENGINE_SIM_PEAK_MB`` (256, the transient peak, tag ``activation``; also read as
+    ``FAKE_ENGINE_SIM_ACTIVATION_MB``), ``FAKE_ENGINE_SIM_GRAPHS_MB`` (256, tag ``cudagraph``),
     ``FAKE_ENGINE_SIM_MIN_KV_MB`` (64, less KV fails the start), ``FAKE_ENGINE_SIM_RELOAD_TEMP_MB``
-    (128, taken by ``reload_weights``); times: ``FAKE_ENGINE_SIM_PROFILE_S`` (0.3, the profiling
-    window), ``FAKE_ENGINE_SIM_SLEEP_S`` (0.2, between the two free-memory readings of a sleep),
-    ``FAKE_ENGINE_SIM_RELOAD_MB_S`` (4096, reload speed); ``FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED``
-    (``1``: the reload temporary stays allocated until the next sleep, as torch caches it;
-    ``0``: it is freed when the reload ends). ``FAKE_ENGINE_ASLEEP`` defaults to ``park`` in this
-    mode. With ``FAKE_ENGINE_SPAWN_CHILD=1`` the memory is charged to the EngineCore
-    child; it goes when the server exits, or when the child dies (a process-group kill).
+    (128, taken by ``reload_weights`` until the ``kv_cache`` wake); ``FAKE_ENGINE_SIM_PEAK_TOKENS``
+    (0: the first request regrows the peak; N: the first time the running requests' prompt and
+    reply tokens reach N); times: ``FAKE_ENGINE_SIM_PROFILE_S`` (0.3, the profiling window),
+    ``FAKE_ENGINE_SIM_SLEEP_S`` (0.2, between the two free-memory readings of a sleep),
+    ``FAKE_ENGINE_SIM_RELOAD_MB_S`` (4096, reload speed). With ``FAKE_ENGINE_SPAWN_CHILD=1``
+    the memory is charged to the EngineCore child; it goes when the server exits, or when the
+    child dies (a process-group kill).
 ``VLLM_SERVER_DEV_MODE``
     ``1``: register the dev-mode routes (see sleep mode above).
 """

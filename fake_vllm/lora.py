@@ -18,8 +18,11 @@ of one not loaded. Loads of one name run one at a time (vLLM's per-name lock) an
 A loaded adapter is listed by ``/v1/models`` (``parent`` = the first served name, ``root`` =
 its path, ``max_model_len`` null); a request naming it is answered with ``model`` = the
 adapter and the tokens ``<name>:tok0 <name>:tok1 ...``, so output differs per adapter; a
-request naming one that is not loaded gets vLLM's 404 for an unknown model. A level-2 sleep
-that discards the weights drops every adapter (the test of the proxy's re-registration).
+request naming one that is not loaded gets vLLM's 404 for an unknown model. Sleeps of any level
+keep the adapters registered: vLLM's API registry is untouched by them
+(``entrypoints/openai/models/serving.py:167-230``) and its worker reloads an adapter lazily after
+``reload_weights`` reset them (``v1/worker/lora_model_runner_mixin.py:31-41``), while the LoRA
+slots live in the ``runtime`` pool that both levels keep (``:57-63``).
 
 Fake-only series on ``/metrics``: ``fake_engine:lora_loads_total{lora_name}`` (loads that
 succeeded), ``fake_engine:lora_unloads_total{lora_name}``,
@@ -156,10 +159,6 @@ class Lora:
         for name, path in self.loaded.items():
             out.append(card(name, created) | {"root": path, "parent": base, "max_model_len": None})
         return out
-
-    def weights_lost(self) -> None:
-        """A level-2 sleep discarded the weights: the adapters go with them."""
-        self.loaded.clear()
 
     def render_metrics(self) -> str:
         lines = []

@@ -1,6 +1,7 @@
 """The HTTP surface of the fake engine: aiohttp routes and handlers."""
 
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -45,9 +46,20 @@ from .settings import (
     VERSION,
     Settings,
 )
+from .simengine import EngineFault
 from .state import Engine
 
 GARBAGE_WORD = "<garbage> "
+#: What vLLM's API server answers once its EngineCore died (``EngineDeadError.CLIENT_MESSAGE``,
+#: ``v1/engine/exceptions.py:22``), with a 500 (``entrypoints/serve/exception_handling/
+#: error_response.py:68-72``), and the error it logs (``v1/engine/exceptions.py:19-21``).
+ENGINE_DEAD_MESSAGE = "The server had an error while processing your request."
+ENGINE_DEAD_LOG = (
+    "vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue. See stack trace "
+    "(above) for the root cause."
+)
+#: The exit status of a fake engine whose EngineCore died.
+ENGINE_DEAD_CODE = 1
 
 
 class FakeServer:
@@ -237,6 +249,7 @@ class FakeServer:
         try:
             epoch = await engine.admit(reply.kv_tokens)
             if epoch is not None:
+                await self._step(request)
                 engine.started += 1
                 crash_after = self.settings.crash_after
                 reply.crash = crash_after is not None and engine.started > crash_after
@@ -250,6 +263,41 @@ class FakeServer:
             return await self._complete(reply, epoch)
         finally:
             engine.leave(epoch is not None, reply.kv_tokens)
+
+    async def _step(self, request: web.Request) -> None:
+        """Run the engine's forward pass; when it faults, die as vLLM's EngineCore does."""
+        try:
+            await self.engine.step()
+        except EngineFault as exc:
+            await self._die(request, exc)
+
+    async def _die(self, request: web.Request, fault: EngineFault) -> NoReturn:
+        """vLLM's EngineCore dies on an exception in its busy loop ("EngineCore encountered a
+        fatal error.", ``v1/engine/core.py:1582-1587``); the API server answers the request
+        500 and shuts down (``entrypoints/serve/exception_handling/handlers/vllm_error.py:
+        61-66``). The simulated memory goes with the EngineCore."""
+        log("EngineCore encountered a fatal error.", "ERROR", sys.stderr)
+        print(str(fault), file=sys.stderr)
+        print(ENGINE_DEAD_LOG, file=sys.stderr, flush=True)
+        response = json_response(
+            {
+                "error": {
+                    "message": ENGINE_DEAD_MESSAGE,
+                    "type": "InternalServerError",
+                    "param": None,
+                    "code": 500,
+                }
+            },
+            status=500,
+        )
+        await response.prepare(request)
+        await response.write_eof()
+        sim = self.engine.sim
+        if sim is not None:
+            sim.release()
+            if sim.owner != os.getpid():
+                os.kill(sim.owner, signal.SIGKILL)
+        os._exit(ENGINE_DEAD_CODE)
 
     def _crash(self) -> NoReturn:
         message = "EngineCore encountered an issue (fake crash: FAKE_ENGINE_CRASH_AFTER)."
@@ -400,6 +448,8 @@ class FakeServer:
         epoch = None
         try:
             epoch = await engine.admit(0)
+            if epoch is not None:
+                await self._step(request)
         finally:
             engine.leave(epoch is not None, 0)
         if epoch is None:
@@ -440,8 +490,6 @@ class FakeServer:
             raise validation("literal_error", ("query", "mode"), msg, mode)
         with self._recorded({"call": "sleep", "level": level}):
             await self.engine.sleep(level, mode)
-        if self.engine.weights_lost:
-            self.lora.weights_lost()
         return json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:

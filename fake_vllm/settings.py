@@ -31,20 +31,31 @@ DONE = b"data: [DONE]\n\n"
 class SimKnobs:
     """Simulated-GPU mode (``FAKE_ENGINE_SIM_*``): the ledger and the sizes vLLM would measure.
 
-    MiB per device unless named ``_s`` (seconds) or ``_mb_s`` (MiB per second).
+    MiB per device unless named ``_s`` (seconds), ``_mb_s`` (MiB per second) or ``_tokens``.
     """
 
     ledger: str
     context_mb: int = 512
     weights_mb: int = 1024
-    activation_mb: int = 256
+    #: The weights' CuMem allocations (they sum to ``weights_mb``); empty: one allocation.
+    weight_segments_mb: tuple[int, ...] = ()
+    #: The CuMem ``runtime`` pool: model-runner state and LoRA slots.
+    runtime_mb: int = 64
+    #: The transient peak of a full batch, held in torch's cache.
+    peak_mb: int = 256
+    #: The batch (tokens of the running requests) that regrows the peak; 0: any request.
+    peak_tokens: int = 0
     graphs_mb: int = 256
     profile_s: float = 0.3
     min_kv_mb: int = 64
     sleep_s: float = 0.2
     reload_temp_mb: int = 128
     reload_mb_s: float = 4096.0
-    reload_temp_cached: bool = True
+
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """The weights' allocations, in the order they are made."""
+        return self.weight_segments_mb or (self.weights_mb,)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +96,7 @@ class Settings:
     port_in_use_once: str | None = None
     sleep_delay: float = 0.0
     wake_delay: float = 0.0
-    asleep: str = "reject"
+    asleep: str = "park"
     sleep_fail: bool = False
     wake_fail: bool = False
     wake_hang: bool = False
@@ -207,8 +218,27 @@ def _env_mb(environ: Mapping[str, str], name: str, default: int) -> int:
     return value
 
 
+def _segments(environ: Mapping[str, str], weights_mb: int | None) -> tuple[int, ...]:
+    """``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB``: whole MiB, comma-separated; () when unset."""
+    name = "FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB"
+    raw = environ.get(name, "").strip()
+    if not raw:
+        return ()
+    try:
+        segments = tuple(int(part) for part in raw.split(","))
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a list of whole MiB") from None
+    if any(mb <= 0 for mb in segments):
+        raise ValueError(f"{name}={raw!r}: every segment must be positive")
+    if weights_mb is not None and weights_mb != sum(segments):
+        raise ValueError(f"{name}={raw!r} does not sum to FAKE_ENGINE_SIM_WEIGHTS_MB={weights_mb}")
+    return segments
+
+
 def _sim_knobs(environ: Mapping[str, str]) -> SimKnobs | None:
-    """The simulated-GPU knobs, or None when ``FAKE_ENGINE_SIM_GPU`` is unset."""
+    """The simulated-GPU knobs, or None when ``FAKE_ENGINE_SIM_GPU`` is unset.
+
+    ``FAKE_ENGINE_SIM_ACTIVATION_MB`` is the older name of ``FAKE_ENGINE_SIM_PEAK_MB``."""
     ledger = environ.get("FAKE_ENGINE_SIM_GPU", "").strip()
     if not ledger:
         return None
@@ -218,25 +248,34 @@ def _sim_knobs(environ: Mapping[str, str]) -> SimKnobs | None:
     rate = _env_number(environ, "FAKE_ENGINE_SIM_RELOAD_MB_S", defaults.reload_mb_s)
     if rate <= 0:
         raise ValueError(f"FAKE_ENGINE_SIM_RELOAD_MB_S={rate} must be positive")
+    weights = _env_int(environ, "FAKE_ENGINE_SIM_WEIGHTS_MB")
+    segments = _segments(environ, weights)
+    peak_name = "FAKE_ENGINE_SIM_PEAK_MB"
+    if not environ.get(peak_name, "").strip():
+        peak_name = "FAKE_ENGINE_SIM_ACTIVATION_MB"
     return SimKnobs(
         ledger=ledger,
         context_mb=_env_mb(environ, "FAKE_ENGINE_SIM_CONTEXT_MB", defaults.context_mb),
-        weights_mb=_env_mb(environ, "FAKE_ENGINE_SIM_WEIGHTS_MB", defaults.weights_mb),
-        activation_mb=_env_mb(environ, "FAKE_ENGINE_SIM_ACTIVATION_MB", defaults.activation_mb),
+        weights_mb=sum(segments)
+        or _env_mb(environ, "FAKE_ENGINE_SIM_WEIGHTS_MB", defaults.weights_mb),
+        weight_segments_mb=segments,
+        runtime_mb=_env_mb(environ, "FAKE_ENGINE_SIM_RUNTIME_MB", defaults.runtime_mb),
+        peak_mb=_env_mb(environ, peak_name, defaults.peak_mb),
+        peak_tokens=_env_mb(environ, "FAKE_ENGINE_SIM_PEAK_TOKENS", defaults.peak_tokens),
         graphs_mb=_env_mb(environ, "FAKE_ENGINE_SIM_GRAPHS_MB", defaults.graphs_mb),
         profile_s=_env_number(environ, "FAKE_ENGINE_SIM_PROFILE_S", defaults.profile_s),
         min_kv_mb=_env_mb(environ, "FAKE_ENGINE_SIM_MIN_KV_MB", defaults.min_kv_mb),
         sleep_s=_env_number(environ, "FAKE_ENGINE_SIM_SLEEP_S", defaults.sleep_s),
         reload_temp_mb=_env_mb(environ, "FAKE_ENGINE_SIM_RELOAD_TEMP_MB", defaults.reload_temp_mb),
         reload_mb_s=rate,
-        reload_temp_cached=environ.get("FAKE_ENGINE_SIM_RELOAD_TEMP_CACHED", "1").strip() != "0",
     )
 
 
-def _asleep_policy(environ: Mapping[str, str], simulated: bool) -> str:
-    """Requests to a sleeping engine: ``FAKE_ENGINE_ASLEEP``; unset, they park in sim mode
-    (vLLM 0.33 queues them) and are refused otherwise."""
-    if simulated and not environ.get("FAKE_ENGINE_ASLEEP", "").strip():
+def _asleep_policy(environ: Mapping[str, str]) -> str:
+    """Requests to a sleeping engine: ``FAKE_ENGINE_ASLEEP``; unset, they park until the wake,
+    as vLLM 0.33 queues them ("All pause modes queue new adds", ``v1/engine/core.py:
+    2186``); ``reject`` answers 503 instead."""
+    if not environ.get("FAKE_ENGINE_ASLEEP", "").strip():
         return "park"
     return _env_choice(environ, "FAKE_ENGINE_ASLEEP", ASLEEP_POLICIES)
 
@@ -284,7 +323,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         port_in_use_once=environ.get("FAKE_ENGINE_PORT_IN_USE_ONCE") or None,
         sleep_delay=_env_number(environ, "FAKE_ENGINE_SLEEP_DELAY", 0.0),
         wake_delay=_env_number(environ, "FAKE_ENGINE_WAKE_DELAY", 0.0),
-        asleep=_asleep_policy(environ, sim is not None),
+        asleep=_asleep_policy(environ),
         sleep_fail=environ.get("FAKE_ENGINE_SLEEP_FAIL") == "1",
         wake_fail=environ.get("FAKE_ENGINE_WAKE_FAIL") == "1",
         wake_hang=environ.get("FAKE_ENGINE_WAKE_HANG") == "1",

@@ -1,38 +1,83 @@
 """Simulated-GPU mode of the fake engine: vLLM 0.33's memory behaviour played on a ledger.
 
 ``FAKE_ENGINE_SIM_GPU=<ledger>`` turns it on. The rules and their vLLM sources are listed in
-``simgpu``'s docstring. Every method blocks (it waits through the windows vLLM measures across),
-so the engine calls them from a worker thread; start-up runs before the port is bound.
+``simgpu``'s docstring. Every method that touches the ledger blocks (it waits through the
+windows vLLM measures across), so the engine calls them from a worker thread; start-up runs
+before the port is bound.
 
-Memory is held under vLLM's CuMem tags: ``context`` (outside the budget, never released),
-``weights``, ``runtime`` (the activation peak), ``cudagraph``, ``kv_cache``, and ``reload_temp``
-(what torch keeps cached after a ``reload_weights``). It is charged to the ``owner`` pid: the
-engine itself, or its EngineCore child with ``FAKE_ENGINE_SPAWN_CHILD=1``, the process NVML
-shows for vLLM.
+Memory is held in the ledger under these tags:
+
+* ``context``: CUDA context, cuBLAS, NCCL; outside the budget, never released;
+* CuMem pool allocations, released by a sleep: ``weights`` (one allocation per weight segment),
+  ``runtime`` (the model runner's persistent state and LoRA slots), ``cudagraph`` (pooled only
+  with ``--sleep-mode-offload-cudagraph``, else outside the pool and never released) and
+  ``kv_cache``;
+* torch's caching allocator, emptied by every sleep and wake: ``activation`` (the transient
+  peak of a full batch) and ``reload_temp`` (what ``reload_weights`` materialises).
+
+It is charged to the ``owner`` pid: the engine itself, or its EngineCore child with
+``FAKE_ENGINE_SPAWN_CHILD=1``, the process NVML shows for vLLM.
 """
 
 from __future__ import annotations
 
 import math
 import sys
+import threading
 import time
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from .gpu import MIB, GpuError
 from .log import log
 from .settings import Settings, SimKnobs
 from .simgpu import DeviceSpec, Ledger, SimOutOfMemory, ceil_mb
 
-GROUPS = {"weights": ("weights", "runtime", "cudagraph"), "kv_cache": ("kv_cache",)}
-"""What ``/wake_up?tags=X`` brings back: the runtime pool (and pooled graphs) come with weights."""
+DEFERRABLE = ("weights", "kv_cache")
+"""Tags a ``/wake_up?tags=`` may leave asleep; every other pooled tag comes back with any wake
+(``device_allocator/__init__.py:17``, ``device_allocator/cumem.py:348``)."""
+
+TORCH_CACHE = ("activation", "reload_temp")
+"""Tags held in torch's caching allocator, outside the CuMem pools."""
+
+ILLEGAL_ACCESS = "CUDA error: an illegal memory access was encountered"
 
 
 class SimStartError(Exception):
     """A start vLLM would abort; ``str()`` is vLLM's error line, exception type included."""
 
 
+class MemoryLost(GpuError):
+    """A sleep failed after the allocator had unmapped memory: the executor still believes it
+    is awake (``v1/executor/abstract.py:400-407`` sets ``sleeping_tags`` only on success)."""
+
+
+class EngineFault(Exception):
+    """A fatal error in the engine's forward pass; ``str()`` is the exception line vLLM's
+    EngineCore logs before it dies."""
+
+
+@dataclass
+class Allocation:
+    """One CuMem allocation on one device, and the pinned host block backing it while asleep."""
+
+    device: int
+    tag: str
+    mb: int
+    asleep: bool = False
+    backup_mb: int = 0
+
+
+def pinned_size(mb: int) -> int:
+    """The host block torch's CachingHostAllocator pins for ``mb`` MiB: the next power of two
+    (PyTorch's ``CachingHostAllocator``; unverified for torch 2.14)."""
+    return 1 << max(0, mb - 1).bit_length() if mb > 0 else 0
+
+
 class SimGpu:
-    """The memory of one engine on its simulated devices, moved by start, sleep, wake, reload."""
+    """The memory of one engine on its simulated devices, moved by start, sleep, wake, reload
+    and the first full batch."""
 
     def __init__(self, settings: Settings, owner: int) -> None:
         assert settings.sim is not None
@@ -47,9 +92,16 @@ class SimGpu:
                 f"(fake: no simulated-GPU ledger at {self.knobs.ledger})"
             ) from None
         self.devices: list[int] = []
-        self.sizes: dict[str, int] = {}
-        self.asleep: set[str] = set()
-        self.temp_held = False
+        #: The CuMem pool's allocations, in the order they were made (the allocator's order).
+        self.pool: list[Allocation] = []
+        #: MiB per device of each torch-cache tag now held.
+        self.cached: dict[str, int] = {}
+        #: Freed pinned host blocks torch keeps for reuse: block MiB -> count.
+        self.host_cache: Counter[int] = Counter()
+        #: Memory unmapped by a failed sleep while the executor believes it is awake.
+        self.lost = False
+        #: Concurrent requests step one at a time, as vLLM runs one batch at a time.
+        self._step_lock = threading.Lock()
 
     # ------------------------------------------------------------------ start
 
@@ -63,7 +115,7 @@ class SimGpu:
         kv_mb = self._kv_size(requested, consumed)
         for device in self.devices:
             self._allocate_at_start(device, kv_mb, "kv_cache")
-        self.sizes["kv_cache"] = kv_mb
+            self.pool.append(Allocation(device, "kv_cache", kv_mb))
         log(f"Available KV cache memory: {kv_mb / 1024:.2f} GiB")
 
     def _choose_devices(self) -> list[int]:
@@ -94,20 +146,29 @@ class SimGpu:
         return requested
 
     def _profile(self) -> dict[int, int]:
-        """Load weights, run the profile and estimate graphs; MiB consumed, device-wide."""
+        """Load the weights and the runtime pool, run the profile (the transient peak) and
+        estimate graphs; then empty torch's cache, which frees the peak. Returns the non-KV
+        MiB per device: the device-wide consumption plus the peak (``utils/mem_utils.py:
+        298-321``)."""
         before = self._free()
         knobs = self.knobs
-        for tag, mb in (
-            ("weights", knobs.weights_mb),
-            ("runtime", knobs.activation_mb),
-            ("cudagraph", knobs.graphs_mb),
-        ):
-            for device in self.devices:
-                self._allocate_at_start(device, mb, tag)
-            self.sizes[tag] = mb
-            if tag == "weights":
-                log(f"Model loading took {mb / 1024:.4f} GiB memory (simulated)")
+        for device in self.devices:
+            for mb in knobs.segments:
+                self._allocate_at_start(device, mb, "weights")
+                self.pool.append(Allocation(device, "weights", mb))
+        log(f"Model loading took {knobs.weights_mb / 1024:.4f} GiB memory (simulated)")
+        for device in self.devices:
+            self._allocate_at_start(device, knobs.runtime_mb, "runtime")
+            self.pool.append(Allocation(device, "runtime", knobs.runtime_mb))
+        for device in self.devices:
+            self._allocate_at_start(device, knobs.peak_mb, "activation")
+        for device in self.devices:
+            self._allocate_at_start(device, knobs.graphs_mb, "cudagraph")
+            if self.settings.sleep_mode_offload_cudagraph:
+                self.pool.append(Allocation(device, "cudagraph", knobs.graphs_mb))
         time.sleep(knobs.profile_s)
+        for device in self.devices:
+            self.ledger.free(self.owner, device, "activation")
         after = self._free()
         for device in self.devices:
             if after[device] > before[device]:
@@ -119,14 +180,14 @@ class SimGpu:
                     "initialization. To fix this, ensure consistent GPU memory allocation or "
                     "isolate vLLM in its own container."
                 )
-        return {d: before[d] - after[d] for d in self.devices}
+        return {d: before[d] - after[d] + knobs.peak_mb for d in self.devices}
 
-    def _kv_size(self, requested: dict[int, int], consumed: dict[int, int]) -> int:
+    def _kv_size(self, requested: dict[int, int], non_kv: dict[int, int]) -> int:
         """KV MiB per device: ``--kv-cache-memory-bytes``, else the smallest budget left."""
         if self.settings.kv_cache_memory_bytes is not None:
             kv_mb = ceil_mb(self.settings.kv_cache_memory_bytes)
         else:
-            kv_mb = min(requested[d] - consumed[d] for d in self.devices)
+            kv_mb = min(requested[d] - non_kv[d] for d in self.devices)
         if kv_mb < self.knobs.min_kv_mb:
             raise SimStartError(
                 "ValueError: No available memory for the cache blocks. Try increasing "
@@ -144,30 +205,64 @@ class SimGpu:
         readings = self.ledger.read()
         return {d: readings[d].free_mb for d in self.devices}
 
+    # ------------------------------------------------------------------ serving
+
+    def needs_step(self, batch_tokens: int) -> bool:
+        """Whether a batch of ``batch_tokens`` must touch the ledger: the peak is to be regrown,
+        or the memory under the model is gone (cheap: no ledger access)."""
+        peak = self.knobs.peak_mb
+        regrow = peak > 0 and "activation" not in self.cached
+        return self.lost or (regrow and batch_tokens >= self.knobs.peak_tokens)
+
+    def step(self, batch_tokens: int) -> None:
+        """A forward pass over ``batch_tokens``: the first full batch regrows the transient peak
+        in torch's cache (released by profiling, every sleep and every wake). Raises
+        `EngineFault` when it cannot, or when a failed sleep left the memory unmapped."""
+        with self._step_lock:
+            if self.lost:
+                raise EngineFault(f"torch.AcceleratorError: {ILLEGAL_ACCESS}")
+            if not self.needs_step(batch_tokens):
+                return
+            peak = self.cached["activation"] = self.knobs.peak_mb
+            for device in self.devices:
+                try:
+                    self.ledger.allocate(self.owner, device, peak, "activation")
+                except SimOutOfMemory as exc:
+                    raise EngineFault(f"torch.OutOfMemoryError: {exc}") from None
+
     # ------------------------------------------------------------------ sleep / wake / reload
 
     def held_bytes(self) -> int:
         return sum(self.ledger.held(self.owner).values()) * MIB
 
     def asleep_tags(self) -> set[str]:
-        return {group for group, tags in GROUPS.items() if tags[0] in self.asleep}
+        """The deferrable tags with an allocation still unmapped."""
+        return {a.tag for a in self.pool if a.asleep and a.tag in DEFERRABLE}
 
     def sleep(self, level: int, offload: bool = True) -> None:
-        """vLLM's ``Worker.sleep``: offload and discard (only with ``offload``), then assert
-        that device-wide free memory did not shrink and log what was freed."""
-        if level == 0 or self.asleep:
-            return  # vLLM's executor ignores a sleep while it already sleeps
+        """vLLM's ``Worker.sleep``: offload and discard (only with ``offload``), empty torch's
+        cache, then assert that device-wide free memory did not shrink and log what was freed.
+
+        Raises `MemoryLost` when the sleep fails after memory was unmapped, `GpuError` when it
+        fails with every allocation still mapped."""
+        if level == 0 or ("weights" in self.asleep_tags() and not self.lost):
+            return  # vLLM's executor ignores a sleep while it sleeps (abstract.py:401-403)
         before = self._free()
         for device in self.devices:
             self.ledger.mark(self.owner, device, "sleep_begin")
         time.sleep(self.knobs.sleep_s)
         if offload:
             self._offload(level)
+            self._empty_torch_cache()
         after = self._free()
         if any(after[d] < before[d] for d in self.devices):
             message = "AssertionError: Memory usage increased after sleeping."
             log(message, "ERROR", sys.stderr)
+            if any(a.asleep for a in self.pool):
+                self.lost = True
+                raise MemoryLost(message)
             raise GpuError(message)
+        self.lost = False
         readings = self.ledger.read()
         for device in self.devices:
             freed = (after[device] - before[device]) / 1024
@@ -175,65 +270,77 @@ class SimGpu:
             log(f"Sleep mode freed {freed:.2f} GiB memory, {used:.2f} GiB memory is still in use.")
 
     def _offload(self, level: int) -> None:
-        """Pin the offloaded tags to host memory, then release every pooled tag and torch's
-        cache (``CuMemAllocator.sleep`` ends with ``empty_cache``)."""
-        keep = ["weights", "runtime"] if level == 1 else ["runtime"]
-        drop = ["weights", "runtime", "kv_cache"]
-        if self.settings.sleep_mode_offload_cudagraph:
-            drop.append("cudagraph")
-            if level == 1:
-                keep.append("cudagraph")
-        pinned: list[str] = []
-        try:
-            for tag in keep:
-                self.ledger.pin(self.owner, self.sizes[tag] * len(self.devices), tag)
-                pinned.append(tag)
-        except SimOutOfMemory as exc:
-            for tag in pinned:
-                self.ledger.unpin(self.owner, tag)
-            raise GpuError(str(exc)) from None
-        for device in self.devices:
-            for tag in drop:
+        """``CuMemAllocator.sleep``: allocation by allocation, back up the offloaded tags into
+        pinned host memory, then unmap (``device_allocator/cumem.py:256-280``). Level 1
+        offloads the weights, ``runtime`` and pooled graphs, level 2 only ``runtime`` and
+        pooled graphs (``device_allocator/sleep_mode_backend.py:133-137``); the KV cache is
+        discarded."""
+        offload = ("runtime", "cudagraph") + (("weights",) if level == 1 else ())
+        for allocation in self.pool:
+            if allocation.asleep:
+                continue
+            if allocation.tag in offload:
+                try:
+                    allocation.backup_mb = self._pin(allocation.mb)
+                except SimOutOfMemory as exc:
+                    if any(a.asleep for a in self.pool):
+                        self.lost = True
+                        raise MemoryLost(str(exc)) from None
+                    raise GpuError(str(exc)) from None
+            self.ledger.free(self.owner, allocation.device, allocation.tag, allocation.mb)
+            allocation.asleep = True
+
+    def _pin(self, mb: int) -> int:
+        """A pinned host block for ``mb`` MiB: a cached one of the rounded size if torch has
+        one free, else a new one. Returns the block's MiB."""
+        block = pinned_size(mb)
+        if self.host_cache[block] > 0:
+            self.host_cache[block] -= 1
+        else:
+            self.ledger.pin(self.owner, block, "host_cache")
+        return block
+
+    def _empty_torch_cache(self) -> None:
+        """``gc.collect(); empty_cache()``: the activation peak and reload temporaries go."""
+        for tag in self.cached:
+            for device in self.devices:
                 self.ledger.free(self.owner, device, tag)
-            self.ledger.free(self.owner, device, "reload_temp")
-        self.temp_held = False
-        self.asleep.update(drop)
+        self.cached.clear()
 
     def wake(self, tags: Iterable[str]) -> None:
-        """Map the woken tags back, all or none (``CuMemAllocator.wake_up`` rolls back);
-        offloaded ones come back from their pinned host copy."""
-        waking = [t for group in tags for t in GROUPS[group] if t in self.asleep]
-        mapped: list[tuple[int, str]] = []
-        try:
-            for tag in waking:
-                for device in self.devices:
-                    self.ledger.allocate(self.owner, device, self.sizes[tag], tag)
-                    mapped.append((device, tag))
-        except SimOutOfMemory as exc:
-            for device, tag in mapped:
-                self.ledger.free(self.owner, device, tag, self.sizes[tag])
-            log(f"Failed to wake up allocator: {exc}", "ERROR", sys.stderr)
-            raise GpuError(str(exc)) from None
-        for tag in waking:
-            self.asleep.discard(tag)
-            self.ledger.unpin(self.owner, tag)
+        """``CuMemAllocator.wake_up``: empty torch's cache, then map back, one allocation at a
+        time, the asleep ones of ``tags`` and every non-deferrable one; offloaded ones are
+        copied back and their pinned block returns to torch's host cache, still pinned
+        (``device_allocator/cumem.py:342-364``). A failure leaves what was mapped mapped."""
+        waking = set(tags)
+        self._empty_torch_cache()
+        for allocation in self.pool:
+            if not allocation.asleep:
+                continue
+            if allocation.tag in DEFERRABLE and allocation.tag not in waking:
+                continue
+            try:
+                self.ledger.allocate(self.owner, allocation.device, allocation.mb, allocation.tag)
+            except SimOutOfMemory as exc:
+                log(f"Failed to wake up allocator: {exc}", "ERROR", sys.stderr)
+                raise GpuError(str(exc)) from None
+            allocation.asleep = False
+            if allocation.backup_mb:
+                self.host_cache[allocation.backup_mb] += 1
+                allocation.backup_mb = 0
 
     def reload(self) -> None:
-        """Re-read the checkpoint: a transient per-module allocation on top of what is mapped,
-        which torch keeps cached afterwards, and weights / rate seconds of reading."""
+        """Re-read the checkpoint: per-module temporaries in torch's default allocator, which
+        stay cached until the next wake empties the cache, and weights / rate seconds."""
         temp = self.knobs.reload_temp_mb
-        if temp and not self.temp_held:
+        if temp and "reload_temp" not in self.cached:
+            self.cached["reload_temp"] = temp
             for device in self.devices:
                 try:
                     self.ledger.allocate(self.owner, device, temp, "reload_temp")
                 except SimOutOfMemory as exc:
                     raise GpuError(str(exc)) from None
-            self.temp_held = True
-        time.sleep(self.sizes.get("weights", 0) / self.knobs.reload_mb_s)
-        if not self.knobs.reload_temp_cached and self.temp_held:
-            for device in self.devices:
-                self.ledger.free(self.owner, device, "reload_temp")
-            self.temp_held = False
+        time.sleep(self.knobs.weights_mb / self.knobs.reload_mb_s)
 
     def release(self) -> None:
         """Give everything back, as the driver does when the engine's process exits."""

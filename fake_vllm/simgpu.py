@@ -12,8 +12,8 @@ read-modify-write holds ``fcntl.flock`` on ``<ledger>.lock`` and replaces the fi
 Like a driver, the ledger forgets the memory of processes that no longer exist (or are zombies)
 on every access; any live pid may allocate, so a test process can play a neighbour.
 
-vLLM 0.33 rules the fake engine reproduces (file:line in vLLM 0.33.0, as cited by the project's
-reference notes on vLLM 0.33 GPU memory; sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
+vLLM 0.33 rules the fake engine reproduces (paths under ``vllm/`` in the vLLM 0.33.0 source;
+sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
 
 * The CUDA context (and NCCL, cuBLAS) is created before the free-memory snapshot, so it is outside
   the ``--gpu-memory-utilization`` budget (``v1/worker/gpu_worker.py:499-547``).
@@ -21,10 +21,26 @@ reference notes on vLLM 0.33 GPU memory; sizes are the ``FAKE_ENGINE_SIM_*`` kno
   ``ceil(util x total)``, else "Free memory on device ... less than desired GPU memory
   utilization" (``v1/worker/utils.py:716-770``).
 * Profiling measures a device-wide free-memory delta over weight loading, the profile run and
-  the CUDA-graph estimate (``utils/mem_utils.py:312-330``), so a neighbour allocating in that
+  the CUDA-graph estimate (``utils/mem_utils.py:312-314``), so a neighbour allocating in that
   window shrinks the KV cache and one freeing memory enlarges it, or, when it frees more than the
   engine took, fails the start with "Error in memory profiling" (``gpu_worker.py:732-740``).
-* KV cache = requested - consumed (``gpu_worker.py:640-760``); ``--kv-cache-memory-bytes``
+* The transient peak (``FAKE_ENGINE_SIM_PEAK_MB``, tag ``activation``: the forward pass of
+  ``max_num_batched_tokens`` plus the sampler, ``v1/worker/gpu_model_runner.py:6132-6140``)
+  counts in the non-KV memory (torch's peak less what is allocated, ``utils/mem_utils.py:
+  318-321``) but lives in torch's caching allocator: profiling ends by emptying that cache
+  (``:298-299``), so the ready engine holds its budget less the peak. Every sleep and every wake
+  empties the cache again (``device_allocator/cumem.py:297-298,342-343``); the wake does not
+  bring the peak back. The engine's first batch of at least ``FAKE_ENGINE_SIM_PEAK_TOKENS``
+  tokens (running requests' prompts and replies; default 0: its first request) regrows it.
+  vLLM's start-up warm-up regrows part of it (``gpu_worker.py:1071-1090``); the fake leaves that
+  out, as every sleep releases it anyway.
+* A peak that cannot be regrown (a neighbour took the room) is a ``torch.OutOfMemoryError`` in
+  the forward pass: the EngineCore dies ("EngineCore encountered a fatal error.",
+  ``v1/engine/core.py:1582-1587``), the request gets vLLM's 500 ("The server had an error while
+  processing your request.", ``entrypoints/serve/exception_handling/error_response.py:68-72``),
+  and the server shuts down (``entrypoints/serve/exception_handling/handlers/vllm_error.py:
+  61-66``): the fake exits 1 after logging the CUDA out-of-memory line.
+* KV cache = requested - non-KV (``gpu_worker.py:753-757``); ``--kv-cache-memory-bytes``
   replaces that size (``gpu_worker.py:659-670``); too little left is "No available memory for
   the cache blocks" (``v1/core/kv_cache_planning.py:56-85``).
 * World size = tp x pp x pcp GPUs; fewer visible ones is "World size (N) is larger than the
@@ -32,23 +48,50 @@ reference notes on vLLM 0.33 GPU memory; sizes are the ``FAKE_ENGINE_SIM_*`` kno
 * ``/sleep`` is registered by ``VLLM_SERVER_DEV_MODE=1`` alone
   (``entrypoints/launchers/api_server/routers.py:46-49``); only ``--enable-sleep-mode`` (the
   CuMem allocator, ``config/model.py:666-673``) makes it free anything.
-* Level 1 offloads weights, ``runtime`` and (pooled) CUDA graphs to pinned host memory; level 2
-  pins ``runtime`` only; the KV cache is dropped (``device_allocator/sleep_mode_backend.py:
-  125-139``, ``cumem.py:268-273``). CUDA graphs stay on the device unless
-  ``--sleep-mode-offload-cudagraph`` (``config/model.py:384``, ``config/vllm.py:716-727``); the
-  context always stays.
+* The CuMem pools hold the weights (one allocation per ``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB``
+  entry), ``runtime`` (``FAKE_ENGINE_SIM_RUNTIME_MB``: model-runner state and the LoRA slots,
+  ``v1/worker/lora_model_runner_mixin.py:57-63``), the KV cache, and the CUDA graphs only with
+  ``--sleep-mode-offload-cudagraph`` (``config/model.py:384-386``, ``config/vllm.py:716-727``);
+  the context and unpooled graphs always stay on the device.
+* A sleep goes allocation by allocation: back up the offloaded ones into pinned host memory,
+  unmap (``device_allocator/cumem.py:256-280``). Level 1 offloads weights, ``runtime`` and
+  pooled graphs, level 2 only ``runtime`` and pooled graphs; the KV cache is discarded
+  (``device_allocator/sleep_mode_backend.py:133-137``).
+* Each backup is its own ``torch.empty(..., pin_memory=True)`` (``cumem.py:268-273``) from
+  PyTorch's CachingHostAllocator, which rounds it up to a power of two and keeps freed blocks
+  cached: the wake drops the backup (``cumem.py:360``) but the block stays pinned, and a later
+  sleep reuses it (vLLM never empties that cache). The rounding is PyTorch's
+  ``CachingHostAllocator`` as read in its source, unverified for torch 2.14. ``Ledger.pinned_mb``
+  is what an engine pins.
 * Sleep measures a device-wide delta too and asserts "Memory usage increased after sleeping."
-  (``gpu_worker.py:334``), then logs "Sleep mode freed ... still in use." (``:336-339``).
-* Requests sent while asleep are queued until the wake (``v1/engine/core.py:960``,
-  ``v1/core/sched/scheduler.py:1065-1067``).
+  (``gpu_worker.py:334``), then logs "Sleep mode freed ... still in use." (``:335-339``).
+* A sleep that fails after memory was unmapped (that assertion, or a pinned allocation that
+  fails midway) never sets the executor's sleeping tags (``v1/executor/abstract.py:400-407``):
+  ``/is_sleeping`` stays true while the scheduler is paused (``v1/engine/core.py:1078-1080``),
+  ``/wake_up`` maps nothing ("Executor is not sleeping", ``abstract.py:412-415``) and resumes
+  scheduling, and the next forward pass reads unmapped memory: the fake dies as above with
+  "CUDA error: an illegal memory access was encountered" (the error CUDA gives for an
+  unmapped address; unverified on hardware). Such an engine must be replaced.
+* A wake empties torch's cache, then maps the asleep allocations of its tags and every
+  non-deferrable one (``runtime``, pooled graphs: ``device_allocator/__init__.py:17``,
+  ``cumem.py:348``) one by one, with no rollback: a failed wake keeps what it mapped
+  (``cumem.py:342-364``).
+* Requests sent while asleep are queued until the wake ("All pause modes queue new adds",
+  ``v1/engine/core.py:2186``; ``v1/core/sched/scheduler.py:1065-1067``).
 * A level-2 wake needs ``wake_up?tags=weights``, ``collective_rpc reload_weights`` (re-reads
-  the checkpoint: ``gpu_worker.py:636-638``, ``model_loader/reload/inplace.py:31-100``), then
-  ``wake_up?tags=kv_cache``. The reload's per-module temporaries stay cached by torch (no
-  ``empty_cache`` in ``reload/``) until the next sleep.
+  the checkpoint: ``gpu_worker.py:636-638``, ``model_executor/model_loader/reload/inplace.py:
+  31-100``), then ``wake_up?tags=kv_cache``. The reload materialises each module in torch's
+  default allocator (``model_executor/model_loader/reload/layerwise.py:344-402``): its
+  temporaries (``FAKE_ENGINE_SIM_RELOAD_TEMP_MB``) can fail a reload on a full device, and stay
+  cached until the ``kv_cache`` wake empties the cache before mapping (``cumem.py:342-343``).
+* LoRA adapters stay registered across sleeps of both levels (``entrypoints/openai/models/
+  serving.py:167-230``; the worker reloads them lazily, ``v1/worker/lora_model_runner_mixin.py:
+  31-41``).
 
 Not modelled: MIG slices (only ``nvmlDeviceGetMigMode`` reports the mode), driver-reserved
-memory, utilisation, and what vLLM's engine does after a failed sleep assertion beyond answering
-the error (the fake stays asleep with its memory released).
+memory, utilisation, NCCL and model-runner buffers outside the pools, the pageable copies a
+level-2 sleep makes of preserved parameters, and the peak's dependence on ``max_num_seqs`` and
+the vocabulary.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ from .gpu import DeviceMemory, GpuError
 from .metrics import Metrics
 from .protocol import ApiError, error
 from .settings import MEMORY_TAGS, Settings
+from .simengine import MemoryLost, SimGpu
 
 ASLEEP_MESSAGE = "The engine is sleeping; wake it up with POST /wake_up first."
 
@@ -21,21 +22,28 @@ def _resolve(future: "asyncio.Future[None]") -> None:
 class Engine:
     """Admission, sequence slots, sleep state and aborts shared by all request handlers.
 
-    A generation handler calls ``enter()``, then ``admit()`` (answers 503 while the engine
-    sleeps, or parks until it wakes with ``FAKE_ENGINE_ASLEEP=park``; queues while
-    ``max_num_seqs`` requests run) and always ``leave()`` in ``finally``. An admitted request gets
-    the current abort epoch; ``abort_running()`` bumps it and cuts token pauses short, so a
-    handler that sees a different epoch finishes with ``abort``.
+    A generation handler calls ``enter()``, then ``admit()`` (parks while the engine sleeps, or
+    answers 503 with ``FAKE_ENGINE_ASLEEP=reject``; queues while ``max_num_seqs`` requests run),
+    then ``step()``, and always ``leave()`` in ``finally``. An admitted request gets the current
+    abort epoch; ``abort_running()`` bumps it and cuts token pauses short, so a handler that sees
+    a different epoch finishes with ``abort``.
 
     The engine is asleep (``paused``) from the start of ``sleep()`` until a ``wake_up()`` has
     woken every memory tag; a level-2 sleep loses the weights (``weights_lost``) until
     ``reload_weights()``. Without ``--enable-sleep-mode`` a sleep only pauses (vLLM has no CuMem
     pool to release). Sleep, wake and reload run one at a time.
+
+    A simulated sleep that fails after memory was unmapped leaves the scheduler paused but the
+    executor awake (vLLM sets its sleeping tags only on success, ``v1/executor/abstract.py:
+    400-407``): ``/is_sleeping`` stays true (``v1/engine/core.py:1078-1080``), a ``/wake_up``
+    maps nothing ("Executor is not sleeping", ``abstract.py:412-415``) and resumes scheduling,
+    and the next forward pass runs on unmapped memory and kills the engine.
     """
 
     def __init__(self, settings: Settings, gpu: DeviceMemory | None = None) -> None:
         self.settings = settings
         self.gpu = gpu
+        self.sim = gpu if isinstance(gpu, SimGpu) else None
         self.metrics = Metrics(settings.served_names[0])
         self.loop = asyncio.get_running_loop()
         self.stopping = False
@@ -68,7 +76,7 @@ class Engine:
     async def admit(self, kv_tokens: int) -> int | None:
         """Wait until the request may run; its abort epoch, or None when shutting down.
 
-        Raises a 503 ``ApiError`` while the engine sleeps (unless asleep requests park).
+        Raises a 503 ``ApiError`` while the engine sleeps with ``FAKE_ENGINE_ASLEEP=reject``.
         """
         counted = False
         while not self.stopping:
@@ -100,6 +108,13 @@ class Engine:
             regrow()
         except GpuError as exc:
             raise _failure(f"CUDA out of memory in the model's forward pass: {exc}") from None
+
+    async def step(self) -> None:
+        """The forward pass of an admitted request, over the batch now running: in sim mode it
+        may regrow the transient peak. Raises `EngineFault` when the engine cannot go on."""
+        sim = self.sim
+        if sim is not None and sim.needs_step(self.kv_tokens):
+            await asyncio.to_thread(sim.step, self.kv_tokens)
 
     async def _queue_for_slot(self) -> None:
         slot = self.loop.create_future()
@@ -187,6 +202,9 @@ class Engine:
                 if self.gpu is not None:
                     try:
                         await asyncio.to_thread(self.gpu.sleep, level, offload)
+                    except MemoryLost as exc:
+                        self.asleep_memory = set()  # the executor believes it is awake
+                        raise _failure(f"Sleep failed: {exc}") from None
                     except GpuError as exc:
                         self._fail_sleep(level)
                         raise _failure(f"Sleep failed: {exc}") from None
@@ -221,7 +239,7 @@ class Engine:
                     self.metrics.wakes += 1
                     return True
                 waking = self.asleep_memory if tags is None else self.asleep_memory & set(tags)
-                if self.gpu is not None:
+                if self.gpu is not None and waking:  # else vLLM's executor does nothing
                     try:
                         await asyncio.to_thread(
                             self.gpu.wake, [t for t in MEMORY_TAGS if t in waking]

@@ -579,7 +579,10 @@ def test_spawned_engine_core_outlives_sigterm(start_fake: StartFake) -> None:
 
 # --------------------------------------------------------------------------- sleep mode
 
-SLEEP_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
+DEV_MODE = {"VLLM_SERVER_DEV_MODE": "1"}
+#: Dev mode, and requests while asleep refused (503) so that tests can see them: by default
+#: they park until the wake (`test_requests_park_by_default_until_wake_up`).
+SLEEP_ENV = {**DEV_MODE, **FakeEngine(asleep="reject").env()}
 SLEEP_ARGS = ("--enable-sleep-mode",)
 LABELS = 'engine="0",model_name="m"'
 ASLEEP_ERROR = {
@@ -711,10 +714,13 @@ async def test_sleep_refuses_and_counts_requests_until_wake_up(
     assert await metric(session, fake, GARBAGE) == 0.0
 
 
-async def test_park_knob_holds_requests_until_wake_up(
+async def test_requests_park_by_default_until_wake_up(
     start_fake: StartFake, session: aiohttp.ClientSession
 ) -> None:
-    fake = start_sleepy(start_fake, **FakeEngine(asleep="park").env())
+    """vLLM 0.33 queues requests sent while it sleeps ("All pause modes queue new adds",
+    ``v1/engine/core.py:2186``): so does the fake unless ``FAKE_ENGINE_ASLEEP=reject``."""
+    fake = start_fake(env=DEV_MODE, args=SLEEP_ARGS)
+    wait_ready(fake)
     status, body = await post(session, f"{fake.url}/sleep?level=1", None)
     assert (status, body) == (200, {"status": "sleeping", "level": 1})
     parked = asyncio.create_task(post(session, f"{fake.url}/v1/chat/completions", CHAT))

@@ -407,9 +407,13 @@ async def test_adapters_are_registered_again_on_a_restarted_engine(
     assert second.id == "base#2" and await loads(proxy, second) == {"a": 1}
 
 
-async def test_a_level_2_wake_registers_adapters_again_and_level_1_keeps_them(
+async def test_adapters_survive_sleeps_and_a_level_2_wake_registers_them_again_in_place(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
+    """vLLM keeps its adapter registry across sleeps of both levels (``entrypoints/openai/
+    models/serving.py:167-230``) and reloads an adapter lazily after ``reload_weights``: the
+    engine still serves `a` after a level-2 wake. The proxy's in-place registration after that
+    wake is redundant but harmless: one more load, same answers."""
     a = adapter(tmp_path, "a")
     policy = {"level": 1, "after_idle_s": 60}
     proxy = await start_proxy(config(tmp_path, base({"a": a}, sleep=policy)))
@@ -419,8 +423,7 @@ async def test_a_level_2_wake_registers_adapters_again_and_level_1_keeps_them(
         resp = await proxy.http.post(proxy.url + f"/admin/models/base/sleep?level={level}")
         assert resp.status == 200, await resp.text()
         await wait_for(lambda: inst.asleep)
-        if level == 2:
-            assert inst.adapters.status() == {"a": "loaded"}  # the book is reset at the wake
+        assert await engine_series(proxy, inst, "fake_engine:lora_loaded") == {"a": 1}, level
         status, data = await complete(proxy, "a")
         assert status == 200 and text(data).startswith("a:tok0"), data
         assert proxy.instance("base") is inst and await loads(proxy, inst) == {"a": expected}

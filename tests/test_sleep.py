@@ -1,8 +1,9 @@
 """Component tests: the sleep tier (vLLM sleep mode) with the fake engine as a real subprocess.
 
 The fake engine implements vLLM's dev routes (/sleep, /wake_up, /is_sleeping, /collective_rpc,
-/reset_prefix_cache) only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode, answers 503 to a
-completion while asleep and counts it (``fake_engine:requests_while_asleep_total``), and after a
+/reset_prefix_cache) only with VLLM_SERVER_DEV_MODE=1 and --enable-sleep-mode, parks a
+completion sent while asleep until the wake, as vLLM queues it, and counts it
+(``fake_engine:requests_while_asleep_total``), and after a
 level-2 sleep answers ``<garbage>`` until the weights are reloaded: the tests read those counters
 to prove what the proxy did and did not send.
 """

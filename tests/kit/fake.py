@@ -38,7 +38,7 @@ class FakeEngine:
     #: Seconds ``/sleep`` and ``/wake_up`` take.
     sleep_delay: Number | None = None
     wake_delay: Number | None = None
-    #: Requests while asleep: ``reject`` (503) or ``park`` (wait for the wake).
+    #: Requests while asleep: ``park`` (the default: wait for the wake) or ``reject`` (503).
     asleep: Literal["reject", "park"] | None = None
     sleep_fail: bool = False
     wake_fail: bool = False
@@ -56,6 +56,15 @@ class FakeEngine:
     sim_gpu: Path | str | None = None
     sim_context_mb: int | None = None
     sim_weights_mb: int | None = None
+    #: The weights' CuMem allocations (each pinned at a power of two by a level-1 sleep).
+    sim_weight_segments_mb: Sequence[int] = ()
+    #: The CuMem ``runtime`` pool (pinned by sleeps of both levels).
+    sim_runtime_mb: int | None = None
+    #: The transient peak: in the budget, released after profiling and by every sleep and
+    #: wake, regrown by the first batch of at least `sim_peak_tokens` tokens (0: any request).
+    sim_peak_mb: int | None = None
+    sim_peak_tokens: int | None = None
+    #: The older name of `sim_peak_mb`.
     sim_activation_mb: int | None = None
     sim_graphs_mb: int | None = None
     sim_min_kv_mb: int | None = None
@@ -63,6 +72,7 @@ class FakeEngine:
     sim_profile_s: Number | None = None
     sim_sleep_s: Number | None = None
     sim_reload_mb_s: Number | None = None
+    #: No longer read: the reload's temporaries always go at the kv_cache wake (vLLM 0.33).
     sim_reload_temp_cached: bool | None = None
 
     def env(self, **more: str) -> dict[str, str]:
@@ -79,7 +89,7 @@ class FakeEngine:
             elif isinstance(value, int | float):
                 text = repr(value)
             else:
-                text = ",".join(value)
+                text = ",".join(str(v) for v in value)
             out["FAKE_ENGINE_" + field.name.upper()] = text
         return {**out, **more}
 
