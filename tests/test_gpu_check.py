@@ -205,10 +205,12 @@ def test_the_vllm_checks_model_is_planned_as_the_proxy_plans_it(tmp_path: Path) 
     write_header_only_checkpoint(check, check.FULL, tmp_path / "M")
     h100 = check.planned(tmp_path / "M", 81559)
     assert h100["detail"]["weights_mb"] == 3341 and h100["detail"]["kv_cache_mb"] == 3072
-    assert (h100["budget_mb"], h100["footprint_mb"], h100["util"]) == (6957, 7725, 0.085)
-    assert check.planned(tmp_path / "M", 143771)["util"] == 0.048
+    # H100 defaults: 1024 sequences, so the sampler pass over 1024 rows x 131072 x 8 bytes
+    assert (h100["detail"]["max_num_seqs"], h100["detail"]["sampler_mb"]) == (1024, 1024)
+    assert (h100["budget_mb"], h100["footprint_mb"], h100["util"]) == (7981, 8749, 0.097855)
+    assert check.planned(tmp_path / "M", 143771)["util"] == 0.055511
     boosted = check.planned(tmp_path / "M", 81559, boost_mb=1738)
-    assert boosted["budget_mb"] == 6957 + 1738 and boosted["util"] == 0.106
+    assert boosted["budget_mb"] == 7981 + 1738 and boosted["util"] == 0.119165
 
 
 def test_the_vllm_checks_log_figures_are_read_from_vllms_own_lines() -> None:
