@@ -94,9 +94,7 @@ async def test_verify_wake_false_skips_the_check(tmp_path: Path, start_proxy: St
     assert await engine_metric(proxy, inst, "vllm:request_success_total") == 2
 
 
-async def test_the_check_replaces_the_wake_warm_up(
-    tmp_path: Path, start_proxy: StartProxy
-) -> None:
+async def test_the_check_replaces_the_wake_warm_up(tmp_path: Path, start_proxy: StartProxy) -> None:
     proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy(warmup=True)}), "m")
     # Warm-up, check request, client.
     assert await engine_metric(proxy, inst, "vllm:request_success_total") == 3
