@@ -124,6 +124,25 @@ async def test_a_pooling_model_is_checked_by_its_answer(
     assert await checks(proxy) == 1
 
 
+async def test_an_answer_that_cannot_be_recorded_leaves_wakes_unchecked(
+    tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A plugin pooling task takes inputs only its plug-in knows: no check request can be made.
+    The start does not fail for that; it is logged, and the wakes are not checked."""
+    args = {"runner": "pooling", "pooler_config": {"task": "plugin"}}
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.instance"):
+        proxy = await start_proxy(config(tmp_path, {"m": sleepy(warmup=True, args=args)}))
+        status, answer = await post(proxy, "/pooling", {"model": "m", "input": "x"})
+    assert status == 200, answer
+    inst = proxy.instance("m")
+    assert inst.oracle is None
+    assert any("its wakes will not be checked" in r.getMessage() for r in caplog.records)
+    await asleep(inst)
+    assert (await post(proxy, "/pooling", {"model": "m", "input": "x"}))[0] == 200
+    assert proxy.instance("m") is inst and proxy.engine_starts("m") == 1
+    assert await checks(proxy) is None
+
+
 # -- warm-up by pooling task ------------------------------------------------------------------
 
 

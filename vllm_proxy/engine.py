@@ -540,6 +540,8 @@ class EngineProcess:
         numbers of the answer's first item, flattened (an embedding, class probabilities, one
         row per token). `CallFailed` when they are missing or not numbers."""
         task = self.spec.pooling_task or "pooling"
+        if task == "plugin":
+            raise CallFailed("a plugin pooling task takes inputs only its plug-in knows")
         path, field = POOLING_ROUTES.get(task, ("/pooling", "data"))
         body = {"model": self.spec.name, "input": text}
         answer = await self._call(session, "POST", path, body, self._headers())
