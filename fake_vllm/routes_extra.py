@@ -57,7 +57,7 @@ class ExtraRoutes:
 
     def add(self, app: web.Application, pooling: bool, task: str | None = None) -> None:
         """The routes; a pooling model's by its `task` (None: all of them): /classify only
-        for ``classify``, as vLLM (``entrypoints/pooling/factories.py:117-142``)."""
+        for ``classify``, as vLLM (``entrypoints/pooling/factories.py:110-143``)."""
         add = app.router.add_route
         if pooling:
             add("POST", "/pooling", self.pooling)

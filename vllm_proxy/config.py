@@ -755,7 +755,7 @@ class ModelSpec:
 
         vLLM 0.33 registers ``/pooling`` for every pooling task, ``/classify`` for
         ``classify``, ``/v1/embeddings`` for ``embed`` and ``token_embed`` only
-        (``entrypoints/pooling/factories.py:117-142``). The task is ``pooler_config.task``
+        (``entrypoints/pooling/factories.py:110-143``). The task is ``pooler_config.task``
         when set, else the ``convert`` given, else the checkpoint's architecture's
         (`ARCHITECTURE_TASKS`: ``ForTokenClassification`` and reward models pool per token,
         ``config/model.py:1918-1951``, ``model_executor/models/qwen2_rm.py:102``), else

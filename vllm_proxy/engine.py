@@ -60,9 +60,9 @@ class CallFailed(Exception):
 
 #: The route that answers a pooling task and the field of each item that holds its numbers
 #: (vLLM 0.33 registers /v1/embeddings for embed and token_embed, /classify for classify, and
-#: /pooling for every task: ``entrypoints/pooling/factories.py:117-142``; the models in
+#: /pooling for every task: ``entrypoints/pooling/factories.py:110-143``; the models in
 #: ``embed/protocol.py:174-177``, ``token_embed/protocol.py:58-61``,
-#: ``classify/protocol.py:58-62``, ``pooling/protocol.py:103-106``). Any other task goes to
+#: ``classify/protocol.py:58-62``, ``pooling/protocol.py:102-105``). Any other task goes to
 #: /pooling, which without a ``task`` answers the engine's own (``pooling/serving.py:66-67``).
 POOLING_ROUTES = {
     "embed": ("/v1/embeddings", "embedding"),
