@@ -16,7 +16,10 @@ also reads ``--pipeline-parallel-size``/``-pp``, ``--prefill-context-parallel-si
 ``--gpu-memory-utilization`` (default 0.9), ``--kv-cache-memory-bytes`` and
 ``--sleep-mode-offload-cudagraph``. ``--runner pooling`` or ``--convert embed|classify`` makes a
 pooling model, without the completion routes (as vLLM registers them only for generating
-models). ``--enable-lora``, ``--max-loras``, ``--max-lora-rank`` and ``--max-cpu-loras`` with
+models); when ``--pooler-config '{"task": ...}'`` or ``--convert`` names its task, only that
+task's routes are served, as in vLLM: ``/classify`` for ``classify``, ``/v1/embeddings`` for
+``embed`` and ``token_embed``, ``/pooling`` for all.
+``--enable-lora``, ``--max-loras``, ``--max-lora-rank`` and ``--max-cpu-loras`` with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` serve LoRA adapters loaded at run time (see
 ``fake_vllm.lora``; knobs ``FAKE_ENGINE_LORA_FAIL=name,...`` and
 ``FAKE_ENGINE_LORA_LOAD_DELAY``). Flags may be spelled with ``_`` or ``-``; every other flag is
@@ -28,7 +31,9 @@ error bodies, ``{"detail": ...}`` for unknown routes, vLLM's exact JSON and SSE 
 Prometheus ``/metrics`` with ``vllm:*`` series, dev-mode endpoints, and SIGTERM/SIGINT aborting
 in-flight requests (``finish_reason: "abort"``) before exiting 0. Replies are the words
 ``tok0 tok1 ...``; prompt tokens are counted as words. ``/v1/embeddings`` returns deterministic
-unit vectors of dimension 8. Nothing is logged per request. vLLM's other routes that name a
+unit vectors of dimension 8. A completion asked for ``logprobs`` or ``return_token_ids`` gets
+them (non-streamed; ``fake_vllm.tokens``): the same for the same request.
+Nothing is logged per request. vLLM's other routes that name a
 model (Anthropic ``/v1/messages``, the pooling, scoring and ``/v2/embed`` routes of a pooling
 model, the speech-to-text uploads and the ``/v1/realtime`` WebSocket) are in
 ``fake_vllm.routes_extra`` (``FAKE_ENGINE_UPLOAD_LOG=PATH`` records each upload's bytes).
@@ -128,6 +133,11 @@ Knobs (environment variables):
 ``FAKE_ENGINE_WAKE_LIES``
     ``1``: ``/wake_up`` answers 200 ``awake`` but the engine stays asleep (``/is_sleeping``
     true, requests park).
+``FAKE_ENGINE_WAKE_CORRUPTS``
+    Sleep levels (``1``, ``2``, ``1,2`` or ``all``): once woken from one of them, every answer
+    is wrong with HTTP 200 until the process ends: completions are ``<garbage>`` tokens with
+    other ids and log-probabilities (and count as garbage completions), pooling answers other
+    numbers.
 Simulated-GPU mode (``FAKE_ENGINE_SIM_GPU=<ledger path>``, exclusive with GPU mode) holds memory
 in a ``fake_vllm.simgpu.Ledger`` shared with other processes, following vLLM 0.33's rules (listed
 in ``simgpu``'s docstring): the engine takes the first world-size devices of

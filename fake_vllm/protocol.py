@@ -121,6 +121,9 @@ class Reply:
     garbage: bool = False
     produced: int = 0
     first_token_at: float | None = None
+    #: ``logprobs`` (completions: alternatives per token) and ``return_token_ids`` as asked.
+    logprobs: int | None = None
+    token_ids: bool = False
 
     @property
     def kv_tokens(self) -> int:

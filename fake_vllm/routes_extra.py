@@ -17,6 +17,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import WSMsgType, web
@@ -51,12 +52,17 @@ class ExtraRoutes:
         self.model = model
         #: What the engine says, a word per token (as the completion routes).
         self.words = [f"tok{i} " for i in range(tokens)]
+        #: Whether a wake broke the engine's answers (the server's ``corrupted``).
+        self.corrupt: Callable[[], bool] = lambda: False
 
-    def add(self, app: web.Application, pooling: bool) -> None:
+    def add(self, app: web.Application, pooling: bool, task: str | None = None) -> None:
+        """The routes; a pooling model's by its `task` (None: all of them): /classify only
+        for ``classify``, as vLLM (``entrypoints/pooling/factories.py:110-143``)."""
         add = app.router.add_route
         if pooling:
             add("POST", "/pooling", self.pooling)
-            add("POST", "/classify", self.classify)
+            if task in (None, "classify"):
+                add("POST", "/classify", self.classify)
             add("POST", "/v2/embed", self.cohere_embed)
             for path in ("/score", "/v1/score"):
                 add("POST", path, self.score)
@@ -92,6 +98,10 @@ class ExtraRoutes:
             engine.leave(epoch is not None, 0)
         if epoch is None:
             raise error(503, "The server is shutting down.", "ServiceUnavailableError", None)
+
+    def _key(self, key: str) -> str:
+        """What a pooling answer is computed from: another key once a wake broke the engine."""
+        return key + "\0corrupted" if self.corrupt() else key
 
     def _text(self, tokens: int) -> str:
         return "".join(self.words[:tokens])
@@ -209,7 +219,7 @@ class ExtraRoutes:
         body, inputs = await self._pooled(request)
         tokens = sum(n for _, n in inputs)
         data = [
-            {"index": i, "object": "pooling", "data": embedding(key, "float")}
+            {"index": i, "object": "pooling", "data": embedding(self._key(key), "float")}
             for i, (key, _) in enumerate(inputs)
         ]
         return json_response(
@@ -228,7 +238,7 @@ class ExtraRoutes:
         tokens = sum(n for _, n in inputs)
         data = []
         for i, (key, _) in enumerate(inputs):
-            p = _unit(key)
+            p = _unit(self._key(key))
             label = "LABEL_1" if p >= 0.5 else "LABEL_0"
             data.append({"index": i, "label": label, "probs": [1 - p, p], "num_classes": 2})
         return json_response(

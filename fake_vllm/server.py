@@ -48,6 +48,7 @@ from .settings import (
 )
 from .simengine import EngineFault
 from .state import Engine
+from .tokens import completion_logprobs, token_ids
 
 GARBAGE_WORD = "<garbage> "
 #: What vLLM's API server answers once its EngineCore died (``EngineDeadError.CLIENT_MESSAGE``,
@@ -79,6 +80,10 @@ class FakeServer:
         self.offsets = [0]
         for word in words:
             self.offsets.append(self.offsets[-1] + len(word))
+        #: The level of the last /sleep, and whether a wake from a level in
+        #: ``FAKE_ENGINE_WAKE_CORRUPTS`` broke every answer since (until the process ends).
+        self.slept_level = 0
+        self.corrupted = False
 
     def build_app(self) -> web.Application:
         middlewares: list[Middleware] = [error_middleware]
@@ -97,9 +102,11 @@ class FakeServer:
         if not self.settings.pooling:
             add("POST", "/v1/chat/completions", self.chat_completions)
             add("POST", "/v1/completions", self.completions)
-        add("POST", "/v1/embeddings", self.embeddings)
+        if self._serves_embeddings():
+            add("POST", "/v1/embeddings", self.embeddings)
         extra = ExtraRoutes(self.engine, self.names, self.model, self.settings.tokens)
-        extra.add(app, self.settings.pooling)
+        extra.corrupt = lambda: self.corrupted
+        extra.add(app, self.settings.pooling, self.settings.pooling_task)
         if self.settings.dev_mode:
             add("POST", "/collective_rpc", self.collective_rpc)
             add("POST", "/reset_prefix_cache", self.reset_prefix_cache)
@@ -233,6 +240,8 @@ class FakeServer:
             include_usage=include_usage,
             continuous_usage=continuous,
             arrival=self.engine.loop.time(),
+            logprobs=None if chat else int_field(body, "logprobs", None),
+            token_ids=body.get("return_token_ids") is True,
         )
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -253,7 +262,7 @@ class FakeServer:
                 engine.started += 1
                 crash_after = self.settings.crash_after
                 reply.crash = crash_after is not None and engine.started > crash_after
-                reply.garbage = engine.weights_lost
+                reply.garbage = engine.weights_lost or self.corrupted
                 if reply.garbage:
                     engine.metrics.garbage_completions += 1
             if reply.crash and not reply.stream:
@@ -358,6 +367,7 @@ class FakeServer:
             body = {"id": reply.rid, "object": "chat.completion", "created": reply.created}
         else:
             choices = [completion_choice(i, text, reason) for i in range(reply.choices)]
+            self._add_tokens(choices, reply)
             body = {"id": reply.rid, "object": "text_completion", "created": reply.created}
         body |= {
             "model": reply.model,
@@ -457,7 +467,7 @@ class FakeServer:
         tokens = sum(count for _, count in inputs)
         engine.metrics.record(tokens, 0, "stop", None, 0.0)
         data = [
-            {"index": i, "object": "embedding", "embedding": embedding(key, encoding)}
+            {"index": i, "object": "embedding", "embedding": embedding(self._key(key), encoding)}
             for i, (key, _) in enumerate(inputs)
         ]
         usage = {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0}
@@ -490,12 +500,14 @@ class FakeServer:
             raise validation("literal_error", ("query", "mode"), msg, mode)
         with self._recorded({"call": "sleep", "level": level}):
             await self.engine.sleep(level, mode)
+        self.slept_level = level
         return json_response({"status": "sleeping", "level": level})
 
     async def wake_up(self, request: web.Request) -> web.Response:
         tags = request.query.getall("tags", []) or None
         with self._recorded({"call": "wake_up", "tags": tags}):
             awake = await self.engine.wake_up(tags)
+        self._corrupt_on_wake(awake)
         return json_response({"status": "awake" if awake else "sleeping", "tags": tags})
 
     async def is_sleeping(self, request: web.Request) -> web.Response:
@@ -513,3 +525,32 @@ class FakeServer:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.engine.metrics.reset_prefix_cache += 1
         return json_response({"success": True})
+
+    # -- wrong answers after a wake (FAKE_ENGINE_WAKE_CORRUPTS), token ids and logprobs ---------
+
+    def _corrupt_on_wake(self, awake: bool) -> None:
+        """A full wake from a level in ``FAKE_ENGINE_WAKE_CORRUPTS`` breaks every answer."""
+        if awake and self.slept_level in self.settings.wake_corrupts:
+            self.corrupted = True
+
+    def _key(self, key: str) -> str:
+        """What a pooling answer is computed from: another key once corrupted."""
+        return key + "\0corrupted" if self.corrupted else key
+
+    def _serves_embeddings(self) -> bool:
+        """/v1/embeddings: vLLM serves it for the embed and token_embed tasks only (here also
+        for generating models and an unnamed pooling task, as before)."""
+        task = self.settings.pooling_task
+        return task is None or task in ("embed", "token_embed", "embed&token_classify")
+
+    def _add_tokens(self, choices: list[dict[str, Any]], reply: Reply) -> None:
+        """A completion's ``token_ids`` and ``logprobs`` when the request asked for them."""
+        if reply.logprobs is None and not reply.token_ids:
+            return
+        garbage = reply.garbage
+        words = [GARBAGE_WORD if garbage else f"tok{i} " for i in range(reply.produced)]
+        for choice in choices:
+            if reply.token_ids:
+                choice["token_ids"] = token_ids(reply.produced, garbage)
+            if reply.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(words, reply.logprobs, garbage)

@@ -1,6 +1,7 @@
 """Constants, the Settings of one fake engine, and its command line and environment."""
 
 import argparse
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -113,6 +114,13 @@ class Settings:
     runtime_lora: bool = False
     lora_fail: frozenset[str] = frozenset()
     lora_load_delay: float = 0.0
+    #: A pooling model's task when the command line names it (``--pooler-config`` task, else
+    #: ``--convert``): only that task's routes are served, as in vLLM (None: every pooling
+    #: route, for ``--runner pooling`` alone).
+    pooling_task: str | None = None
+    #: ``FAKE_ENGINE_WAKE_CORRUPTS``: the sleep levels after whose wake every answer is wrong
+    #: (HTTP 200, other tokens and log-probabilities, other pooling numbers).
+    wake_corrupts: frozenset[int] = frozenset()
 
     @property
     def world_size(self) -> int:
@@ -170,6 +178,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-loras", type=int, default=1)
     parser.add_argument("--max-lora-rank", type=int, default=16)
     parser.add_argument("--max-cpu-loras", type=int, default=None)
+    parser.add_argument("--pooler-config", default=None)
     return parser
 
 
@@ -341,4 +350,31 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
             n.strip() for n in environ.get("FAKE_ENGINE_LORA_FAIL", "").split(",") if n.strip()
         ),
         lora_load_delay=_env_number(environ, "FAKE_ENGINE_LORA_LOAD_DELAY", 0.0),
+        pooling_task=_pooling_task(args),
+        wake_corrupts=_wake_corrupts(environ),
     )
+
+
+def _pooling_task(args: argparse.Namespace) -> str | None:
+    """The pooling task the command line names, if any (vLLM: ``pooler_config.task`` wins)."""
+    if args.runner == "generate":
+        return None
+    try:
+        pooler = json.loads(args.pooler_config) if args.pooler_config else {}
+    except ValueError:
+        raise ValueError(f"--pooler-config={args.pooler_config!r} is not JSON") from None
+    task = pooler.get("task") if isinstance(pooler, dict) else None
+    if task:
+        return str(task)
+    return str(args.convert) if args.convert in ("embed", "classify") else None
+
+
+def _wake_corrupts(environ: Mapping[str, str]) -> frozenset[int]:
+    """``FAKE_ENGINE_WAKE_CORRUPTS``: ``1``, ``2``, ``1,2`` or ``all`` (every level)."""
+    raw = environ.get("FAKE_ENGINE_WAKE_CORRUPTS", "").strip()
+    if raw == "all":
+        return frozenset(SLEEP_LEVELS)
+    levels = {part.strip() for part in raw.split(",") if part.strip()}
+    if not levels <= {str(level) for level in SLEEP_LEVELS}:
+        raise ValueError(f"FAKE_ENGINE_WAKE_CORRUPTS={raw!r} is not levels (0,1,2) or all")
+    return frozenset(int(level) for level in levels)

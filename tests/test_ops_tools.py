@@ -59,6 +59,8 @@ EXPORTED: dict[str, Series] = {
     "vllm_proxy_engine_transition_seconds": Series("histogram", ("model_id", "kind")),
     "vllm_proxy_engine_start_duration_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_engine_restarts_total": Series("counter", ("model_id", "reason")),
+    "vllm_proxy_wake_verify_failures_total": Series("counter", ("model_id", "level")),
+    "vllm_proxy_wake_verify_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_evictions_total": Series("counter", ("model_id", "reason")),
     "vllm_proxy_admission_queue_depth": Series("gauge", ("model_id",)),
     "vllm_proxy_admission_wait_seconds": Series("histogram", ("model_id",)),

@@ -260,7 +260,9 @@ async def test_a_failed_sleep_stops_the_engine(tmp_path: Path, start_proxy: Star
 async def test_warmup_runs_before_the_instance_serves(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    proxy = await start_proxy(config(tmp_path, {"m": sleepy(warmup=True)}))
+    # (Without the wake check, which runs a request of its own: test_wake_verify.py.)
+    unchecked = {**SLEEPY, "verify_wake": False}
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(unchecked, warmup=True)}))
     admin = await proxy.http.post(proxy.url + "/admin/models/m/load")
     assert admin.status == 200
     inst = proxy.instance("m")

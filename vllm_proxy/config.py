@@ -293,6 +293,11 @@ class SleepPolicy(_Strict):
     #: checkpoint's size on disk (see `auto_timeouts`).
     timeout_s: float | None = Field(None, gt=0)
     wake_timeout_s: float | None = Field(None, gt=0)
+    #: After every wake, before a request is routed to the engine: the answer to a fixed
+    #: greedy completion (a fixed embedding or classification for a pooling model) is compared
+    #: with the one recorded at its start; a mismatch stops it and the request cold-starts a
+    #: new one (see `oracle`).
+    verify_wake: bool = True
 
     def status(self) -> dict[str, object]:
         """The policy as the admin API shows it: when and how deep the engine sleeps."""
@@ -683,6 +688,11 @@ class ModelSpec:
         return (self.sleep.wake_timeout_s or 0.0) if self.sleep is not None else 0.0
 
     @property
+    def verify_wake(self) -> bool:
+        """``sleep.verify_wake`` in effect (False without a sleep policy: nothing wakes)."""
+        return self.sleep is not None and self.sleep.verify_wake
+
+    @property
     def lora(self) -> bool:
         """Adapters are served on this model's engines (started with --enable-lora)."""
         return self.max_adapters > 0
@@ -738,6 +748,32 @@ class ModelSpec:
         if str(args.get("convert") or "auto") in POOLING_TASKS:
             return True
         return any(a.endswith(POOLING_ARCHITECTURES) for a in _architectures(self.model))
+
+    @functools.cached_property
+    def pooling_task(self) -> str | None:
+        """The task a pooling engine serves, which decides its routes (None: not `pooling`).
+
+        vLLM 0.33 registers ``/pooling`` for every pooling task, ``/classify`` for
+        ``classify``, ``/v1/embeddings`` for ``embed`` and ``token_embed`` only
+        (``entrypoints/pooling/factories.py:110-143``). The task is ``pooler_config.task``
+        when set, else the ``convert`` given, else the checkpoint's architecture's
+        (`ARCHITECTURE_TASKS`: ``ForTokenClassification`` and reward models pool per token,
+        ``config/model.py:1918-1951``, ``model_executor/models/qwen2_rm.py:102``), else
+        ``pooling``: only /pooling is sure to be there."""
+        if not self.pooling:
+            return None
+        args = {_arg_name(k): v for k, v in self.args}
+        task = _pooler_task(args.get("pooler_config"))
+        if task is not None:
+            return task
+        convert = str(args.get("convert") or "auto")
+        if convert in POOLING_TASKS:
+            return convert
+        for arch in _architectures(self.model):
+            for suffix, arch_task in ARCHITECTURE_TASKS:
+                if arch.endswith(suffix):
+                    return arch_task
+        return "pooling"
 
     @property
     def reloadable(self) -> bool:
@@ -974,6 +1010,27 @@ POOLING_ARCHITECTURES = (
     "ForSequenceClassification", "ForTokenClassification", "ForRewardModeling", "RewardModel",
     "EmbeddingModel", "BertModel", "RobertaModel", "XLMRobertaModel", "BertSpladeSparseEmbedding",
 )  # fmt: skip
+
+
+#: The pooling task of an architecture, by name ending (first match; vLLM's
+#: ``_SUFFIX_TO_DEFAULTS`` and ``get_pooling_task``); other pooling architectures: `pooling`.
+ARCHITECTURE_TASKS = (
+    ("ForTokenClassification", "token_classify"), ("RewardModel", "token_classify"),
+    ("ForSequenceClassification", "classify"), ("ClassificationModel", "classify"),
+    ("EmbeddingModel", "embed"), ("BertModel", "embed"), ("RobertaModel", "embed"),
+    ("BertSpladeSparseEmbedding", "embed"),
+)  # fmt: skip
+
+
+def _pooler_task(value: ArgValue) -> str | None:
+    """``task`` of a ``pooler_config`` arg (a mapping or its JSON), if it names one."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    task = value.get("task") if isinstance(value, dict) else None
+    return str(task) if task else None
 
 
 def _architectures(model: str) -> list[str]:

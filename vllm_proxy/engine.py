@@ -58,6 +58,37 @@ class CallFailed(Exception):
     how: status, timeout, wrong state); for the proxy's log, never for clients."""
 
 
+#: The route that answers a pooling task and the field of each item that holds its numbers
+#: (vLLM 0.33 registers /v1/embeddings for embed and token_embed, /classify for classify, and
+#: /pooling for every task: ``entrypoints/pooling/factories.py:110-143``; the models in
+#: ``embed/protocol.py:174-177``, ``token_embed/protocol.py:58-61``,
+#: ``classify/protocol.py:58-62``, ``pooling/protocol.py:102-105``). Any other task goes to
+#: /pooling, which without a ``task`` answers the engine's own (``pooling/serving.py:66-67``).
+POOLING_ROUTES = {
+    "embed": ("/v1/embeddings", "embedding"),
+    "token_embed": ("/v1/embeddings", "embedding"),
+    "embed&token_classify": ("/v1/embeddings", "embedding"),
+    "classify": ("/classify", "probs"),
+}
+
+
+def _flat(value: object) -> list[float] | None:
+    """A number, or nested lists of numbers, as one flat list (None for anything else)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int | float):
+        return [float(value)]
+    if not isinstance(value, list):
+        return None
+    out: list[float] = []
+    for part in value:
+        numbers = _flat(part)
+        if numbers is None:
+            return None
+        out += numbers
+    return out
+
+
 class PortAllocator:
     """Hands out loopback ports that are free now and not held by another engine of ours."""
 
@@ -479,21 +510,47 @@ class EngineProcess:
         if await self.is_sleeping(session):
             raise CallFailed("/wake_up answered 200 but /is_sleeping still says asleep")
 
-    async def warmup(self, session: aiohttp.ClientSession) -> None:
-        """One 1-token completion (one embedding for a pooling model, which has no completion
-        route); it must come back with a choice (an embedding)."""
+    def _headers(self) -> dict[str, str] | None:
         key = self.spec.api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else None
+        return {"Authorization": f"Bearer {key}"} if key else None
+
+    async def warmup(self, session: aiohttp.ClientSession) -> None:
+        """One 1-token completion, or for a pooling model one call of the route its task has
+        (`pool`); the answer must have the shape that route promises. A ``plugin`` task takes
+        inputs only its plug-in knows: nothing is sent."""
         if self.spec.pooling:
-            body: dict[str, object] = {"model": self.spec.name, "input": "Hello"}
-            answer = await self._call(session, "POST", "/v1/embeddings", body, headers)
-            if not isinstance(answer, dict) or not answer.get("data"):
-                raise CallFailed("the warm-up embedding came back without data")
+            if self.spec.pooling_task != "plugin":
+                await self.pool(session, "Hello")
             return
-        body = {"model": self.spec.name, "prompt": "Hello", "max_tokens": 1, "temperature": 0}
-        answer = await self._call(session, "POST", "/v1/completions", body, headers)
-        if not isinstance(answer, dict) or not answer.get("choices"):
-            raise CallFailed("the warm-up completion came back without a choice")
+        await self.complete(session, {"prompt": "Hello", "max_tokens": 1, "temperature": 0})
+
+    async def complete(
+        self, session: aiohttp.ClientSession, body: dict[str, object]
+    ) -> dict[str, object]:
+        """``POST /v1/completions`` with `body` (the model's name added); its first choice."""
+        body = {"model": self.spec.name, **body}
+        answer = await self._call(session, "POST", "/v1/completions", body, self._headers())
+        choices = answer.get("choices") if isinstance(answer, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise CallFailed("POST /v1/completions answered without a choice")
+        return choices[0]
+
+    async def pool(self, session: aiohttp.ClientSession, text: str) -> list[float]:
+        """One input through the route of the model's pooling task (`POOLING_ROUTES`): the
+        numbers of the answer's first item, flattened (an embedding, class probabilities, one
+        row per token). `CallFailed` when they are missing or not numbers."""
+        task = self.spec.pooling_task or "pooling"
+        if task == "plugin":
+            raise CallFailed("a plugin pooling task takes inputs only its plug-in knows")
+        path, field = POOLING_ROUTES.get(task, ("/pooling", "data"))
+        body = {"model": self.spec.name, "input": text}
+        answer = await self._call(session, "POST", path, body, self._headers())
+        data = answer.get("data") if isinstance(answer, dict) else None
+        item = data[0] if isinstance(data, list) and data else None
+        numbers = _flat(item.get(field)) if isinstance(item, dict) else None
+        if not numbers:
+            raise CallFailed(f"POST {path} answered without {field} for task {task}")
+        return numbers
 
     def engine_alive(self) -> bool:
         """Whether the engine under the guard still has a live (non-zombie) process."""

@@ -53,6 +53,7 @@ from .memory import (
     Usage,
 )
 from .metrics import Metrics
+from .oracle import Oracle, mismatch, take
 from .queueing import Queue, Rank
 from .registry import EngineRegistry
 
@@ -174,6 +175,10 @@ class ProfilingDisturbed(EngineFailed):
 class WakeFailed(Unavailable):
     """A wake that failed (or a sleep that failed under it): the engine was stopped; the caller
     starts a new instance."""
+
+
+class WrongAnswer(Exception):
+    """A woken engine answered the check request differently from its start (`oracle`)."""
 
 
 async def _no_admission(_inst: Instance) -> Placement | None:
@@ -307,6 +312,9 @@ class Instance:
         self._awaiting_devices = False
         #: Its wake failed and it is being stopped for that (not by someone else).
         self._woken_in_vain = False
+        #: Its answer to the check request, recorded once started (None: no check after its
+        #: wakes: verify_wake off, no sleep policy, or it could not be recorded).
+        self.oracle: Oracle | None = None
         #: When it last became RUNNING (monotonic): readings older than this are not of it,
         #: and its minimum residency counts from it.
         self.running_since = 0.0
@@ -551,6 +559,10 @@ class Instance:
             await self._warm_up(engine, self.spec.startup_timeout_s)
             self._raise_if_stopped()
             seconds = time.monotonic() - engine.started_at
+        if self.spec.verify_wake:
+            await self._record_oracle(engine, self.spec.startup_timeout_s)
+            self._raise_if_stopped()
+            seconds = time.monotonic() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
         self.ctx.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
@@ -578,9 +590,20 @@ class Instance:
             await engine.stop(STARTING_STOP_GRACE_S)
             self._raise_if_stopped()
             raise EngineFailed(
-                f"model '{self.name}': the engine's warm-up completion failed",
+                f"model '{self.name}': the engine's warm-up request failed",
                 code="engine_start_failed",
             ) from None
+
+    async def _record_oracle(self, engine: EngineProcess, timeout: float) -> None:
+        """Record the answer its wakes are checked against; where that fails, say so and leave
+        its wakes unchecked (the engine still serves: the warm-up, if any, judged the start)."""
+        try:
+            async with asyncio.timeout(timeout):
+                self.oracle = await take(engine, engine.client(self.ctx.session))
+        except (CallFailed, TimeoutError) as err:
+            why = str(err) or f"no answer within {timeout:g}s"
+            log.warning("%s: its wakes will not be checked: the check request failed: %s",
+                        self.id, why)  # fmt: skip
 
     def _classify(self, err: ProxyError) -> ProxyError:
         """A failed start, by what the engine's log says: no room for the KV cache in its
@@ -974,10 +997,16 @@ class Instance:
                                       code="stopped")  # fmt: skip
                     client = engine.client(self.ctx.session)
                     await engine.wake(client, level)
-                    if self.spec.warmup:
+                    if self.oracle is not None:  # (the check warms it up too)
+                        await self._verify(engine, client, self.oracle)
+                    elif self.spec.warmup:
                         await engine.warmup(client)
             except Stopped:
                 raise
+            except WrongAnswer as err:
+                failure = f"oracle mismatch: {err}"
+                self.ctx.metrics.wake_verify_failures.labels(self.name, str(level)).inc()
+                self._abandon_wake(failure, "wake_verify_failed")
             except (CallFailed, TimeoutError) as err:
                 failure = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
                 self._abandon_wake(failure)
@@ -1001,11 +1030,22 @@ class Instance:
         if self.leases == 0 and self.routable:
             self._arm_idle_timer()
 
-    def _abandon_wake(self, why: str) -> None:
+    async def _verify(
+        self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
+    ) -> None:
+        """Ask the woken engine the check request; `WrongAnswer` when it answers otherwise."""
+        began = time.monotonic()
+        why = mismatch(oracle, await take(engine, client))
+        self.ctx.metrics.wake_verify.labels(self.name).observe(time.monotonic() - began)
+        if why is not None:
+            raise WrongAnswer(why)
+
+    def _abandon_wake(self, why: str, reason: str = "wake_failed") -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""
         if self.state in (State.WAKE_WAITING, State.WAKING):
-            log.error("%s: wake failed (%s); stopping the engine", self.id, why)
-            self.ctx.metrics.restarts.labels(self.name, "wake_failed").inc()
+            log.error("model %s: %s: the wake from level %d failed (%s); stopping the engine",
+                      self.name, self.id, self.sleep_level, why)  # fmt: skip
+            self.ctx.metrics.restarts.labels(self.name, reason).inc()
             self._woken_in_vain = True
             self._begin_stop()
 

@@ -189,6 +189,20 @@ class Metrics:
             ["model_id", "reason"],
             registry=r,
         )
+        self.wake_verify_failures = Counter(
+            "vllm_proxy_wake_verify_failures_total",
+            "Wakes whose engine answered the fixed check request differently from its start"
+            " (sleep.verify_wake): the engine was stopped and a new one started",
+            ["model_id", "level"],
+            registry=r,
+        )
+        self.wake_verify = Histogram(
+            "vllm_proxy_wake_verify_seconds",
+            "Time the check of a wake took (part of wake_l1/wake_l2)",
+            ["model_id"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
         self.evictions = Counter(
             "vllm_proxy_evictions_total",

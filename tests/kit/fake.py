@@ -44,6 +44,9 @@ class FakeEngine:
     wake_fail: bool = False
     wake_hang: bool = False
     wake_lies: bool = False
+    #: Sleep levels after whose wake every answer is wrong (HTTP 200): ``"1"``, ``"2"``,
+    #: ``"1,2"`` or ``"all"``.
+    wake_corrupts: Literal["0", "1", "2", "1,2", "all"] | None = None
     #: LoRA adapters whose load fails, and seconds each load takes.
     lora_fail: Sequence[str] = ()
     lora_load_delay: Number | None = None
