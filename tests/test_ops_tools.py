@@ -66,6 +66,7 @@ EXPORTED: dict[str, Series] = {
     "vllm_proxy_admission_wait_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_model_memory_estimate_mb": Series("gauge", ("model_id",)),
     "vllm_proxy_instance_memory_measured_mb": Series("gauge", ("model_id", "instance")),
+    "vllm_proxy_instance_host_pinned_mb": Series("gauge", ("model_id", "instance")),
     "vllm_proxy_adapter_loads_total": Series("counter", ("model_id", "adapter", "result")),
     "vllm_proxy_adapter_unloads_total": Series("counter", ("model_id", "adapter")),
     "vllm_proxy_adapter_requests_total": Series("counter", ("model_id", "adapter")),

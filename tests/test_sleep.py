@@ -508,7 +508,7 @@ def test_a_second_sleep_pins_only_what_the_engine_does_not_keep_yet(tmp_path: Pa
     inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 9_000)
     assert inst._choose_level(1) == 1 and host.promised == {"m#1": 4_512}
     host.settle("m#1")
-    key = ("m", inst.spec.engine_key())
+    key = inst.host_key
     host.slept("m#1", key, 1, 5_900)  # measured: more than the guess (power-of-two blocks)
     assert host.retained == {"m#1": 5_900} and host.need_mb("m#1", key, 1, 4_512) == 0
     assert inst._choose_level(1) == 1 and host.promised == {}, "nothing more to pin"

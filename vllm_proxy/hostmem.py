@@ -30,9 +30,8 @@ MIB = 1024 * 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: This process's cgroup membership.
 PROC_CGROUP = Path("/proc/self/cgroup")
-#: What a sleep is planned to pin, per model and engine, when none was measured yet: a key
-#: (model name, its engine key) and the level.
-LearnKey = tuple[str, tuple[object, ...]]
+#: What a sleep of a model pins is learned by: its name and its engine (`Instance.host_key`).
+LearnKey = tuple[str, str]
 
 
 def own_cgroups(proc_cgroup: Path = PROC_CGROUP) -> tuple[str | None, str | None]:

@@ -366,6 +366,12 @@ class Instance:
         return self.state is State.UNHEALTHY
 
     @property
+    def host_key(self) -> tuple[str, str]:
+        """What the host RAM a sleep pins is learned by: the model and its engine (a reload that
+        changes the engine starts afresh)."""
+        return self.name, repr(self.spec.engine_key())
+
+    @property
     def wake_asked(self) -> bool:
         """A wake was asked for and has not ended (it may wait for the /sleep call in flight):
         a request waits for this instance, it is not idle."""
@@ -837,7 +843,7 @@ class Instance:
         what the engine already keeps pinned from an earlier sleep (PyTorch's host cache), within
         the host RAM available to the proxy's cgroup less what other sleeps in flight will pin.
         Level 1 falls back to level 2 only where the model can reload its weights."""
-        key = (self.name, self.spec.engine_key())
+        key = self.host_key
         runtime = self.ctx.runtime_mb(self.spec)
         weights = self.ctx.weights_mb(self.spec)
         guesses = {1: None if weights is None else weights + runtime, 2: runtime}
@@ -897,7 +903,7 @@ class Instance:
         seconds = time.monotonic() - started
         self.sleep_level = level
         grown = None if host_before is None or host_after is None else host_after - host_before
-        self.ctx.host.slept(self.id, (self.name, self.spec.engine_key()), level, grown)
+        self.ctx.host.slept(self.id, self.host_key, level, grown)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
             self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)

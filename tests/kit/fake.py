@@ -67,16 +67,12 @@ class FakeEngine:
     #: wake, regrown by the first batch of at least `sim_peak_tokens` tokens (0: any request).
     sim_peak_mb: int | None = None
     sim_peak_tokens: int | None = None
-    #: The older name of `sim_peak_mb`.
-    sim_activation_mb: int | None = None
     sim_graphs_mb: int | None = None
     sim_min_kv_mb: int | None = None
     sim_reload_temp_mb: int | None = None
     sim_profile_s: Number | None = None
     sim_sleep_s: Number | None = None
     sim_reload_mb_s: Number | None = None
-    #: No longer read: the reload's temporaries always go at the kv_cache wake (vLLM 0.33).
-    sim_reload_temp_cached: bool | None = None
 
     def env(self, **more: str) -> dict[str, str]:
         """The environment variables these settings stand for (and `more` as given)."""
