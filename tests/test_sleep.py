@@ -492,6 +492,27 @@ def test_level_2_needs_host_ram_for_its_runtime_pool_too(
     assert "no sleep level fits in host RAM" in caplog.text and host.promised == {}
 
 
+def test_with_no_level_in_host_ram_an_idle_engine_is_stopped_and_an_operator_told(
+    tmp_path: Path,
+) -> None:
+    """A sleep the planner or the idle timer asks for stops the engine instead (its GPU memory
+    is what was wanted); an operator who asked for a sleep gets 409 and the engine keeps
+    serving."""
+    from unittest.mock import MagicMock
+
+    from vllm_proxy.errors import Conflict
+
+    inst, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {"level": 2}}, 1_000, 1_200)
+    inst.state = State.RUNNING
+    inst.engine = MagicMock()
+    with pytest.raises(Conflict, match="no sleep level fits"):
+        inst.sleep("admin")
+    assert inst.state is State.RUNNING
+    stopping = MagicMock()
+    inst._begin_stop = lambda: stopping  # type: ignore[method-assign]
+    assert inst.sleep("memory") is stopping
+
+
 def test_a_model_that_cannot_reload_is_not_demoted_to_level_2(tmp_path: Path) -> None:
     """A level-2 wake of a tensorizer (or other one-shot) checkpoint fails reload_weights
     (vLLM 0.33 model_loader/reload/inplace.py:73-79): short of host RAM for level 1, such a

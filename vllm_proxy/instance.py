@@ -41,7 +41,7 @@ from .engine import (
     read_tail,
     socket_path,
 )
-from .errors import EngineFailed, ProxyError, Unavailable
+from .errors import Conflict, EngineFailed, ProxyError, Unavailable
 from .hostmem import HostRam
 from .lora import Registrations
 from .memory import (
@@ -813,7 +813,8 @@ class Instance:
         """Put a RUNNING instance with a sleep policy to sleep if nothing is in flight or waiting
         for it; decided without yielding (no lease can be taken from here on). Returns the task
         that ends when the /sleep call has returned (or the fallback stop has finished), or
-        None when it may not sleep now.
+        None when it may not sleep now. With no sleep level fitting in host RAM the engine is
+        stopped instead, except for an operator's sleep (`Conflict`).
         """
         if (
             not self.routable
@@ -824,6 +825,12 @@ class Instance:
         ):
             return None
         chosen = self._choose_level(level or self.spec.sleep.level)
+        if chosen is None and reason == "admin":  # an operator asked for a sleep, not a stop
+            raise Conflict(
+                f"model '{self.name}': no sleep level fits in the host RAM available (the proxy's"
+                " log says how much each needs); not put to sleep",
+                code="insufficient_host_memory",
+            )
         if chosen is None:  # no host RAM to pin even the runtime pool: free the GPU anyway
             self.ctx.metrics.evictions.labels(self.name, reason).inc()
             return self._begin_stop()
