@@ -4,7 +4,9 @@ It is bounded by ``max_body_mb`` (413: before reading when the client announced 
 body, else as soon as more has come, decoded), its type must be JSON (`check_type`: 415
 before anything is read), and it is bounded by ``body_timeout_s`` unless it came with the
 request head (408) and by ``max_bodies_mb`` for all requests together (`Bodies`: 503 +
-``Retry-After``).
+``Retry-After``). A body is counted in `Bodies` as its bytes arrive, never by the length its
+head announces: a client that announces 32 MiB and sends one byte holds one byte of the
+budget, not 32 MiB of every other client's.
 
 A small plain body whose length is known is read by aiohttp's ``read()``. A large one is kept as
 the pieces aiohttp hands over (`body.Pieces`), with no copy into one buffer, and each piece is
@@ -193,11 +195,14 @@ async def _read(request: web.Request, limit: int, hold: Hold) -> Received:
     length = request.content_length
     if length is None or "Content-Encoding" in request.headers:  # else the length is the body's
         return await _read_counted(request, limit, hold)
-    hold.take(length)
-    if length < PIECES_FROM:  # the usual small request: aiohttp's read()
-        body = await request.read()
-        return body, (await scan_whole(body) if needs_scan(body) else None)
     content = request.content
+    if length < PIECES_FROM:  # the usual small request: read whole, counted as it arrives
+        small: list[bytes] = []
+        while data := await content.readany():
+            hold.take(len(data))
+            small.append(data)
+        body = small[0] if len(small) == 1 else b"".join(small)
+        return body, (await scan_whole(body) if needs_scan(body) else None)
     content.set_read_chunk_size(limit)  # no pause/resume of the socket every 64 KiB
     parts: list[bytes] = []
     scan = Scan(length)
@@ -208,6 +213,7 @@ async def _read(request: web.Request, limit: int, hold: Hold) -> Received:
             if end_of_http_chunk:  # (b"", True): the end of an HTTP chunk, not of the body
                 continue
             break
+        hold.take(len(data))  # what has arrived, not what was announced
         parts.append(data)  # aiohttp stops at Content-Length
         await feed(data)
     await feed.flush()
