@@ -422,8 +422,8 @@ class ModelConfig(EngineKeys):
     #: Never evicted to make room for another model.
     pinned: bool = False
     #: Lower values are served first from the queue and evicted last (vLLM's rule for its
-    #: request ``priority``, which ranks next where the engine runs --scheduling-policy
-    #: priority).
+    #: request ``priority``). A request's own ``priority`` orders requests within the model's
+    #: engine (--scheduling-policy priority), never across models.
     priority: int = 0
     #: Restrict placement to these GPU ids (tensor_parallel_size of them are used).
     devices: list[int] | None = None
@@ -718,13 +718,6 @@ class ModelSpec:
         if key:
             return str(key)
         return dict(self.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-
-    @property
-    def request_priorities(self) -> bool:
-        """The engine orders requests by their ``priority`` (``scheduling_policy: priority``):
-        the queue ranks them by it too (others refuse a non-zero one)."""
-        args = {_arg_name(k): v for k, v in self.args}
-        return args.get("scheduling_policy") == "priority"
 
     @property
     def pooling(self) -> bool:

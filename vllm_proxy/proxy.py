@@ -469,7 +469,7 @@ class Proxy:
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
             send = self._lease_and_relay(
-                request, path, body, model, session, tap, parsed.stream, parsed.priority, adapter
+                request, path, body, model, session, tap, parsed.stream, adapter
             )
             return await self._counted(model.name, tap, send)
         finally:
@@ -484,21 +484,18 @@ class Proxy:
         session: str | None,
         tap: Tap,
         stream: bool,
-        priority: int | None,
         adapter: AdapterSpec | None,
     ) -> web.StreamResponse:
         """Lease an engine of `model` (with `adapter` registered on it) and relay `body`."""
         # A stream that may wait (no engine serves, or the queue may hold it behind a swap)
         # gets keep-alives while it waits (an upload does not: its client is still sending).
         if stream and (model.serving() is None or self.manager.queue.tickets):
-            return await self._forward_loading(
-                request, path, body, model, session, tap, priority, adapter
-            )
+            return await self._forward_loading(request, path, body, model, session, tap, adapter)
         if adapter is not None:
-            async with self.manager.lease(model, session, priority, adapter.name) as (i, e):
+            async with self.manager.lease(model, session, adapter.name) as (i, e):
                 tap.instance = i.id
                 return await self._relay_adapter(request, path, body, i, e, tap, adapter)
-        async with self.manager.lease(model, session, priority) as (inst, engine):
+        async with self.manager.lease(model, session) as (inst, engine):
             tap.instance = inst.id
             return await self._relay(request, path, body, inst, engine, tap)
 
@@ -548,9 +545,7 @@ class Proxy:
             tap.model = model.name
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
-            send = self._lease_and_relay(
-                request, path, upload, model, session, tap, False, None, None
-            )
+            send = self._lease_and_relay(request, path, upload, model, session, tap, False, None)
             return await self._counted(model.name, tap, send)
         finally:
             upload.close()
@@ -685,7 +680,6 @@ class Proxy:
         model: Model,
         session: str | None,
         tap: Tap,
-        priority: int | None = None,
         adapter: AdapterSpec | None = None,
     ) -> web.StreamResponse:
         """A stream that may wait (no serving instance: it starts or wakes; or the admission
@@ -696,7 +690,7 @@ class Proxy:
         visible progress (``reasoning_content`` chunks) instead. Then the engine's stream
         follows byte for byte; a failure after the 200 is an SSE error event and
         ``data: [DONE]``."""
-        lease = self.manager.lease(model, session, priority, adapter.name if adapter else None)
+        lease = self.manager.lease(model, session, adapter.name if adapter else None)
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")

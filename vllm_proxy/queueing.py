@@ -9,9 +9,12 @@ rules:
 
 * **Order.** Models waiting to be brought up are served by ``(priority, arrival of their
   oldest waiting request)``: FIFO among equals. Lower priority values go first (vLLM's rule for
-  its own ``priority`` field): the model's ``priority``, then the request's where the engine
-  runs ``--scheduling-policy priority``. A model's requests are grouped: all of them ride on
-  its one start or wake, whatever came in between.
+  its own ``priority`` field): the model's ``priority``, which the operator sets. A request's
+  own ``priority`` orders requests within its model (the engine does that, with
+  ``--scheduling-policy priority``) and takes no part here: a client could otherwise rank its
+  model ahead of every other and, with ``holds``, keep them from their turn for good. A
+  model's requests are grouped: all of them ride on its one start or wake, whatever came in
+  between.
 * **No needless waits.** A request for a model that serves is sent at once, ahead of swaps it
   does not need: unless a waiter before it in that order needs this very engine's memory and
   has used up its reorder window (``max_reorder_s`` after it arrived, at most half the queue
@@ -42,7 +45,8 @@ import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 
-#: A ticket's rank: (model priority, request priority); lower goes first.
+#: A ticket's rank: (model priority, 0); lower goes first. Only what the operator sets ranks
+#: a ticket, never what a client writes in its body.
 Rank = tuple[int, int]
 
 
