@@ -424,3 +424,28 @@ def test_the_request_priority_is_read_from_parsed_and_scanned_bodies(
     assert model_of(body).priority == expected
     padded = body[:-1] + b', "pad": "' + b"x" * 300_000 + b'"}'
     assert model_of(padded).priority == expected
+
+
+async def test_a_stuck_head_does_not_hold_back_a_start_that_fits_at_once(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """a serves one long stream; b (600 MiB) waits for a's memory, its window over; s (300
+    MiB) fits in the free memory and leaves b's plan intact: it starts at once (it waited
+    until b's queue timeout), and b still gets its turn once the stream ends."""
+    models = {"a": {}, "b": {}, "s": {"memory_mb": 300}}
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 0.2, "queue_timeout_s": 8}, min_resident_s=0)
+    proxy = await start_proxy(cfg)
+    stream = await proxy.chat("a", max_tokens=100, stream=True)  # 3 s
+    await stream.content.readany()
+    b = asyncio.ensure_future(proxy.chat("b", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    await wait_for(
+        lambda: time.monotonic() - proxy.manager.queue.waiters()[0].since > 0.4,
+        what="b's window over",
+    )
+    sent = time.monotonic()
+    assert (await proxy.chat("s", max_tokens=1)).status == 200
+    assert time.monotonic() - sent < 2.0, "s waited for b's turn"
+    assert not b.done(), "b still waits for a's stream"
+    await stream.read()
+    assert (await b).status == 200

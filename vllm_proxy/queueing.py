@@ -28,9 +28,10 @@ rules:
 * **Turns** (`turn`). Among starts and wakes waiting for memory, only the first in order may
   put engines to sleep or stop them; one behind it may start meanwhile where the memory it
   takes leaves the first one's plan intact (it fits without touching anyone, and the first
-  still fits once the busy engines drain), or where the first cannot be placed even then; but
-  never one that began waiting more than the reorder window after the first. Only a waiter
-  that may go holds requests (`may_hold`).
+  still fits once the busy engines drain), whenever it came: it delays no one. One whose plan
+  would put engines to sleep or stop them may go where the first cannot be placed even with
+  busy engines drained, but never if it began waiting more than the reorder window after the
+  first. Only a waiter that may go holds requests (`may_hold`).
 
 The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
@@ -136,18 +137,20 @@ def turn(me: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool,
     plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (claim, then check that `first`'s plan with
     busy engines drained still fits; else give the claim back and wait).
 
-    The first always goes. No one that began waiting more than the reorder window after the
-    first goes ahead of it, by any path (the bound on reordering). Within that, one behind may
-    go when the first cannot be placed even with busy engines drained (`first_placeable`
-    False: it waits for something else), or when its own plan touches nobody (`reclaims`
-    False) and leaves the first's plan intact."""
+    The first always goes. A plan that touches nobody (`reclaims` False: it takes only free
+    memory) goes whenever it came, as long as it leaves the first's plan intact: it delays no
+    one, so a head stuck behind a long stream does not hold back starts that fit at once.
+    Otherwise no one that began waiting more than the reorder window after the first goes
+    ahead of it (the bound on reordering); within that, one behind may go when the first
+    cannot be placed even with busy engines drained (`first_placeable` False: it waits for
+    something else)."""
     if me.model == first.model:
         return GO
+    if not reclaims:
+        return IF_FIRST_STILL_FITS if first_placeable else GO
     if me.since - first.since > rules.window_s:
         return WAIT
-    if not first_placeable:
-        return GO
-    return WAIT if reclaims else IF_FIRST_STILL_FITS
+    return WAIT if first_placeable else GO
 
 
 def may_hold(waiter: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool) -> bool:
