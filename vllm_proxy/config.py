@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -532,6 +533,13 @@ class AdmissionConfig(_Strict):
     idle_grace_s: float = Field(1, ge=0)
 
 
+def file_stem(name: str) -> str:
+    """A model's name as its engines' socket and log file names begin: what is not a letter,
+    digit, ``.``, ``_`` or ``-`` becomes ``_`` (two names may become the same: `Config`
+    refuses that)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
@@ -562,6 +570,24 @@ class Config(_Strict):
                             f" by {owner if owner.startswith('adapter ') else 'model ' + owner}"
                         )
                     seen[n] = f"adapter {adapter} of {name}"
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _file_names_unique(self) -> Config:
+        """Two models whose names give the same file names (``m:x`` and ``m/x``) would share
+        engine sockets and logs: the second start would find the first's socket."""
+        stems: dict[str, str] = {}
+        problems = []
+        for name in self.models:
+            stem = file_stem(name)
+            if stem in stems:
+                problems.append(
+                    f"@models.{name}: its engines' socket and log files would be named"
+                    f" {stem!r}, as model {stems[stem]!r}'s are; rename one of them"
+                )
+            stems.setdefault(stem, name)
         if problems:
             raise ValueError("\n".join(problems))
         return self
