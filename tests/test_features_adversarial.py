@@ -109,6 +109,46 @@ async def post_raw(proxy: RunningProxy, path: str, data: bytes, **headers: str) 
 # -- LoRA adapters: names from clients --------------------------------------------------------
 
 
+async def test_one_adapter_name_in_two_models_adapters_dir_goes_to_neither_by_mistake(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """``shared`` is in a's folder and in b's: it went to a, the first in config order, for
+    every key (b's users got a's adapter; a key scoped to b got 404 for its own). A key scoped
+    to one model finds its own; a key that may use both gets a 400 naming both, never the
+    wrong adapter, and the listing shows each key what it can use."""
+    adapter(tmp_path / "a-adapters", "shared")
+    adapter(tmp_path / "b-adapters", "shared")
+    keys = [{"key": "for-a", "models": ["a"]}, {"key": "for-b", "models": ["b"]}, "for-all"]
+    models = {
+        "a": {"model": "x", "adapters_dir": str(tmp_path / "a-adapters")},
+        "b": {"model": "y", "adapters_dir": str(tmp_path / "b-adapters")},
+    }
+    proxy = await start_proxy(lora_config(tmp_path, models, api_keys=keys))
+
+    async def ask(key: str) -> tuple[int, Any]:
+        body = {"model": "shared", "prompt": "hi", "max_tokens": 2}
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.post(proxy.url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+    async def listed(key: str) -> list[tuple[str, Any]]:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.get(proxy.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+            cards = (await r.json())["data"]
+        return [(c["id"], c["parent"]) for c in cards if c["id"] == "shared"]
+
+    for key, owner in (("for-b", "b"), ("for-a", "a")):
+        status, data = await ask(key)
+        assert status == 200 and text(data).startswith("shared:tok0"), (key, data)
+        assert proxy.instance(owner).adapters.holds("shared")
+        assert await listed(key) == [("shared", owner)]
+    status, data = await ask("for-all")
+    assert_clean_error(status, data, 400, "ambiguous_adapter")
+    assert "'a' and 'b'" in data["error"]["message"]
+    assert await listed("for-all") == []
+
+
 async def test_adapter_names_that_look_like_paths_never_load_a_folder_outside_adapters_dir(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:

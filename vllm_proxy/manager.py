@@ -22,7 +22,7 @@ from .adapters import AdapterSpec, find_in, list_folder
 from .admission import Admission
 from .config import ModelSpec
 from .engine import EngineProcess
-from .errors import NotFound, Unavailable
+from .errors import BadRequest, NotFound, Unavailable
 from .footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
 from .instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from .memory import Memory
@@ -206,37 +206,61 @@ class Manager:
         alias, else a sub-folder of a model's ``adapters_dir`` with an
         ``adapter_config.json`` (looked up now, so an adapter copied there is served without
         a reload). Model names win over adapters; an adapter of a model that `visible` (an
-        API key's scope) refuses is not found."""
+        API key's scope) refuses is not found. A name found in the folders of two models the
+        key may use is refused (`BadRequest`), never given to either: a key scoped to one of
+        them finds its own."""
         if requested in self.names:
             return None
-        found = self.adapter_names.get(requested) or self._discover(requested)
+        found = self.adapter_names.get(requested)
         if found is None:
-            return None
+            return self._discover(requested, visible)
         model = self.models[found[0]]
         return (model, found[1]) if visible is None or visible(model) else None
 
-    def _discover(self, requested: str) -> tuple[str, AdapterSpec] | None:
-        """An adapter named `requested` in a model's ``adapters_dir`` (models in config order)."""
-        for name, model in self.models.items():
-            folder = model.spec.adapters_dir
-            if folder is not None:
-                spec = find_in(folder, requested)
-                if spec is not None:
-                    return name, spec
-        return None
-
-    def adapter_entries(self) -> list[tuple[str, Model, AdapterSpec]]:
-        """Every adapter name and alias clients may use now, with its base model and adapter:
-        configured ones first, then those in the models' folders (as many as
-        `adapters.list_folder` reads; a name a model or another adapter has is not one)."""
-        out = [(n, self.models[base], a) for n, (base, a) in self.adapter_names.items()]
-        taken = set(self.names) | set(self.adapter_names)
+    def _discover(
+        self, requested: str, visible: Callable[[Model], bool] | None
+    ) -> tuple[Model, AdapterSpec] | None:
+        """The adapter named `requested` in the ``adapters_dir`` of a model `visible` allows;
+        `BadRequest` when two such models have one of that name."""
+        found = []
         for model in self.models.values():
-            if model.spec.adapters_dir is not None:
+            folder = model.spec.adapters_dir
+            if folder is None or (visible is not None and not visible(model)):
+                continue
+            spec = find_in(folder, requested)
+            if spec is not None:
+                found.append((model, spec))
+        if len(found) > 1:
+            bases = " and ".join(repr(m.name) for m, _ in found)
+            raise BadRequest(
+                f"{requested!r} is an adapter in the adapters_dir of models {bases}, so it"
+                " names neither: the operator renames one, or a key scoped to one model uses"
+                " its own",
+                code="ambiguous_adapter",
+                param="model",
+            )
+        return found[0] if found else None
+
+    def adapter_entries(
+        self, visible: Callable[[Model], bool] | None = None
+    ) -> list[tuple[str, Model, AdapterSpec]]:
+        """Every adapter name and alias clients may use now (of the models `visible` allows),
+        with its base model and adapter: configured ones first, then those in the models'
+        folders (as many as `adapters.list_folder` reads; a name a model or another adapter
+        has is not one, nor one in two of these folders: `find_adapter` refuses it)."""
+        out = [
+            (n, self.models[base], a)
+            for n, (base, a) in self.adapter_names.items()
+            if visible is None or visible(self.models[base])
+        ]
+        taken = set(self.names) | set(self.adapter_names)
+        found: dict[str, list[tuple[Model, AdapterSpec]]] = {}
+        for model in self.models.values():
+            if model.spec.adapters_dir is not None and (visible is None or visible(model)):
                 for a in list_folder(model.spec.adapters_dir):
                     if a.name not in taken:
-                        taken.add(a.name)
-                        out.append((a.name, model, a))
+                        found.setdefault(a.name, []).append((model, a))
+        out += [(name, *seen[0]) for name, seen in found.items() if len(seen) == 1]
         return out
 
     def lease(

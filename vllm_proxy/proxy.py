@@ -1004,10 +1004,9 @@ class Proxy:
         ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
         ``not_loaded``) and ``instances`` which; an alias's card names its ``adapter``."""
         scope = request.get(SCOPE)
+        visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
         cards = []
-        for name, model, adapter in self.manager.adapter_entries():
-            if scope is not None and not scope.allows(model.name, model.spec.aliases):
-                continue
+        for name, model, adapter in self.manager.adapter_entries(visible):
             held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
             states = set(held.values())
             state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
