@@ -695,6 +695,38 @@ async def test_slow_loris_uploads_are_408s_within_body_timeout_s(
     await left_nothing(proxy, spool_dir)
 
 
+async def test_stalled_uploads_spool_at_most_max_spool_mb_in_all(
+    tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
+) -> None:
+    """Uploads with their model after the file, stalled mid-file, spooled without a bound in
+    all (20 of them: 613 MiB with ``max_bodies_mb: 64``; RAM where the temporary directory is
+    a tmpfs). The spool files of all uploads are bounded by ``max_spool_mb``: past it 503 +
+    Retry-After, while an upload that names its model first still goes; a stalled client's
+    bytes are given back when it goes."""
+    proxy = await start_proxy(speech_config(tmp_path, max_body_mb=2, max_spool_mb=2))
+    spools = proxy.server.runtime.proxy.spools
+    stalled = []
+    for _ in range(2):  # 1.1 MiB each, 0.9 MiB of it spooled
+        stalled.append(await raw_post(proxy, 2_000_000, FILE + AUDIO * 18))
+    await wait_for(lambda: spools.held >= 2 * 800 * 1024, what="two uploads spooled")
+    reader, over = await raw_post(proxy, 2_000_000, FILE + AUDIO * 18)
+    try:
+        answer = await answer_of(reader, 10)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+        assert b"Retry-After" in answer and b'"code": "upload_spool_full"' in answer
+        assert b"server.max_spool_mb" in answer
+    finally:
+        over.close()
+    assert spools.held <= 2 * 1024 * 1024
+    body = MODEL_PART + FILE + AUDIO + CLOSE  # the model first: never spooled
+    status, data = await post_raw(proxy, "/v1/audio/transcriptions", body, **{"Content-Type": FORM})
+    assert status == 200, data
+    for _, writer in stalled:
+        writer.close()
+    await wait_for(lambda: spools.held == 0, what="the spooled bytes given back")
+    await left_nothing(proxy, spool_dir)
+
+
 async def test_a_client_gone_mid_upload_leaves_no_spool_file_no_lease_and_no_ticket(
     tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
 ) -> None:

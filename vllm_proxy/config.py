@@ -220,6 +220,9 @@ class ServerConfig(_Strict):
     #: Request bodies held at once by all requests (read, waiting for a model, being sent);
     #: a request whose body would pass it gets 503 + Retry-After.
     max_bodies_mb: float = Field(512, gt=0)
+    #: Uploads spooled to disk at once by all requests (a form whose ``model`` comes after its
+    #: file waits there); an upload that would pass it gets 503 + Retry-After.
+    max_spool_mb: float = Field(1024, gt=0)
     #: Keys for /metrics and /metrics/engines; with none they are open (Prometheus on a
     #: trusted network).
     metrics_api_keys: list[str] = []
@@ -269,6 +272,11 @@ class ServerConfig(_Strict):
             raise ValueError(
                 "@max_bodies_mb: smaller than max_body_mb: every body of the largest allowed"
                 " size would get 503"
+            )
+        if self.max_spool_mb < self.max_body_mb:
+            raise ValueError(
+                "@max_spool_mb: smaller than max_body_mb: an upload of the largest allowed"
+                " size with its model after its file would get 503"
             )
         return self
 

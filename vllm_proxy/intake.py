@@ -111,21 +111,31 @@ class Bodies:
     `Hold` and gives it back in ``finally``; a request whose body would pass the limit gets
     503 + ``Retry-After``. Once the bytes held have fallen more than `keep` below their high
     mark, a burst of large bodies has ended: `give_back` (`heap.give_back`) returns the heap
-    they left free to the kernel."""
+    they left free to the kernel.
 
-    __slots__ = ("give_back", "held", "high", "keep", "limit")
+    The same count bounds other bytes held for clients, named by `key`, `what` and `code`:
+    uploads spooled to disk (``server.max_spool_mb``)."""
+
+    __slots__ = ("code", "give_back", "held", "high", "keep", "key", "limit", "what")
 
     def __init__(
         self,
         limit: int,
         give_back: Callable[[], None] | None = None,
         keep: int = heap.TRIM_THRESHOLD,
+        *,
+        key: str = "server.max_bodies_mb",
+        what: str = "request bodies",
+        code: str = "request_bodies_full",
     ) -> None:
         self.limit = limit
         self.held = 0
         self.high = 0  # the most held since the heap was last given back
         self.give_back = give_back
         self.keep = keep
+        self.key = key
+        self.what = what
+        self.code = code
 
     def hold(self) -> Hold:
         return Hold(self)
@@ -146,10 +156,10 @@ class Hold:
         held = bodies.held + n
         if held > bodies.limit:
             raise Unavailable(
-                f"the proxy holds {bodies.held / MIB:.0f} MiB of request bodies and this one "
-                f"would pass its limit of {bodies.limit / MIB:g} MiB (server.max_bodies_mb); "
+                f"the proxy holds {bodies.held / MIB:.0f} MiB of {bodies.what} and this one "
+                f"would pass its limit of {bodies.limit / MIB:g} MiB ({bodies.key}); "
                 "retry later",
-                code="request_bodies_full",
+                code=bodies.code,
             )
         bodies.held = held
         self.size += n

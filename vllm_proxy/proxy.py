@@ -303,6 +303,13 @@ class Proxy:
         self.max_body_bytes = int(server.max_body_mb * MIB)
         #: Request bodies held by all requests (``server.max_bodies_mb``).
         self.bodies = Bodies(int(server.max_bodies_mb * MIB), heap.give_back())
+        #: Uploads spooled to disk by all requests (``server.max_spool_mb``).
+        self.spools = Bodies(
+            int(server.max_spool_mb * MIB),
+            key="server.max_spool_mb",
+            what="uploads spooled to disk",
+            code="upload_spool_full",
+        )
         bulk()  # the scan's regexes, compiled now rather than when the first body needs them
         self.configure(server)
         self.created = int(time.time())
@@ -321,6 +328,7 @@ class Proxy:
         self.body_timeout_s = server.body_timeout_s
         self.send_timeout_s = server.send_timeout_s
         self.bodies.limit = int(server.max_bodies_mb * MIB)
+        self.spools.limit = int(server.max_spool_mb * MIB)
 
     # -- middleware ----------------------------------------------------------------------
 
@@ -534,7 +542,8 @@ class Proxy:
         # A model in the path is known before anything is read.
         model = None if forced is None else self._resolve(request, forced, observe=True)
         hold = self.bodies.hold()  # what is kept in memory before the model is known
-        upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold)
+        spooled = self.spools.hold()  # ... and on disk
+        upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold, spooled)
         try:
             named = await upload.find_model()  # (with a model in the path: to replace it)
             if model is None:
@@ -549,6 +558,7 @@ class Proxy:
             return await self._counted(model.name, tap, send)
         finally:
             upload.close()
+            spooled.release()
             hold.release()
 
     async def realtime(self, request: web.Request) -> web.StreamResponse:
