@@ -10,6 +10,7 @@ import json
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -147,6 +148,52 @@ async def test_one_adapter_name_in_two_models_adapters_dir_goes_to_neither_by_mi
     assert_clean_error(status, data, 400, "ambiguous_adapter")
     assert "'a' and 'b'" in data["error"]["message"]
     assert await listed("for-all") == []
+
+
+async def test_models_lists_adapters_folders_off_the_event_loop_once_per_ttl(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/models`` listed every ``adapters_dir`` on the event loop, at every call: with
+    1000 adapters and four clients ``/health`` went from 3 to 143 ms (881 ms with 50 000
+    other entries in the folder). Now a folder is listed in a thread, once for the calls of a
+    couple of seconds, only for a key that may use its model, and files in it cost no system
+    call: forty calls from four clients list it once (or once per two seconds), off the
+    loop."""
+    folder = tmp_path / "adapters"
+    for i in range(1000):
+        adapter(folder, f"lora-{i:04d}")
+    for i in range(20_000):  # sorted before the adapters
+        (folder / f"0-junk-{i:05d}").touch()
+    from vllm_proxy import manager as manager_module
+
+    listings: list[int] = []
+    original = manager_module.list_folder
+
+    def counted(path: str, *args: Any) -> Any:
+        listings.append(threading.get_ident())
+        return original(path, *args)
+
+    monkeypatch.setattr(manager_module, "list_folder", counted)
+    keys = [{"key": "other", "models": ["plain"]}, "all"]
+    models = {"base": {"model": "x", "adapters_dir": str(folder)}, "plain": {"model": "y"}}
+    proxy = await start_proxy(lora_config(tmp_path, models, api_keys=keys))
+
+    async def ids(key: str) -> set[str]:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.get(proxy.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+            return {c["id"] for c in (await r.json())["data"]}
+
+    assert await ids("other") == {"plain"}
+    assert listings == [], "a key that may not use base lists nothing"
+
+    async def client() -> None:
+        for _ in range(10):
+            assert len(await ids("all")) == 1002
+
+    await asyncio.gather(*(client() for _ in range(4)))
+    assert 1 <= len(listings) <= 4, f"listed {len(listings)} times"
+    assert threading.get_ident() not in listings, "listed on the event loop"
 
 
 async def test_adapter_names_that_look_like_paths_never_load_a_folder_outside_adapters_dir(

@@ -38,6 +38,10 @@ NAME_SHOWN = 200
 FORCED_KILL_GRACE_S = 0.3
 
 
+#: A listing of an adapters folder serves ``GET /v1/models`` for this long.
+LISTING_TTL_S = 2.0
+
+
 class Lease:
     """The request path's hold on an instance: acquired on entry, released in ``__aexit__``.
 
@@ -106,6 +110,8 @@ class Manager:
         self.closing = False
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
+        #: Listings of adapters folders (`_listing`): when each began, and its task.
+        self._listings: dict[str, tuple[float, asyncio.Future[list[AdapterSpec]]]] = {}
         #: Preloads still running, by model name.
         self.preloading: dict[str, asyncio.Task[None]] = {}
 
@@ -241,13 +247,14 @@ class Manager:
             )
         return found[0] if found else None
 
-    def adapter_entries(
+    async def adapter_entries(
         self, visible: Callable[[Model], bool] | None = None
     ) -> list[tuple[str, Model, AdapterSpec]]:
         """Every adapter name and alias clients may use now (of the models `visible` allows),
         with its base model and adapter: configured ones first, then those in the models'
-        folders (as many as `adapters.list_folder` reads; a name a model or another adapter
-        has is not one, nor one in two of these folders: `find_adapter` refuses it)."""
+        folders (as many as `adapters.list_folder` reads, listed by `_listing`; a name a model
+        or another adapter has is not one, nor one in two of these folders: `find_adapter`
+        refuses it). Only the folders of models `visible` allows are listed."""
         out = [
             (n, self.models[base], a)
             for n, (base, a) in self.adapter_names.items()
@@ -256,12 +263,25 @@ class Manager:
         taken = set(self.names) | set(self.adapter_names)
         found: dict[str, list[tuple[Model, AdapterSpec]]] = {}
         for model in self.models.values():
-            if model.spec.adapters_dir is not None and (visible is None or visible(model)):
-                for a in list_folder(model.spec.adapters_dir):
+            folder = model.spec.adapters_dir
+            if folder is not None and (visible is None or visible(model)):
+                for a in await self._listing(folder):
                     if a.name not in taken:
                         found.setdefault(a.name, []).append((model, a))
         out += [(name, *seen[0]) for name, seen in found.items() if len(seen) == 1]
         return out
+
+    async def _listing(self, folder: str) -> list[AdapterSpec]:
+        """The adapters in `folder`, listed in a thread (a folder of thousands of entries
+        takes the disk's time, not the event loop's). One listing serves every call while it
+        runs and for `LISTING_TTL_S` after it began."""
+        now = time.monotonic()
+        cached = self._listings.get(folder)
+        if cached is None or now - cached[0] >= LISTING_TTL_S:
+            self._listings = {f: c for f, c in self._listings.items() if now - c[0] < LISTING_TTL_S}
+            task = asyncio.ensure_future(asyncio.to_thread(list_folder, folder))
+            cached = self._listings[folder] = (now, task)
+        return await asyncio.shield(cached[1])
 
     def lease(
         self,

@@ -977,17 +977,17 @@ class Proxy:
     # -- proxy's own routes --------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self._cards(request)})
+        return web.json_response({"object": "list", "data": await self._cards(request)})
 
     async def model(self, request: web.Request) -> web.Response:
         wanted = request.match_info["model"]
-        for card in self._cards(request):
+        for card in await self._cards(request):
             if card["id"] == wanted:
                 return web.json_response(card)
         self._resolve(request, wanted)  # raises NotFound with the list of valid names
         raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
 
-    def _cards(self, request: web.Request) -> list[dict[str, Any]]:
+    async def _cards(self, request: web.Request) -> list[dict[str, Any]]:
         """A card per name and alias of the models the request's key may use."""
         scope = request.get(SCOPE)
         cards = []
@@ -1006,9 +1006,9 @@ class Proxy:
                     "state": model.state().value,
                 }
             )
-        return cards + self._adapter_cards(request)
+        return cards + await self._adapter_cards(request)
 
-    def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
+    async def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
         """A card per LoRA adapter name and alias (of the models the request's key may use),
         as vLLM lists adapters: ``parent`` is the base model, ``root`` the adapter's path;
         ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
@@ -1016,7 +1016,7 @@ class Proxy:
         scope = request.get(SCOPE)
         visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
         cards = []
-        for name, model, adapter in self.manager.adapter_entries(visible):
+        for name, model, adapter in await self.manager.adapter_entries(visible):
             held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
             states = set(held.values())
             state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
@@ -1037,7 +1037,7 @@ class Proxy:
 
     async def prefixed_models(self, request: web.Request) -> web.Response:
         name = self._resolve(request, request.match_info["model"]).name
-        cards = [c for c in self._cards(request) if c["id"] == name]
+        cards = [c for c in await self._cards(request) if c["id"] == name]
         return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:
