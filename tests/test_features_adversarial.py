@@ -1013,3 +1013,69 @@ async def test_an_unknown_model_name_is_quoted_only_in_part(
     assert resp.status == 404
     body = await resp.read()
     assert len(body) < 2_000 and b"x" * 200 + b"..." in body
+
+
+async def raw_session(
+    proxy: RunningProxy, path: str = "/v1/realtime?model=w"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A realtime WebSocket opened by hand (its handshake answered 101)."""
+    import base64
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return reader, writer
+
+
+def frame_head(length: int) -> bytes:
+    """A client's binary frame head for `length` bytes, masked with a zero key (the payload
+    goes as it is)."""
+    return bytes([0x82, 0x80 | 127]) + length.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+async def read_until(reader: asyncio.StreamReader, mark: bytes, within: float = 10) -> bytes:
+    """What the server sends until `mark` has come (or it closes)."""
+    got = b""
+    deadline = time.monotonic() + within
+    while mark not in got:
+        piece = await asyncio.wait_for(reader.read(65536), max(deadline - time.monotonic(), 0))
+        if not piece:
+            break
+        got += piece
+    return got
+
+
+async def test_realtime_messages_count_in_max_bodies_mb_and_an_unfinished_one_times_out(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Realtime messages were outside the bodies' budget: 30 sockets each sending 30 MiB of a
+    frame that never ended took the proxy from 60 to 960 MiB with ``max_bodies_mb: 64``, and
+    a message never finished held its memory and the engine for good. Now the bytes count as
+    they arrive: a session that would pass the budget gets an ``error`` event and is closed,
+    and a message still arriving after ``body_timeout_s`` ends its session."""
+    server = {"max_bodies_mb": 1, "max_body_mb": 1, "body_timeout_s": 2}
+    proxy = await start_proxy(realtime_config(tmp_path, **server))
+    bodies = proxy.server.runtime.proxy.bodies
+    a_reader, a = await raw_session(proxy)
+    a.write(frame_head(900_000) + b"\0" * 500_000)  # never finished
+    await a.drain()
+    await wait_for(lambda: bodies.held >= 500_000, what="the unfinished message counted")
+    began = time.monotonic()
+    b_reader, b = await raw_session(proxy)
+    b.write(frame_head(900_000) + b"\0" * 600_000)
+    await b.drain()
+    assert b"request_bodies_full" in await read_until(b_reader, b"request_bodies_full")
+    assert bodies.held <= 1024 * 1024
+    got = await read_until(a_reader, b"request_timeout")
+    assert b"request_timeout" in got and b"body_timeout_s" in got
+    assert time.monotonic() - began < 2 + 3
+    for writer in (a, b):
+        writer.close()
+    await wait_for(lambda: bodies.held == 0, what="every byte given back")
+    await left_nothing(proxy)

@@ -168,9 +168,14 @@ class Hold:
 
     def release(self) -> None:
         """Give this request's bytes back (idempotent)."""
-        size, self.size = self.size, 0
+        self.give(self.size)
+
+    def give(self, n: int) -> None:
+        """Give `n` of this request's bytes back (at most what it holds)."""
+        n = min(n, self.size)
+        self.size -= n
         bodies = self.bodies
-        bodies.held -= size
+        bodies.held -= n
         if bodies.high - bodies.held > bodies.keep:
             bodies.high = bodies.held
             if bodies.give_back is not None:

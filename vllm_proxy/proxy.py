@@ -43,11 +43,12 @@ from .errors import (
 )
 from .form import MISSING
 from .instance import Instance
-from .intake import MIB, Bodies, read_body, too_large
+from .intake import MIB, Bodies, Hold, read_body, too_large
 from .keys import KeyRing, Scope, bearer
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
+from .realtime import ClientSocket
 from .upload import open_upload
 from .upstream import (
     BodySource,
@@ -119,6 +120,8 @@ MODEL_ROUTES = (
 #: POST endpoints whose body is a form upload, routed by its ``model`` field (`upload`).
 UPLOAD_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 CLIENT_CLOSED = "499"
+#: How long a realtime client has to answer the proxy's close frame.
+CLOSE_TIMEOUT_S = 2.0
 #: Bytes queued for a client beyond which a write is timed (``server.send_timeout_s``).
 SEND_BACKLOG = 64 * 1024
 
@@ -567,10 +570,22 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
+        hold = self.bodies.hold()  # what the client sends, until it has gone on
+        try:
+            return await self._realtime(request, tap, hold)
+        finally:
+            hold.release()
+
+    async def _realtime(self, request: web.Request, tap: Tap, hold: Hold) -> web.StreamResponse:
         # Pinged after send_timeout_s of silence and dropped without a pong: a client whose
-        # host vanished would otherwise hold its lease (and the engine) for good.
-        client = web.WebSocketResponse(
-            max_msg_size=self.max_body_bytes, compress=False, heartbeat=self.send_timeout_s
+        # host vanished would otherwise hold its lease (and the engine) for good. What it
+        # sends is counted in the bodies' budget as it arrives (`realtime.Meter`).
+        client = realtime.ClientSocket(
+            realtime.Meter(hold),
+            max_msg_size=self.max_body_bytes,
+            compress=False,
+            heartbeat=self.send_timeout_s,
+            timeout=CLOSE_TIMEOUT_S,
         )
         if not client.can_prepare(request).ok:
             raise BadRequest(
@@ -588,6 +603,7 @@ class Proxy:
                 first = await realtime.first_update(
                     client, self.body_timeout_s, self.sessions.going_away
                 )
+                client.meter.passed(client.meter.fed)
                 model = self._resolve(request, first["model"], observe=True)
             except ProxyError as err:
                 await realtime.refuse(client, err)
@@ -616,7 +632,7 @@ class Proxy:
     async def _realtime_relay(
         self,
         request: web.Request,
-        client: web.WebSocketResponse,
+        client: ClientSocket,
         model: Model,
         first: dict[str, Any] | None,
         inst: Instance,
@@ -675,7 +691,9 @@ class Proxy:
                 first["model"] = model.name
                 await up.send_str(json.dumps(first))
             going_away = self.sessions.going_away
-            await realtime.relay(client, up, inbound, first is not None, counts, going_away)
+            await realtime.relay(
+                client, up, inbound, first is not None, counts, going_away, self.body_timeout_s
+            )
         finally:
             self.sessions.close_later(up, session, client)
             tap.bytes, tap.first_byte = counts.bytes, counts.first_at
