@@ -1079,3 +1079,55 @@ async def test_realtime_messages_count_in_max_bodies_mb_and_an_unfinished_one_ti
         writer.close()
     await wait_for(lambda: bodies.held == 0, what="every byte given back")
     await left_nothing(proxy)
+
+
+async def test_realtime_sessions_are_bounded_in_time_in_number_and_in_connections(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A silent session (pings answered) pinned its engine for ever, and 60 sessions opened 60
+    engine connections with ``max_upstream_connections: 4``. A session with no message
+    either way for ``realtime_idle_timeout_s`` is closed and its lease released; sessions per
+    model are capped by ``max_realtime_sessions`` (503 + Retry-After); each holds a
+    connection of its model's share (503 ``connections_busy`` past it)."""
+    server = {
+        "realtime_idle_timeout_s": 1.5,
+        "max_realtime_sessions": 2,
+        "max_upstream_connections": 2,
+        "connection_queue_timeout_s": 0.5,
+        "send_timeout_s": 0.5,  # pinged often: answering pings is not a message
+    }
+    proxy = await start_proxy(realtime_config(tmp_path, **server))
+    url = proxy.url + "/v1/realtime?model=w"
+    # Idle: closed with an error event naming the key, its lease released.
+    began = time.monotonic()
+    async with proxy.http.ws_connect(url) as ws:
+        assert (await receive(ws))["type"] == "session.created"
+        inst = proxy.instance("whisper")
+        assert inst.leases == 1
+        event = await receive(ws)
+        assert event["type"] == "error" and event["code"] == "session_idle", event
+        assert "realtime_idle_timeout_s" in event["error"]
+        assert await closed_with(ws) == 1008
+    assert 1.5 <= time.monotonic() - began < 5
+    await wait_for(lambda: inst.leases == 0, what="the idle session's lease released")
+    # Two sessions take the model's two connections: a request of the model waits for one,
+    # then 503; a third session is one over max_realtime_sessions: refused at once.
+    sessions = [await proxy.http.ws_connect(url) for _ in range(2)]
+    try:
+        for ws in sessions:
+            assert (await receive(ws))["type"] == "session.created"
+        async with proxy.http.post(
+            proxy.url + "/v1/completions", json={"model": "w", "prompt": "hi", "max_tokens": 1}
+        ) as r:
+            assert r.status == 503, await r.text()
+            assert (await r.json())["error"]["code"] == "connections_busy"
+        sent = time.monotonic()
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await proxy.http.ws_connect(url)
+        assert refused.value.status == 503
+        assert refused.value.headers is not None and refused.value.headers["Retry-After"]
+        assert time.monotonic() - sent < 0.4, "refused at once, not after a wait"
+    finally:
+        for ws in sessions:
+            await ws.close()
+    await left_nothing(proxy)

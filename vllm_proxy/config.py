@@ -220,6 +220,12 @@ class ServerConfig(_Strict):
     #: Request bodies held at once by all requests (read, waiting for a model, being sent);
     #: a request whose body would pass it gets 503 + Retry-After.
     max_bodies_mb: float = Field(512, gt=0)
+    #: Realtime WebSocket sessions open at once per model (each holds an engine connection of
+    #: its model's share, ``max_upstream_connections``); past it 503 + Retry-After.
+    max_realtime_sessions: int = Field(64, ge=1)
+    #: A realtime session with no message either way for this long is closed (an open session
+    #: holds its engine: it is neither evicted nor stopped for idleness).
+    realtime_idle_timeout_s: float = Field(300, gt=0)
     #: Uploads spooled to disk at once by all requests (a form whose ``model`` comes after its
     #: file waits there); an upload that would pass it gets 503 + Retry-After.
     max_spool_mb: float = Field(1024, gt=0)

@@ -330,6 +330,8 @@ class Proxy:
         self.access_log = server.access_log
         self.body_timeout_s = server.body_timeout_s
         self.send_timeout_s = server.send_timeout_s
+        self.max_realtime_sessions = server.max_realtime_sessions
+        self.realtime_idle_timeout_s = server.realtime_idle_timeout_s
         self.bodies.limit = int(server.max_bodies_mb * MIB)
         self.spools.limit = int(server.max_spool_mb * MIB)
 
@@ -613,9 +615,15 @@ class Proxy:
         affinity = model.spec.affinity_header
         session = request.headers.get(affinity) if affinity else None
         try:
-            async with self.manager.lease(model, session) as (inst, engine):
-                tap.instance = inst.id
-                await self._realtime_relay(request, client, model, first, inst, engine, tap)
+            # Counted before the lease: a session refused starts no engine.
+            with self.sessions.open(model.name, self.max_realtime_sessions):
+                async with self.manager.lease(model, session) as (inst, engine):
+                    tap.instance = inst.id
+                    slot = await self._realtime_slot(inst)
+                    try:
+                        await self._realtime_relay(request, client, model, first, inst, engine, tap)
+                    finally:
+                        slot.release()
             status = str(client.status)
         except ProxyError as err:
             status = str(err.status)
@@ -628,6 +636,14 @@ class Proxy:
         finally:
             self._observe(model.name, status, tap.started, tap)
         return client
+
+    async def _realtime_slot(self, inst: Instance) -> asyncio.Semaphore:
+        """A connection of the model's share (``max_upstream_connections``), held for the
+        session's lifetime: a session holds an engine connection as a request does."""
+        try:
+            return await self.upstream.take_slot(inst.name)
+        except NoSlot as err:
+            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
 
     async def _realtime_relay(
         self,
@@ -692,8 +708,9 @@ class Proxy:
                 await up.send_str(json.dumps(first))
             going_away = self.sessions.going_away
             await realtime.relay(
-                client, up, inbound, first is not None, counts, going_away, self.body_timeout_s
-            )
+                client, up, inbound, first is not None, counts, going_away,
+                self.body_timeout_s, self.realtime_idle_timeout_s,
+            )  # fmt: skip
         finally:
             self.sessions.close_later(up, session, client)
             tap.bytes, tap.first_byte = counts.bytes, counts.first_at

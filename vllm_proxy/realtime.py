@@ -39,7 +39,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -243,20 +243,23 @@ async def relay(
     counts: Counts,
     going_away: asyncio.Event,
     message_timeout_s: float,
+    idle_timeout_s: float,
 ) -> None:
     """Pass messages both ways until either side closes, or `going_away` is set (then the
     client's socket closes with 1001); the engine's socket is closed by the caller.
     `inbound` rewrites a client's text message, or refuses it (None; it has answered the
     client itself). `drop_created`: the client already has a ``session.created``. The
     session ends with an ``error`` event when the client's bytes pass the bodies' budget, or
-    a message is still arriving `message_timeout_s` after it was `PARTIAL_FROM` long
-    (`watch`)."""
+    a message is still arriving `message_timeout_s` after it was `PARTIAL_FROM` long, or no
+    message has gone either way for `idle_timeout_s` (`watch`)."""
     meter = client.meter
     ended: list[ProxyError] = []
+    last = [time.monotonic()]  # when a message last went either way
 
     async def up() -> None:
         async for msg in client:
             mark = meter.fed
+            last[0] = time.monotonic()
             try:
                 if msg.type == WSMsgType.TEXT:
                     text = await inbound(msg.data)
@@ -279,9 +282,20 @@ async def relay(
                     )
                 )
                 return
-            wait = WATCH_S if since is None else min(since + message_timeout_s - now, WATCH_S)
+            if now - last[0] >= idle_timeout_s:
+                ended.append(
+                    RequestTimeout(
+                        f"no message either way for {idle_timeout_s:g}s"
+                        " (server.realtime_idle_timeout_s): the session is closed",
+                        code="session_idle",
+                    )
+                )
+                return
+            wait = min(WATCH_S, last[0] + idle_timeout_s - now)
+            if since is not None:
+                wait = min(wait, since + message_timeout_s - now)
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
+                async with asyncio.timeout(max(wait, 0.0)):
                     await meter.broken.wait()
         ended.append(meter.error)
 
@@ -300,6 +314,7 @@ async def relay(
                 counts.bytes += len(msg.data)
             else:
                 continue
+            last[0] = time.monotonic()
             if counts.first_at is None:
                 counts.first_at = time.monotonic()
 
@@ -330,13 +345,36 @@ async def relay(
 
 
 class Sessions:
-    """The proxy's realtime sessions together: `end_all` closes them at shutdown (a session
-    never ends by itself, and would hold its lease through the whole drain), and the engines'
-    sockets close in tasks of their own (`close_later`)."""
+    """The proxy's realtime sessions together: how many each model has open (`open`: at
+    most ``max_realtime_sessions``), `end_all` closes them at shutdown (a session never ends
+    by itself, and would hold its lease through the whole drain), and the engines' sockets
+    close in tasks of their own (`close_later`)."""
 
     def __init__(self) -> None:
         self.going_away = asyncio.Event()
         self._closing: set[asyncio.Task[None]] = set()
+        #: Sessions open (or waiting for their engine) per model.
+        self.count: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def open(self, model: str, limit: int) -> Iterator[None]:
+        """One more session of `model` while in the block; `Unavailable` past `limit`."""
+        count = self.count.get(model, 0)
+        if count >= limit:
+            raise Unavailable(
+                f"model '{model}' has {count} realtime sessions open, its limit"
+                " (server.max_realtime_sessions); retry later",
+                code="realtime_sessions_full",
+            )
+        self.count[model] = count + 1
+        try:
+            yield
+        finally:
+            left = self.count[model] - 1
+            if left:
+                self.count[model] = left
+            else:
+                del self.count[model]
 
     def end_all(self) -> None:
         self.going_away.set()
