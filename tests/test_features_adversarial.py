@@ -1131,3 +1131,30 @@ async def test_realtime_sessions_are_bounded_in_time_in_number_and_in_connection
         for ws in sessions:
             await ws.close()
     await left_nothing(proxy)
+
+
+async def test_an_api_key_may_have_at_most_its_max_realtime_sessions(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """One key's sessions are bounded by its own ``max_realtime_sessions``: past it 429 +
+    Retry-After before the upgrade, while another key still opens sessions of that model."""
+    keys = [{"key": "kiosk", "max_realtime_sessions": 1}, "other"]
+    proxy = await start_proxy(realtime_config(tmp_path, api_keys=keys))
+    url = proxy.url + "/v1/realtime?model=w"
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    async with proxy.http.ws_connect(url, headers=bearer("kiosk")) as ws:
+        assert (await receive(ws))["type"] == "session.created"
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await proxy.http.ws_connect(url, headers=bearer("kiosk"))
+        assert refused.value.status == 429
+        assert refused.value.headers is not None and refused.value.headers["Retry-After"]
+        async with proxy.http.ws_connect(url, headers=bearer("other")) as other:
+            assert (await receive(other))["type"] == "session.created"
+    sessions = proxy.server.runtime.proxy.sessions
+    await wait_for(lambda: not sessions.by_key, what="the key's session counted out")
+    async with proxy.http.ws_connect(url, headers=bearer("kiosk")) as again:  # room again
+        assert (await receive(again))["type"] == "session.created"
+    await left_nothing(proxy)

@@ -110,6 +110,9 @@ class ApiKey(_Strict):
     models: list[str] | None = None
     #: The key opens /admin/* too, besides server.admin_api_keys (`models` does not narrow it).
     admin: bool = False
+    #: Realtime WebSocket sessions the key may have open at once, all models together (past
+    #: it 429); None: only each model's ``server.max_realtime_sessions``.
+    max_realtime_sessions: int | None = Field(None, ge=1)
     _secret: str = PrivateAttr("")
 
     @property

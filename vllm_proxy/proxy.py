@@ -412,7 +412,7 @@ class Proxy:
         scope = self.api_keys.find(token) if token is not None else None
         if scope is None:
             raise Unauthorized(KEY_REFUSAL)
-        if not scope.everything:
+        if not scope.unbounded:
             request[SCOPE] = scope
 
     def _resolve_target(
@@ -616,7 +616,9 @@ class Proxy:
         session = request.headers.get(affinity) if affinity else None
         try:
             # Counted before the lease: a session refused starts no engine.
-            with self.sessions.open(model.name, self.max_realtime_sessions):
+            scope = request.get(SCOPE)
+            key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
+            with self.sessions.open(model.name, self.max_realtime_sessions, key):
                 async with self.manager.lease(model, session) as (inst, engine):
                     tap.instance = inst.id
                     slot = await self._realtime_slot(inst)

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from aiohttp import WSMsgType, web
 
-from .errors import BadRequest, ProxyError, RequestTimeout, Unavailable
+from .errors import BadRequest, ProxyError, RequestTimeout, TooManyRequests, Unavailable
 from .intake import Hold
 
 PATH = "/v1/realtime"
@@ -353,12 +353,18 @@ class Sessions:
     def __init__(self) -> None:
         self.going_away = asyncio.Event()
         self._closing: set[asyncio.Task[None]] = set()
-        #: Sessions open (or waiting for their engine) per model.
+        #: Sessions open (or waiting for their engine) per model, and per API key (by its
+        #: ident) where the key has a limit.
         self.count: dict[str, int] = {}
+        self.by_key: dict[str, int] = {}
 
     @contextlib.contextmanager
-    def open(self, model: str, limit: int) -> Iterator[None]:
-        """One more session of `model` while in the block; `Unavailable` past `limit`."""
+    def open(
+        self, model: str, limit: int, key: tuple[str, int | None] | None = None
+    ) -> Iterator[None]:
+        """One more session of `model` (and of the API key `key`: its ident and limit) while
+        in the block; `Unavailable` past the model's `limit`, `TooManyRequests` past the
+        key's."""
         count = self.count.get(model, 0)
         if count >= limit:
             raise Unavailable(
@@ -366,15 +372,22 @@ class Sessions:
                 " (server.max_realtime_sessions); retry later",
                 code="realtime_sessions_full",
             )
+        if key is not None and key[1] is not None:
+            mine = self.by_key.get(key[0], 0)
+            if mine >= key[1]:
+                raise TooManyRequests(
+                    f"this API key has {mine} realtime sessions open, its limit"
+                    " (server.api_keys.max_realtime_sessions); close one first",
+                    code="realtime_sessions_limit",
+                )
+            self.by_key[key[0]] = mine + 1
         self.count[model] = count + 1
         try:
             yield
         finally:
-            left = self.count[model] - 1
-            if left:
-                self.count[model] = left
-            else:
-                del self.count[model]
+            _down(self.count, model)
+            if key is not None and key[1] is not None:
+                _down(self.by_key, key[0])
 
     def end_all(self) -> None:
         self.going_away.set()
@@ -402,6 +415,14 @@ async def _close(
             await engine.close(code=code)
     finally:
         await session.close()
+
+
+def _down(counts: dict[str, int], name: str) -> None:
+    left = counts[name] - 1
+    if left:
+        counts[name] = left
+    else:
+        del counts[name]
 
 
 def _passable(code: int | None, otherwise: int) -> int:
