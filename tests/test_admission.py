@@ -432,10 +432,13 @@ async def test_a_stuck_head_does_not_hold_back_a_start_that_fits_at_once(
     """a serves one long stream; b (600 MiB) waits for a's memory, its window over; s (300
     MiB) fits in the free memory and leaves b's plan intact: it starts at once (it waited
     until b's queue timeout), and b still gets its turn once the stream ends."""
-    models = {"a": {}, "b": {}, "s": {"memory_mb": 300}}
-    cfg = one_slot(tmp_path, models, {"max_reorder_s": 0.2, "queue_timeout_s": 8}, min_resident_s=0)
+    long = FakeEngine(tokens=200, token_delay=0.03).env()
+    models = {"a": {"env": long}, "b": {}, "s": {"memory_mb": 300}}
+    cfg = one_slot(
+        tmp_path, models, {"max_reorder_s": 0.2, "queue_timeout_s": 12}, min_resident_s=0
+    )
     proxy = await start_proxy(cfg)
-    stream = await proxy.chat("a", max_tokens=100, stream=True)  # 3 s
+    stream = await proxy.chat("a", max_tokens=200, stream=True)  # 6 s
     await stream.content.readany()
     b = asyncio.ensure_future(proxy.chat("b", max_tokens=1))
     await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
@@ -445,7 +448,7 @@ async def test_a_stuck_head_does_not_hold_back_a_start_that_fits_at_once(
     )
     sent = time.monotonic()
     assert (await proxy.chat("s", max_tokens=1)).status == 200
-    assert time.monotonic() - sent < 2.0, "s waited for b's turn"
+    assert time.monotonic() - sent < 3.0, "s waited for b's turn"
     assert not b.done(), "b still waits for a's stream"
     await stream.read()
     assert (await b).status == 200
