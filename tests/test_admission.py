@@ -39,7 +39,7 @@ def test_queue_order_is_rank_then_arrival() -> None:
     a = Waiter("a", (0, 0), since=10.0, seq=1)
     b = Waiter("b", (0, 0), since=5.0, seq=2)
     c = Waiter("c", (-1, 0), since=20.0, seq=3)  # a lower value ranks first
-    d = Waiter("d", (0, -5), since=30.0, seq=4)  # then the request's own priority
+    d = Waiter("d", (0, -5), since=30.0, seq=4)  # then the rank's second place
     assert [w.model for w in order([a, b, c, d])] == ["c", "d", "b", "a"]
 
 
@@ -328,7 +328,9 @@ async def test_the_cheap_to_bring_back_victim_is_chosen(
 
 async def test_priorities_order_the_queue(tmp_path: Path, start_proxy: StartProxy) -> None:
     """low (priority 5) asks first, high (priority -1) second: high is served first. Between
-    models of equal priority whose engines rank requests, the request's priority decides."""
+    models of equal priority the request's own priority does not decide, even where the
+    engines rank requests by it: it orders requests within a model, so r1 (10) goes before
+    r2 (-3), which came after it."""
     ranked = {"args": {"scheduling_policy": "priority"}}
     models = {"a": {}, "low": {"priority": 5}, "high": {"priority": -1}, "r1": ranked, "r2": ranked}
     cfg = one_slot(tmp_path, models, {"max_reorder_s": 0}, min_resident_s=0)
@@ -345,7 +347,7 @@ async def test_priorities_order_the_queue(tmp_path: Path, start_proxy: StartProx
     served.send("r2", "r2", priority=-3)
     await wait_for(lambda: proxy.manager.queue.waiting("r2") > 0, what="r2 queued")
     assert await served.statuses() == [200] * 5
-    assert served.order == ["a", "high", "r2", "r1", "low"]
+    assert served.order == ["a", "high", "r1", "r2", "low"]
 
 
 async def test_a_stuck_queue_is_bounded_by_its_timeout(
@@ -422,3 +424,31 @@ def test_the_request_priority_is_read_from_parsed_and_scanned_bodies(
     assert model_of(body).priority == expected
     padded = body[:-1] + b', "pad": "' + b"x" * 300_000 + b'"}'
     assert model_of(padded).priority == expected
+
+
+async def test_a_stuck_head_does_not_hold_back_a_start_that_fits_at_once(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """a serves one long stream; b (600 MiB) waits for a's memory, its window over; s (300
+    MiB) fits in the free memory and leaves b's plan intact: it starts at once (it waited
+    until b's queue timeout), and b still gets its turn once the stream ends."""
+    long = FakeEngine(tokens=200, token_delay=0.03).env()
+    models = {"a": {"env": long}, "b": {}, "s": {"memory_mb": 300}}
+    cfg = one_slot(
+        tmp_path, models, {"max_reorder_s": 0.2, "queue_timeout_s": 12}, min_resident_s=0
+    )
+    proxy = await start_proxy(cfg)
+    stream = await proxy.chat("a", max_tokens=200, stream=True)  # 6 s
+    await stream.content.readany()
+    b = asyncio.ensure_future(proxy.chat("b", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    await wait_for(
+        lambda: time.monotonic() - proxy.manager.queue.waiters()[0].since > 0.4,
+        what="b's window over",
+    )
+    sent = time.monotonic()
+    assert (await proxy.chat("s", max_tokens=1)).status == 200
+    assert time.monotonic() - sent < 3.0, "s waited for b's turn"
+    assert not b.done(), "b still waits for a's stream"
+    await stream.read()
+    assert (await b).status == 200

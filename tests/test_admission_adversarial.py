@@ -17,8 +17,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from kit import FakeEngine, RunningProxy, StartProxy, config_data, wait_for
+from kit import (
+    FakeEngine,
+    RunningProxy,
+    StartProxy,
+    chat_body,
+    config_data,
+    free_port,
+    wait_for,
+    write_config,
+)
 from kit.watch import Watch, held
 
 from vllm_proxy.config import parse_config
@@ -186,13 +196,11 @@ def admissions(monkeypatch: pytest.MonkeyPatch) -> Iterator[Admissions]:
     record = Admissions()
     original = Model.acquire
 
-    async def acquire(
-        self: Model, session: Any = None, priority: Any = None, adapter: Any = None
-    ) -> Any:
-        call = Admitted(self.name, self.rank(priority), time.monotonic())
+    async def acquire(self: Model, session: Any = None, adapter: Any = None) -> Any:
+        call = Admitted(self.name, self.rank(), time.monotonic())
         record.calls.append(call)
         try:
-            result = await original(self, session, priority, adapter)
+            result = await original(self, session, adapter)
         finally:
             call.ended = time.monotonic()
         call.ok = True
@@ -711,3 +719,58 @@ async def test_queue_timeout_zero_answers_at_once_and_holds_nothing(
     assert (await ask(proxy, "b")).complete
     assert watch.peak_held["a"] == 0
     await watch.close()
+
+
+async def test_a_clients_own_priority_never_starves_another_model(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """With ``scheduling_policy: priority``, clients of a wrote ``"priority": -1000000`` and
+    kept a busy: b (the same model priority, no room beside a) was never held for, and got
+    503 after 503. The request's priority orders requests within its model only: once b's
+    reorder window is over, a's requests are held, a drains, and b is served. The proxy runs
+    as a process of its own, the clients over plain HTTP, as they would."""
+    port = free_port()
+    slow = FakeEngine(tokens=8, token_delay=0.04).env()
+    ranked = {"args": {"scheduling_policy": "priority"}, "memory_mb": 600, "env": slow}
+    data = config_data(
+        tmp_path,
+        {"a": {"model": "x", **ranked}, "b": {"model": "x", **ranked}},
+        server={"port": port},
+        engine={"health_interval_s": 0, "min_resident_s": 0},
+        budget_mb=1000,
+        admission={"max_reorder_s": 1, "queue_timeout_s": 8},
+    )
+    path = write_config(tmp_path / "config.yaml", data)
+    proc = start_proxy.process(path, port, tmp_path / "proxy.log")
+    stop = asyncio.Event()
+    async with aiohttp.ClientSession() as http:
+        await proc.listening(http)
+        url = proc.url + "/v1/chat/completions"
+
+        served = [0]
+
+        async def one() -> None:
+            body = chat_body("a", max_tokens=8, priority=-1_000_000)
+            async with http.post(url, json=body) as r:
+                await r.read()
+                served[0] += r.status == 200
+
+        async def greedy() -> None:
+            # A request of 0.32 s every 0.1 s: a is never without one in flight.
+            sent: list[asyncio.Future[None]] = []
+            while not stop.is_set():
+                sent.append(asyncio.ensure_future(one()))
+                await asyncio.sleep(0.1)  # the pace of the load, not a wait for a state
+            await asyncio.gather(*sent)
+
+        async with http.post(url, json=chat_body("a", max_tokens=1)) as r:
+            assert r.status == 200, await r.text()
+        clients = [asyncio.ensure_future(greedy())]
+        try:
+            await wait_for(lambda: served[0] >= 6, what="a kept busy")
+            for _ in range(2):
+                async with http.post(url, json=chat_body("b", max_tokens=1)) as r:
+                    assert r.status == 200, await r.text()
+        finally:
+            stop.set()
+            await asyncio.gather(*clients)

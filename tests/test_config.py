@@ -212,6 +212,16 @@ def test_conflicting_keys_are_refused_at_load(
         parse_config({"engine": engine, "models": {"m": {"model": "x", **model}}})
 
 
+def test_model_names_equal_after_escaping_are_refused_at_load() -> None:
+    """``m:x`` and ``m/x`` both give engine files named ``m_x``: they shared socket and log
+    files, and the second start failed with 502. Refused at load, naming both."""
+    models = {"m:x": {"model": "x"}, "m/x": {"model": "y"}, "other": {"model": "z"}}
+    with pytest.raises(ConfigError, match=re.escape("models.m/x: its engines' socket")) as err:
+        parse_config({"models": models})
+    assert "'m:x'" in str(err.value) and "'m_x'" in str(err.value)
+    parse_config({"models": {"m:x": {"model": "x"}, "m.x": {"model": "y"}}})  # distinct files
+
+
 def test_false_turns_a_flag_off_and_store_true_flags_are_left_out() -> None:
     args = {"enable_prefix_caching": False, "disable_log_stats": False, "enforce_eager": True}
     spec = parse_config({"models": {"m": {"model": "x", "args": args}}}).specs()["m"]

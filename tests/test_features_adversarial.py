@@ -10,6 +10,7 @@ import json
 import os
 import random
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -107,6 +108,92 @@ async def post_raw(proxy: RunningProxy, path: str, data: bytes, **headers: str) 
 
 
 # -- LoRA adapters: names from clients --------------------------------------------------------
+
+
+async def test_one_adapter_name_in_two_models_adapters_dir_goes_to_neither_by_mistake(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """``shared`` is in a's folder and in b's: it went to a, the first in config order, for
+    every key (b's users got a's adapter; a key scoped to b got 404 for its own). A key scoped
+    to one model finds its own; a key that may use both gets a 400 naming both, never the
+    wrong adapter, and the listing shows each key what it can use."""
+    adapter(tmp_path / "a-adapters", "shared")
+    adapter(tmp_path / "b-adapters", "shared")
+    keys = [{"key": "for-a", "models": ["a"]}, {"key": "for-b", "models": ["b"]}, "for-all"]
+    models = {
+        "a": {"model": "x", "adapters_dir": str(tmp_path / "a-adapters")},
+        "b": {"model": "y", "adapters_dir": str(tmp_path / "b-adapters")},
+    }
+    proxy = await start_proxy(lora_config(tmp_path, models, api_keys=keys))
+
+    async def ask(key: str) -> tuple[int, Any]:
+        body = {"model": "shared", "prompt": "hi", "max_tokens": 2}
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.post(proxy.url + "/v1/completions", json=body, headers=headers) as r:
+            return r.status, await r.json()
+
+    async def listed(key: str) -> list[tuple[str, Any]]:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.get(proxy.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+            cards = (await r.json())["data"]
+        return [(c["id"], c["parent"]) for c in cards if c["id"] == "shared"]
+
+    for key, owner in (("for-b", "b"), ("for-a", "a")):
+        status, data = await ask(key)
+        assert status == 200 and text(data).startswith("shared:tok0"), (key, data)
+        assert proxy.instance(owner).adapters.holds("shared")
+        assert await listed(key) == [("shared", owner)]
+    status, data = await ask("for-all")
+    assert_clean_error(status, data, 400, "ambiguous_adapter")
+    assert "'a' and 'b'" in data["error"]["message"]
+    assert await listed("for-all") == []
+
+
+async def test_models_lists_adapters_folders_off_the_event_loop_once_per_ttl(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``GET /v1/models`` listed every ``adapters_dir`` on the event loop, at every call: with
+    1000 adapters and four clients ``/health`` went from 3 to 143 ms (881 ms with 50 000
+    other entries in the folder). Now a folder is listed in a thread, once for the calls of a
+    couple of seconds, only for a key that may use its model, and files in it cost no system
+    call: forty calls from four clients list it once (or once per two seconds), off the
+    loop."""
+    folder = tmp_path / "adapters"
+    for i in range(1000):
+        adapter(folder, f"lora-{i:04d}")
+    for i in range(20_000):  # sorted before the adapters
+        (folder / f"0-junk-{i:05d}").touch()
+    from vllm_proxy import manager as manager_module
+
+    listings: list[int] = []
+    original = manager_module.list_folder
+
+    def counted(path: str, *args: Any) -> Any:
+        listings.append(threading.get_ident())
+        return original(path, *args)
+
+    monkeypatch.setattr(manager_module, "list_folder", counted)
+    keys = [{"key": "other", "models": ["plain"]}, "all"]
+    models = {"base": {"model": "x", "adapters_dir": str(folder)}, "plain": {"model": "y"}}
+    proxy = await start_proxy(lora_config(tmp_path, models, api_keys=keys))
+
+    async def ids(key: str) -> set[str]:
+        headers = {"Authorization": f"Bearer {key}"}
+        async with proxy.http.get(proxy.url + "/v1/models", headers=headers) as r:
+            assert r.status == 200
+            return {c["id"] for c in (await r.json())["data"]}
+
+    assert await ids("other") == {"plain"}
+    assert listings == [], "a key that may not use base lists nothing"
+
+    async def client() -> None:
+        for _ in range(10):
+            assert len(await ids("all")) == 1002
+
+    await asyncio.gather(*(client() for _ in range(4)))
+    assert 1 <= len(listings) <= 4, f"listed {len(listings)} times"
+    assert threading.get_ident() not in listings, "listed on the event loop"
 
 
 async def test_adapter_names_that_look_like_paths_never_load_a_folder_outside_adapters_dir(
@@ -655,6 +742,38 @@ async def test_slow_loris_uploads_are_408s_within_body_timeout_s(
     await left_nothing(proxy, spool_dir)
 
 
+async def test_stalled_uploads_spool_at_most_max_spool_mb_in_all(
+    tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
+) -> None:
+    """Uploads with their model after the file, stalled mid-file, spooled without a bound in
+    all (20 of them: 613 MiB with ``max_bodies_mb: 64``; RAM where the temporary directory is
+    a tmpfs). The spool files of all uploads are bounded by ``max_spool_mb``: past it 503 +
+    Retry-After, while an upload that names its model first still goes; a stalled client's
+    bytes are given back when it goes."""
+    proxy = await start_proxy(speech_config(tmp_path, max_body_mb=2, max_spool_mb=2))
+    spools = proxy.server.runtime.proxy.spools
+    stalled = []
+    for _ in range(2):  # 1.1 MiB each, 0.9 MiB of it spooled
+        stalled.append(await raw_post(proxy, 2_000_000, FILE + AUDIO * 18))
+    await wait_for(lambda: spools.held >= 2 * 800 * 1024, what="two uploads spooled")
+    reader, over = await raw_post(proxy, 2_000_000, FILE + AUDIO * 18)
+    try:
+        answer = await answer_of(reader, 10)
+        assert answer.startswith(b"HTTP/1.1 503"), answer[:300]
+        assert b"Retry-After" in answer and b'"code": "upload_spool_full"' in answer
+        assert b"server.max_spool_mb" in answer
+    finally:
+        over.close()
+    assert spools.held <= 2 * 1024 * 1024
+    body = MODEL_PART + FILE + AUDIO + CLOSE  # the model first: never spooled
+    status, data = await post_raw(proxy, "/v1/audio/transcriptions", body, **{"Content-Type": FORM})
+    assert status == 200, data
+    for _, writer in stalled:
+        writer.close()
+    await wait_for(lambda: spools.held == 0, what="the spooled bytes given back")
+    await left_nothing(proxy, spool_dir)
+
+
 async def test_a_client_gone_mid_upload_leaves_no_spool_file_no_lease_and_no_ticket(
     tmp_path: Path, start_proxy: StartProxy, spool_dir: Path
 ) -> None:
@@ -894,3 +1013,148 @@ async def test_an_unknown_model_name_is_quoted_only_in_part(
     assert resp.status == 404
     body = await resp.read()
     assert len(body) < 2_000 and b"x" * 200 + b"..." in body
+
+
+async def raw_session(
+    proxy: RunningProxy, path: str = "/v1/realtime?model=w"
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A realtime WebSocket opened by hand (its handshake answered 101)."""
+    import base64
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    key = base64.b64encode(os.urandom(16)).decode()
+    writer.write(
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n"
+        f"Connection: Upgrade\r\nSec-WebSocket-Key: {key}\r\n"
+        "Sec-WebSocket-Version: 13\r\n\r\n".encode()
+    )
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 15)
+    assert head.startswith(b"HTTP/1.1 101"), head
+    return reader, writer
+
+
+def frame_head(length: int) -> bytes:
+    """A client's binary frame head for `length` bytes, masked with a zero key (the payload
+    goes as it is)."""
+    return bytes([0x82, 0x80 | 127]) + length.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+async def read_until(reader: asyncio.StreamReader, mark: bytes, within: float = 10) -> bytes:
+    """What the server sends until `mark` has come (or it closes)."""
+    got = b""
+    deadline = time.monotonic() + within
+    while mark not in got:
+        piece = await asyncio.wait_for(reader.read(65536), max(deadline - time.monotonic(), 0))
+        if not piece:
+            break
+        got += piece
+    return got
+
+
+async def test_realtime_messages_count_in_max_bodies_mb_and_an_unfinished_one_times_out(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Realtime messages were outside the bodies' budget: 30 sockets each sending 30 MiB of a
+    frame that never ended took the proxy from 60 to 960 MiB with ``max_bodies_mb: 64``, and
+    a message never finished held its memory and the engine for good. Now the bytes count as
+    they arrive: a session that would pass the budget gets an ``error`` event and is closed,
+    and a message still arriving after ``body_timeout_s`` ends its session."""
+    server = {"max_bodies_mb": 1, "max_body_mb": 1, "body_timeout_s": 2}
+    proxy = await start_proxy(realtime_config(tmp_path, **server))
+    bodies = proxy.server.runtime.proxy.bodies
+    a_reader, a = await raw_session(proxy)
+    a.write(frame_head(900_000) + b"\0" * 500_000)  # never finished
+    await a.drain()
+    await wait_for(lambda: bodies.held >= 500_000, what="the unfinished message counted")
+    began = time.monotonic()
+    b_reader, b = await raw_session(proxy)
+    b.write(frame_head(900_000) + b"\0" * 600_000)
+    await b.drain()
+    assert b"request_bodies_full" in await read_until(b_reader, b"request_bodies_full")
+    assert bodies.held <= 1024 * 1024
+    got = await read_until(a_reader, b"request_timeout")
+    assert b"request_timeout" in got and b"body_timeout_s" in got
+    assert time.monotonic() - began < 2 + 3
+    for writer in (a, b):
+        writer.close()
+    await wait_for(lambda: bodies.held == 0, what="every byte given back")
+    await left_nothing(proxy)
+
+
+async def test_realtime_sessions_are_bounded_in_time_in_number_and_in_connections(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """A silent session (pings answered) pinned its engine for ever, and 60 sessions opened 60
+    engine connections with ``max_upstream_connections: 4``. A session with no message
+    either way for ``realtime_idle_timeout_s`` is closed and its lease released; sessions per
+    model are capped by ``max_realtime_sessions`` (503 + Retry-After); each holds a
+    connection of its model's share (503 ``connections_busy`` past it)."""
+    server = {
+        "realtime_idle_timeout_s": 1.5,
+        "max_realtime_sessions": 2,
+        "max_upstream_connections": 2,
+        "connection_queue_timeout_s": 0.5,
+        "send_timeout_s": 0.5,  # pinged often: answering pings is not a message
+    }
+    proxy = await start_proxy(realtime_config(tmp_path, **server))
+    url = proxy.url + "/v1/realtime?model=w"
+    # Idle: closed with an error event naming the key, its lease released.
+    began = time.monotonic()
+    async with proxy.http.ws_connect(url) as ws:
+        assert (await receive(ws))["type"] == "session.created"
+        inst = proxy.instance("whisper")
+        assert inst.leases == 1
+        event = await receive(ws)
+        assert event["type"] == "error" and event["code"] == "session_idle", event
+        assert "realtime_idle_timeout_s" in event["error"]
+        assert await closed_with(ws) == 1008
+    assert 1.5 <= time.monotonic() - began < 5
+    await wait_for(lambda: inst.leases == 0, what="the idle session's lease released")
+    # Two sessions take the model's two connections: a request of the model waits for one,
+    # then 503; a third session is one over max_realtime_sessions: refused at once.
+    sessions = [await proxy.http.ws_connect(url) for _ in range(2)]
+    try:
+        for ws in sessions:
+            assert (await receive(ws))["type"] == "session.created"
+        async with proxy.http.post(
+            proxy.url + "/v1/completions", json={"model": "w", "prompt": "hi", "max_tokens": 1}
+        ) as r:
+            assert r.status == 503, await r.text()
+            assert (await r.json())["error"]["code"] == "connections_busy"
+        sent = time.monotonic()
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await proxy.http.ws_connect(url)
+        assert refused.value.status == 503
+        assert refused.value.headers is not None and refused.value.headers["Retry-After"]
+        assert time.monotonic() - sent < 0.4, "refused at once, not after a wait"
+    finally:
+        for ws in sessions:
+            await ws.close()
+    await left_nothing(proxy)
+
+
+async def test_an_api_key_may_have_at_most_its_max_realtime_sessions(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """One key's sessions are bounded by its own ``max_realtime_sessions``: past it 429 +
+    Retry-After before the upgrade, while another key still opens sessions of that model."""
+    keys = [{"key": "kiosk", "max_realtime_sessions": 1}, "other"]
+    proxy = await start_proxy(realtime_config(tmp_path, api_keys=keys))
+    url = proxy.url + "/v1/realtime?model=w"
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    async with proxy.http.ws_connect(url, headers=bearer("kiosk")) as ws:
+        assert (await receive(ws))["type"] == "session.created"
+        with pytest.raises(aiohttp.WSServerHandshakeError) as refused:
+            await proxy.http.ws_connect(url, headers=bearer("kiosk"))
+        assert refused.value.status == 429
+        assert refused.value.headers is not None and refused.value.headers["Retry-After"]
+        async with proxy.http.ws_connect(url, headers=bearer("other")) as other:
+            assert (await receive(other))["type"] == "session.created"
+    sessions = proxy.server.runtime.proxy.sessions
+    await wait_for(lambda: not sessions.by_key, what="the key's session counted out")
+    async with proxy.http.ws_connect(url, headers=bearer("kiosk")) as again:  # room again
+        assert (await receive(again))["type"] == "session.created"
+    await left_nothing(proxy)

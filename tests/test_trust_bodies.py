@@ -205,18 +205,19 @@ async def test_bodies_waiting_for_a_model_are_capped_by_max_bodies_mb(
 async def test_slow_uploads_are_capped_and_given_back_when_the_client_goes(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    """Bodies still arriving count: a length announced is held at once, a chunked body piece
-    by piece (503 as soon as it would pass). A client that goes away mid-body gives its bytes
-    back."""
+    """Bodies still arriving count, as their bytes arrive (whether a length was announced or
+    the body is chunked): 503 as soon as the next piece would pass. A client that goes away
+    mid-body gives its bytes back."""
     proxy = await start_proxy(make_config(tmp_path, server={"max_bodies_mb": 1, "max_body_mb": 1}))
     body = chat_body("m1", 600_000)
     _, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
+    sent = len(body) - 1000
     writer.write(
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-        b"Content-Length: %d\r\n\r\n" % len(body) + body[:1000]
+        b"Content-Length: %d\r\n\r\n" % len(body) + body[:sent]
     )
     await writer.drain()
-    await wait_for(lambda: held(proxy) == len(body), what="the slow upload held")
+    await wait_for(lambda: held(proxy) == sent, what="the slow upload held")
 
     async def pieces() -> Any:  # chunked: no length announced
         for i in range(0, len(body), 64 * 1024):
@@ -226,7 +227,7 @@ async def test_slow_uploads_are_capped_and_given_back_when_the_client_goes(
         proxy.url + "/v1/chat/completions", data=pieces(), headers=JSON
     ) as r:
         assert_bodies_full(r.status, r.headers, await r.json())
-    assert held(proxy) == len(body), "the refused one gave its pieces back"
+    assert held(proxy) == sent, "the refused one gave its pieces back"
     writer.close()  # the slow client goes away
     await wait_for(lambda: held(proxy) == 0, what="its bytes given back")
     async with proxy.http.post(
@@ -311,3 +312,44 @@ def test_a_burst_of_large_bodies_leaves_at_most_128_mib_of_free_heap() -> None:
     )
     kept = heap_probe(code)
     assert kept <= 128 * MIB, f"{kept / MIB:.0f} MiB still resident after the burst"
+
+
+async def test_bodies_announced_but_not_sent_do_not_fill_max_bodies_mb(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Sixteen connections announced 32 MiB each and sent one byte: the budget (512 MiB) was
+    charged what they announced, and every other client got 503 ``request_bodies_full`` until
+    ``body_timeout_s``. Bytes are counted as they arrive: a 60-byte request from someone else
+    is answered 200 while the sixteen hold their connections open. The proxy runs as a
+    process of its own, the attackers are raw sockets."""
+    port = free_port()
+    data = {
+        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "st")},
+        "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
+        "models": {"m1": {"model": "x"}},
+    }
+    path = write_config(tmp_path / "config.yaml", data)
+    proxy = start_proxy.process(path, port, tmp_path / "proxy.log")
+    writers: list[asyncio.StreamWriter] = []
+    async with aiohttp.ClientSession() as http:
+        await proxy.listening(http)
+        try:
+            for _ in range(16):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n{" % (32 * MIB)
+                )
+                await writer.drain()
+                writers.append(writer)
+            small = b'{"model":"m1","messages":[{"role":"user","content":"hi"}]}'
+            assert len(small) < 64
+            for _ in range(3):
+                async with http.post(
+                    proxy.url + "/v1/chat/completions", data=small, headers=JSON
+                ) as r:
+                    assert r.status == 200, await r.text()
+            assert all(not w.is_closing() for w in writers), "the sixteen still hold on"
+        finally:
+            for writer in writers:
+                writer.close()

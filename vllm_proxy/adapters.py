@@ -128,9 +128,14 @@ def find_in(folder: str, name: str) -> AdapterSpec | None:
 
 
 def list_folder(folder: str, limit: int = LIST_LIMIT) -> list[AdapterSpec]:
-    """Every adapter in `folder` (sorted by name, at most `limit`); empty when unreadable."""
+    """Every adapter in `folder` (sorted by name, at most `limit`); empty when unreadable.
+    Only sub-folders and links are looked into: other entries (files) cost no system call
+    (their type comes with the listing). Blocks on the disk: call it in a thread."""
     try:
-        names = sorted(os.listdir(folder))
+        with os.scandir(folder) as entries:
+            names = sorted(
+                e.name for e in entries if e.is_symlink() or e.is_dir(follow_symlinks=False)
+            )
     except OSError:
         return []
     found = []

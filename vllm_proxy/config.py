@@ -30,6 +30,7 @@ import importlib.metadata
 import json
 import logging
 import os
+import re
 import stat
 import sys
 from dataclasses import dataclass
@@ -109,6 +110,9 @@ class ApiKey(_Strict):
     models: list[str] | None = None
     #: The key opens /admin/* too, besides server.admin_api_keys (`models` does not narrow it).
     admin: bool = False
+    #: Realtime WebSocket sessions the key may have open at once, all models together (past
+    #: it 429); None: only each model's ``server.max_realtime_sessions``.
+    max_realtime_sessions: int | None = Field(None, ge=1)
     _secret: str = PrivateAttr("")
 
     @property
@@ -219,6 +223,15 @@ class ServerConfig(_Strict):
     #: Request bodies held at once by all requests (read, waiting for a model, being sent);
     #: a request whose body would pass it gets 503 + Retry-After.
     max_bodies_mb: float = Field(512, gt=0)
+    #: Realtime WebSocket sessions open at once per model (each holds an engine connection of
+    #: its model's share, ``max_upstream_connections``); past it 503 + Retry-After.
+    max_realtime_sessions: int = Field(64, ge=1)
+    #: A realtime session with no message either way for this long is closed (an open session
+    #: holds its engine: it is neither evicted nor stopped for idleness).
+    realtime_idle_timeout_s: float = Field(300, gt=0)
+    #: Uploads spooled to disk at once by all requests (a form whose ``model`` comes after its
+    #: file waits there); an upload that would pass it gets 503 + Retry-After.
+    max_spool_mb: float = Field(1024, gt=0)
     #: Keys for /metrics and /metrics/engines; with none they are open (Prometheus on a
     #: trusted network).
     metrics_api_keys: list[str] = []
@@ -268,6 +281,11 @@ class ServerConfig(_Strict):
             raise ValueError(
                 "@max_bodies_mb: smaller than max_body_mb: every body of the largest allowed"
                 " size would get 503"
+            )
+        if self.max_spool_mb < self.max_body_mb:
+            raise ValueError(
+                "@max_spool_mb: smaller than max_body_mb: an upload of the largest allowed"
+                " size with its model after its file would get 503"
             )
         return self
 
@@ -427,8 +445,8 @@ class ModelConfig(EngineKeys):
     #: Never evicted to make room for another model.
     pinned: bool = False
     #: Lower values are served first from the queue and evicted last (vLLM's rule for its
-    #: request ``priority``, which ranks next where the engine runs --scheduling-policy
-    #: priority).
+    #: request ``priority``). A request's own ``priority`` orders requests within the model's
+    #: engine (--scheduling-policy priority), never across models.
     priority: int = 0
     #: Restrict placement to these GPU ids (tensor_parallel_size of them are used).
     devices: list[int] | None = None
@@ -537,6 +555,13 @@ class AdmissionConfig(_Strict):
     idle_grace_s: float = Field(1, ge=0)
 
 
+def file_stem(name: str) -> str:
+    """A model's name as its engines' socket and log file names begin: what is not a letter,
+    digit, ``.``, ``_`` or ``-`` becomes ``_`` (two names may become the same: `Config`
+    refuses that)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
@@ -567,6 +592,24 @@ class Config(_Strict):
                             f" by {owner if owner.startswith('adapter ') else 'model ' + owner}"
                         )
                     seen[n] = f"adapter {adapter} of {name}"
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _file_names_unique(self) -> Config:
+        """Two models whose names give the same file names (``m:x`` and ``m/x``) would share
+        engine sockets and logs: the second start would find the first's socket."""
+        stems: dict[str, str] = {}
+        problems = []
+        for name in self.models:
+            stem = file_stem(name)
+            if stem in stems:
+                problems.append(
+                    f"@models.{name}: its engines' socket and log files would be named"
+                    f" {stem!r}, as model {stems[stem]!r}'s are; rename one of them"
+                )
+            stems.setdefault(stem, name)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -728,13 +771,6 @@ class ModelSpec:
         if key:
             return str(key)
         return dict(self.env).get("VLLM_API_KEY") or os.environ.get("VLLM_API_KEY") or None
-
-    @property
-    def request_priorities(self) -> bool:
-        """The engine orders requests by their ``priority`` (``scheduling_policy: priority``):
-        the queue ranks them by it too (others refuse a non-zero one)."""
-        args = {_arg_name(k): v for k, v in self.args}
-        return args.get("scheduling_policy") == "priority"
 
     @property
     def pooling(self) -> bool:

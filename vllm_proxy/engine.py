@@ -29,7 +29,7 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from .config import ArgValue, ModelSpec
+from .config import ArgValue, ModelSpec, file_stem
 from .errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 
@@ -124,10 +124,6 @@ def port_is_free(port: int) -> bool:
     return True
 
 
-def _safe(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
-
-
 def socket_path(spec: ModelSpec, instance_id: str) -> str:
     """Where instance ``<model>#<n>`` serves under transport uds: ``<socket_dir>/<model>.<n>.sock``
     in a directory only the proxy's user can open (made, or made private, here).
@@ -141,7 +137,7 @@ def socket_path(spec: ModelSpec, instance_id: str) -> str:
     tag = hashlib.sha256(spec.socket_dir.encode()).hexdigest()[:12]
     private = f"vllm-proxy-{os.geteuid()}-{tag}"
     choices = [
-        (Path(spec.socket_dir), f"{_safe(spec.name)}.{n}.sock"),
+        (Path(spec.socket_dir), f"{file_stem(spec.name)}.{n}.sock"),
         (Path(spec.socket_dir), short),
         (Path(tempfile.gettempdir()) / private, short),
         (Path("/tmp") / private, short),
@@ -170,12 +166,12 @@ def private_dir(path: Path) -> None:
 def log_path(spec: ModelSpec, instance_id: str) -> Path:
     """``<log_dir>/<model>.<n>.log`` for instance ``<model>#<n>`` (rotated to .1, .2, ...)."""
     n = instance_id.rpartition("#")[2]
-    return Path(spec.log_dir) / f"{_safe(spec.name)}.{n}.log"
+    return Path(spec.log_dir) / f"{file_stem(spec.name)}.{n}.log"
 
 
 def instance_logs(spec: ModelSpec) -> dict[int, Path]:
     """The model's instance log files on disk: instance number -> current file."""
-    pattern = re.compile(re.escape(_safe(spec.name)) + r"\.(\d+)\.log")
+    pattern = re.compile(re.escape(file_stem(spec.name)) + r"\.(\d+)\.log")
     found: dict[int, Path] = {}
     with contextlib.suppress(OSError):
         for path in Path(spec.log_dir).iterdir():

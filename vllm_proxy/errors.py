@@ -96,6 +96,19 @@ class PayloadTooLarge(ProxyError):
     code = "request_too_large"
 
 
+class TooManyRequests(ProxyError):
+    """A limit of the client's own (its API key's) is reached: with ``Retry-After``."""
+
+    status = 429
+    type_ = "rate_limit_error"
+    code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, retry_after_s: int = RETRY_AFTER_S, code: str | None = None
+    ) -> None:
+        super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+
+
 class EngineFailed(ProxyError):
     """The engine could not start, or died while serving."""
 

@@ -4,7 +4,9 @@ It is bounded by ``max_body_mb`` (413: before reading when the client announced 
 body, else as soon as more has come, decoded), its type must be JSON (`check_type`: 415
 before anything is read), and it is bounded by ``body_timeout_s`` unless it came with the
 request head (408) and by ``max_bodies_mb`` for all requests together (`Bodies`: 503 +
-``Retry-After``).
+``Retry-After``). A body is counted in `Bodies` as its bytes arrive, never by the length its
+head announces: a client that announces 32 MiB and sends one byte holds one byte of the
+budget, not 32 MiB of every other client's.
 
 A small plain body whose length is known is read by aiohttp's ``read()``. A large one is kept as
 the pieces aiohttp hands over (`body.Pieces`), with no copy into one buffer, and each piece is
@@ -109,21 +111,31 @@ class Bodies:
     `Hold` and gives it back in ``finally``; a request whose body would pass the limit gets
     503 + ``Retry-After``. Once the bytes held have fallen more than `keep` below their high
     mark, a burst of large bodies has ended: `give_back` (`heap.give_back`) returns the heap
-    they left free to the kernel."""
+    they left free to the kernel.
 
-    __slots__ = ("give_back", "held", "high", "keep", "limit")
+    The same count bounds other bytes held for clients, named by `key`, `what` and `code`:
+    uploads spooled to disk (``server.max_spool_mb``)."""
+
+    __slots__ = ("code", "give_back", "held", "high", "keep", "key", "limit", "what")
 
     def __init__(
         self,
         limit: int,
         give_back: Callable[[], None] | None = None,
         keep: int = heap.TRIM_THRESHOLD,
+        *,
+        key: str = "server.max_bodies_mb",
+        what: str = "request bodies",
+        code: str = "request_bodies_full",
     ) -> None:
         self.limit = limit
         self.held = 0
         self.high = 0  # the most held since the heap was last given back
         self.give_back = give_back
         self.keep = keep
+        self.key = key
+        self.what = what
+        self.code = code
 
     def hold(self) -> Hold:
         return Hold(self)
@@ -144,10 +156,10 @@ class Hold:
         held = bodies.held + n
         if held > bodies.limit:
             raise Unavailable(
-                f"the proxy holds {bodies.held / MIB:.0f} MiB of request bodies and this one "
-                f"would pass its limit of {bodies.limit / MIB:g} MiB (server.max_bodies_mb); "
+                f"the proxy holds {bodies.held / MIB:.0f} MiB of {bodies.what} and this one "
+                f"would pass its limit of {bodies.limit / MIB:g} MiB ({bodies.key}); "
                 "retry later",
-                code="request_bodies_full",
+                code=bodies.code,
             )
         bodies.held = held
         self.size += n
@@ -156,9 +168,14 @@ class Hold:
 
     def release(self) -> None:
         """Give this request's bytes back (idempotent)."""
-        size, self.size = self.size, 0
+        self.give(self.size)
+
+    def give(self, n: int) -> None:
+        """Give `n` of this request's bytes back (at most what it holds)."""
+        n = min(n, self.size)
+        self.size -= n
         bodies = self.bodies
-        bodies.held -= size
+        bodies.held -= n
         if bodies.high - bodies.held > bodies.keep:
             bodies.high = bodies.held
             if bodies.give_back is not None:
@@ -193,11 +210,14 @@ async def _read(request: web.Request, limit: int, hold: Hold) -> Received:
     length = request.content_length
     if length is None or "Content-Encoding" in request.headers:  # else the length is the body's
         return await _read_counted(request, limit, hold)
-    hold.take(length)
-    if length < PIECES_FROM:  # the usual small request: aiohttp's read()
-        body = await request.read()
-        return body, (await scan_whole(body) if needs_scan(body) else None)
     content = request.content
+    if length < PIECES_FROM:  # the usual small request: read whole, counted as it arrives
+        small: list[bytes] = []
+        while data := await content.readany():
+            hold.take(len(data))
+            small.append(data)
+        body = small[0] if len(small) == 1 else b"".join(small)
+        return body, (await scan_whole(body) if needs_scan(body) else None)
     content.set_read_chunk_size(limit)  # no pause/resume of the socket every 64 KiB
     parts: list[bytes] = []
     scan = Scan(length)
@@ -208,6 +228,7 @@ async def _read(request: web.Request, limit: int, hold: Hold) -> Received:
             if end_of_http_chunk:  # (b"", True): the end of an HTTP chunk, not of the body
                 continue
             break
+        hold.take(len(data))  # what has arrived, not what was announced
         parts.append(data)  # aiohttp stops at Content-Length
         await feed(data)
     await feed.flush()

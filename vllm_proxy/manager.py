@@ -22,7 +22,7 @@ from .adapters import AdapterSpec, find_in, list_folder
 from .admission import Admission
 from .config import ModelSpec
 from .engine import EngineProcess
-from .errors import NotFound, Unavailable
+from .errors import BadRequest, NotFound, Unavailable
 from .footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
 from .instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from .memory import Memory
@@ -38,28 +38,27 @@ NAME_SHOWN = 200
 FORCED_KILL_GRACE_S = 0.3
 
 
+#: A listing of an adapters folder serves ``GET /v1/models`` for this long.
+LISTING_TTL_S = 2.0
+
+
 class Lease:
     """The request path's hold on an instance: acquired on entry, released in ``__aexit__``.
 
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("adapter", "inst", "model", "priority", "session")
+    __slots__ = ("adapter", "inst", "model", "session")
 
     def __init__(
-        self,
-        model: Model,
-        session: str | None = None,
-        priority: int | None = None,
-        adapter: str | None = None,
+        self, model: Model, session: str | None = None, adapter: str | None = None
     ) -> None:
         self.model = model
         self.session = session
-        self.priority = priority
         self.adapter = adapter
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire(self.session, self.priority, self.adapter)
+        self.inst, engine = await self.model.acquire(self.session, self.adapter)
         return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
@@ -111,6 +110,8 @@ class Manager:
         self.closing = False
         self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
+        #: Listings of adapters folders (`_listing`): when each began, and its task.
+        self._listings: dict[str, tuple[float, asyncio.Future[list[AdapterSpec]]]] = {}
         #: Preloads still running, by model name.
         self.preloading: dict[str, asyncio.Task[None]] = {}
 
@@ -211,57 +212,93 @@ class Manager:
         alias, else a sub-folder of a model's ``adapters_dir`` with an
         ``adapter_config.json`` (looked up now, so an adapter copied there is served without
         a reload). Model names win over adapters; an adapter of a model that `visible` (an
-        API key's scope) refuses is not found."""
+        API key's scope) refuses is not found. A name found in the folders of two models the
+        key may use is refused (`BadRequest`), never given to either: a key scoped to one of
+        them finds its own."""
         if requested in self.names:
             return None
-        found = self.adapter_names.get(requested) or self._discover(requested)
+        found = self.adapter_names.get(requested)
         if found is None:
-            return None
+            return self._discover(requested, visible)
         model = self.models[found[0]]
         return (model, found[1]) if visible is None or visible(model) else None
 
-    def _discover(self, requested: str) -> tuple[str, AdapterSpec] | None:
-        """An adapter named `requested` in a model's ``adapters_dir`` (models in config order)."""
-        for name, model in self.models.items():
-            folder = model.spec.adapters_dir
-            if folder is not None:
-                spec = find_in(folder, requested)
-                if spec is not None:
-                    return name, spec
-        return None
-
-    def adapter_entries(self) -> list[tuple[str, Model, AdapterSpec]]:
-        """Every adapter name and alias clients may use now, with its base model and adapter:
-        configured ones first, then those in the models' folders (as many as
-        `adapters.list_folder` reads; a name a model or another adapter has is not one)."""
-        out = [(n, self.models[base], a) for n, (base, a) in self.adapter_names.items()]
-        taken = set(self.names) | set(self.adapter_names)
+    def _discover(
+        self, requested: str, visible: Callable[[Model], bool] | None
+    ) -> tuple[Model, AdapterSpec] | None:
+        """The adapter named `requested` in the ``adapters_dir`` of a model `visible` allows;
+        `BadRequest` when two such models have one of that name."""
+        found = []
         for model in self.models.values():
-            if model.spec.adapters_dir is not None:
-                for a in list_folder(model.spec.adapters_dir):
+            folder = model.spec.adapters_dir
+            if folder is None or (visible is not None and not visible(model)):
+                continue
+            spec = find_in(folder, requested)
+            if spec is not None:
+                found.append((model, spec))
+        if len(found) > 1:
+            bases = " and ".join(repr(m.name) for m, _ in found)
+            raise BadRequest(
+                f"{requested!r} is an adapter in the adapters_dir of models {bases}, so it"
+                " names neither: the operator renames one, or a key scoped to one model uses"
+                " its own",
+                code="ambiguous_adapter",
+                param="model",
+            )
+        return found[0] if found else None
+
+    async def adapter_entries(
+        self, visible: Callable[[Model], bool] | None = None
+    ) -> list[tuple[str, Model, AdapterSpec]]:
+        """Every adapter name and alias clients may use now (of the models `visible` allows),
+        with its base model and adapter: configured ones first, then those in the models'
+        folders (as many as `adapters.list_folder` reads, listed by `_listing`; a name a model
+        or another adapter has is not one, nor one in two of these folders: `find_adapter`
+        refuses it). Only the folders of models `visible` allows are listed."""
+        out = [
+            (n, self.models[base], a)
+            for n, (base, a) in self.adapter_names.items()
+            if visible is None or visible(self.models[base])
+        ]
+        taken = set(self.names) | set(self.adapter_names)
+        found: dict[str, list[tuple[Model, AdapterSpec]]] = {}
+        for model in self.models.values():
+            folder = model.spec.adapters_dir
+            if folder is not None and (visible is None or visible(model)):
+                for a in await self._listing(folder):
                     if a.name not in taken:
-                        taken.add(a.name)
-                        out.append((a.name, model, a))
+                        found.setdefault(a.name, []).append((model, a))
+        out += [(name, *seen[0]) for name, seen in found.items() if len(seen) == 1]
         return out
+
+    async def _listing(self, folder: str) -> list[AdapterSpec]:
+        """The adapters in `folder`, listed in a thread (a folder of thousands of entries
+        takes the disk's time, not the event loop's). One listing serves every call while it
+        runs and for `LISTING_TTL_S` after it began."""
+        now = time.monotonic()
+        cached = self._listings.get(folder)
+        if cached is None or now - cached[0] >= LISTING_TTL_S:
+            self._listings = {f: c for f, c in self._listings.items() if now - c[0] < LISTING_TTL_S}
+            task = asyncio.ensure_future(asyncio.to_thread(list_folder, folder))
+            cached = self._listings[folder] = (now, task)
+        return await asyncio.shield(cached[1])
 
     def lease(
         self,
         model: str | Model,
         session: str | None = None,
-        priority: int | None = None,
         adapter: str | None = None,
     ) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
-        `session` is the value of the model's affinity header, if any; `priority` the request's
-        own (vLLM's field); `adapter` the LoRA adapter the request names (a replica holding it
-        is preferred). Raises `NotFound` for an unknown name and `Unavailable` while shutting
-        down.
+        `session` is the value of the model's affinity header, if any; `adapter` the LoRA
+        adapter the request names (a replica holding it is preferred). Raises `NotFound` for
+        an unknown name and `Unavailable` while shutting down.
         """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         target = self.resolve(model) if isinstance(model, str) else model
-        return Lease(target, session, priority, adapter)
+        return Lease(target, session, adapter)
 
     def update_metrics(self) -> None:
         """Refresh the request gauges from the leases (at scrape time: the request path itself

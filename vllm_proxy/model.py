@@ -63,10 +63,11 @@ SESSIONS_KEPT = 10_000
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
 
 
-def rank_of(spec: ModelSpec, priority: int | None = None) -> Rank:
-    """A place in the admission queue: the model's priority, then the request's own (vLLM's
-    ``priority``) where the engine orders requests by it."""
-    return (spec.priority, (priority or 0) if spec.request_priorities else 0)
+def rank_of(spec: ModelSpec) -> Rank:
+    """A place in the admission queue, set by the operator: the model's priority. A request's
+    own ``priority`` (vLLM's field) orders requests within its model's engine and takes no part
+    here: a client that writes ``-1000000`` must not rank its model ahead of other models."""
+    return (spec.priority, 0)
 
 
 class Model:
@@ -190,18 +191,18 @@ class Model:
                     best = inst
         return best
 
-    def rank(self, priority: int | None = None) -> Rank:
+    def rank(self) -> Rank:
         """A request's place in the admission queue (see `rank_of`)."""
-        return rank_of(self.spec, priority)
+        return rank_of(self.spec)
 
     async def acquire(
-        self, session: str | None = None, priority: int | None = None, adapter: str | None = None
+        self, session: str | None = None, adapter: str | None = None
     ) -> tuple[Instance, EngineProcess]:
         """Wait until an instance serves (waking or starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
         ``instance.release()`` in ``finally``. `session` is the affinity header's value,
-        `priority` the request's own, `adapter` the LoRA adapter it names (a replica that holds
+        `adapter` the LoRA adapter it names (a replica that holds
         it is preferred). A request for a serving instance is sent at once unless
         the admission queue holds it behind a waiter that needs that instance's memory.
         """
@@ -211,7 +212,7 @@ class Model:
         # engine was started or woken for it; held, it could be taken before serving anyone).
         brought = False
         while True:
-            rank = self.rank(priority)  # the model's priority as reloaded
+            rank = self.rank()  # the model's priority as reloaded
             if self.closed:
                 raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
             if self.removed:

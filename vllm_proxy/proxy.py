@@ -43,11 +43,12 @@ from .errors import (
 )
 from .form import MISSING
 from .instance import Instance
-from .intake import MIB, Bodies, read_body, too_large
+from .intake import MIB, Bodies, Hold, read_body, too_large
 from .keys import KeyRing, Scope, bearer
 from .manager import Manager
 from .metrics import Metrics
 from .model import Model
+from .realtime import ClientSocket
 from .upload import open_upload
 from .upstream import (
     BodySource,
@@ -119,6 +120,8 @@ MODEL_ROUTES = (
 #: POST endpoints whose body is a form upload, routed by its ``model`` field (`upload`).
 UPLOAD_ROUTES = ("/v1/audio/transcriptions", "/v1/audio/translations")
 CLIENT_CLOSED = "499"
+#: How long a realtime client has to answer the proxy's close frame.
+CLOSE_TIMEOUT_S = 2.0
 #: Bytes queued for a client beyond which a write is timed (``server.send_timeout_s``).
 SEND_BACKLOG = 64 * 1024
 
@@ -303,6 +306,13 @@ class Proxy:
         self.max_body_bytes = int(server.max_body_mb * MIB)
         #: Request bodies held by all requests (``server.max_bodies_mb``).
         self.bodies = Bodies(int(server.max_bodies_mb * MIB), heap.give_back())
+        #: Uploads spooled to disk by all requests (``server.max_spool_mb``).
+        self.spools = Bodies(
+            int(server.max_spool_mb * MIB),
+            key="server.max_spool_mb",
+            what="uploads spooled to disk",
+            code="upload_spool_full",
+        )
         bulk()  # the scan's regexes, compiled now rather than when the first body needs them
         self.configure(server)
         self.created = int(time.time())
@@ -320,7 +330,10 @@ class Proxy:
         self.access_log = server.access_log
         self.body_timeout_s = server.body_timeout_s
         self.send_timeout_s = server.send_timeout_s
+        self.max_realtime_sessions = server.max_realtime_sessions
+        self.realtime_idle_timeout_s = server.realtime_idle_timeout_s
         self.bodies.limit = int(server.max_bodies_mb * MIB)
+        self.spools.limit = int(server.max_spool_mb * MIB)
 
     # -- middleware ----------------------------------------------------------------------
 
@@ -399,7 +412,7 @@ class Proxy:
         scope = self.api_keys.find(token) if token is not None else None
         if scope is None:
             raise Unauthorized(KEY_REFUSAL)
-        if not scope.everything:
+        if not scope.unbounded:
             request[SCOPE] = scope
 
     def _resolve_target(
@@ -469,7 +482,7 @@ class Proxy:
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
             send = self._lease_and_relay(
-                request, path, body, model, session, tap, parsed.stream, parsed.priority, adapter
+                request, path, body, model, session, tap, parsed.stream, adapter
             )
             return await self._counted(model.name, tap, send)
         finally:
@@ -484,21 +497,18 @@ class Proxy:
         session: str | None,
         tap: Tap,
         stream: bool,
-        priority: int | None,
         adapter: AdapterSpec | None,
     ) -> web.StreamResponse:
         """Lease an engine of `model` (with `adapter` registered on it) and relay `body`."""
         # A stream that may wait (no engine serves, or the queue may hold it behind a swap)
         # gets keep-alives while it waits (an upload does not: its client is still sending).
         if stream and (model.serving() is None or self.manager.queue.tickets):
-            return await self._forward_loading(
-                request, path, body, model, session, tap, priority, adapter
-            )
+            return await self._forward_loading(request, path, body, model, session, tap, adapter)
         if adapter is not None:
-            async with self.manager.lease(model, session, priority, adapter.name) as (i, e):
+            async with self.manager.lease(model, session, adapter.name) as (i, e):
                 tap.instance = i.id
                 return await self._relay_adapter(request, path, body, i, e, tap, adapter)
-        async with self.manager.lease(model, session, priority) as (inst, engine):
+        async with self.manager.lease(model, session) as (inst, engine):
             tap.instance = inst.id
             return await self._relay(request, path, body, inst, engine, tap)
 
@@ -537,7 +547,8 @@ class Proxy:
         # A model in the path is known before anything is read.
         model = None if forced is None else self._resolve(request, forced, observe=True)
         hold = self.bodies.hold()  # what is kept in memory before the model is known
-        upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold)
+        spooled = self.spools.hold()  # ... and on disk
+        upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold, spooled)
         try:
             named = await upload.find_model()  # (with a model in the path: to replace it)
             if model is None:
@@ -548,12 +559,11 @@ class Proxy:
             tap.model = model.name
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
-            send = self._lease_and_relay(
-                request, path, upload, model, session, tap, False, None, None
-            )
+            send = self._lease_and_relay(request, path, upload, model, session, tap, False, None)
             return await self._counted(model.name, tap, send)
         finally:
             upload.close()
+            spooled.release()
             hold.release()
 
     async def realtime(self, request: web.Request) -> web.StreamResponse:
@@ -562,10 +572,22 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
+        hold = self.bodies.hold()  # what the client sends, until it has gone on
+        try:
+            return await self._realtime(request, tap, hold)
+        finally:
+            hold.release()
+
+    async def _realtime(self, request: web.Request, tap: Tap, hold: Hold) -> web.StreamResponse:
         # Pinged after send_timeout_s of silence and dropped without a pong: a client whose
-        # host vanished would otherwise hold its lease (and the engine) for good.
-        client = web.WebSocketResponse(
-            max_msg_size=self.max_body_bytes, compress=False, heartbeat=self.send_timeout_s
+        # host vanished would otherwise hold its lease (and the engine) for good. What it
+        # sends is counted in the bodies' budget as it arrives (`realtime.Meter`).
+        client = realtime.ClientSocket(
+            realtime.Meter(hold),
+            max_msg_size=self.max_body_bytes,
+            compress=False,
+            heartbeat=self.send_timeout_s,
+            timeout=CLOSE_TIMEOUT_S,
         )
         if not client.can_prepare(request).ok:
             raise BadRequest(
@@ -583,6 +605,7 @@ class Proxy:
                 first = await realtime.first_update(
                     client, self.body_timeout_s, self.sessions.going_away
                 )
+                client.meter.passed(client.meter.fed)
                 model = self._resolve(request, first["model"], observe=True)
             except ProxyError as err:
                 await realtime.refuse(client, err)
@@ -592,9 +615,17 @@ class Proxy:
         affinity = model.spec.affinity_header
         session = request.headers.get(affinity) if affinity else None
         try:
-            async with self.manager.lease(model, session) as (inst, engine):
-                tap.instance = inst.id
-                await self._realtime_relay(request, client, model, first, inst, engine, tap)
+            # Counted before the lease: a session refused starts no engine.
+            scope = request.get(SCOPE)
+            key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
+            with self.sessions.open(model.name, self.max_realtime_sessions, key):
+                async with self.manager.lease(model, session) as (inst, engine):
+                    tap.instance = inst.id
+                    slot = await self._realtime_slot(inst)
+                    try:
+                        await self._realtime_relay(request, client, model, first, inst, engine, tap)
+                    finally:
+                        slot.release()
             status = str(client.status)
         except ProxyError as err:
             status = str(err.status)
@@ -608,10 +639,18 @@ class Proxy:
             self._observe(model.name, status, tap.started, tap)
         return client
 
+    async def _realtime_slot(self, inst: Instance) -> asyncio.Semaphore:
+        """A connection of the model's share (``max_upstream_connections``), held for the
+        session's lifetime: a session holds an engine connection as a request does."""
+        try:
+            return await self.upstream.take_slot(inst.name)
+        except NoSlot as err:
+            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
+
     async def _realtime_relay(
         self,
         request: web.Request,
-        client: web.WebSocketResponse,
+        client: ClientSocket,
         model: Model,
         first: dict[str, Any] | None,
         inst: Instance,
@@ -670,7 +709,10 @@ class Proxy:
                 first["model"] = model.name
                 await up.send_str(json.dumps(first))
             going_away = self.sessions.going_away
-            await realtime.relay(client, up, inbound, first is not None, counts, going_away)
+            await realtime.relay(
+                client, up, inbound, first is not None, counts, going_away,
+                self.body_timeout_s, self.realtime_idle_timeout_s,
+            )  # fmt: skip
         finally:
             self.sessions.close_later(up, session, client)
             tap.bytes, tap.first_byte = counts.bytes, counts.first_at
@@ -685,7 +727,6 @@ class Proxy:
         model: Model,
         session: str | None,
         tap: Tap,
-        priority: int | None = None,
         adapter: AdapterSpec | None = None,
     ) -> web.StreamResponse:
         """A stream that may wait (no serving instance: it starts or wakes; or the admission
@@ -696,7 +737,7 @@ class Proxy:
         visible progress (``reasoning_content`` chunks) instead. Then the engine's stream
         follows byte for byte; a failure after the 200 is an SSE error event and
         ``data: [DONE]``."""
-        lease = self.manager.lease(model, session, priority, adapter.name if adapter else None)
+        lease = self.manager.lease(model, session, adapter.name if adapter else None)
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")
@@ -973,17 +1014,17 @@ class Proxy:
     # -- proxy's own routes --------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": self._cards(request)})
+        return web.json_response({"object": "list", "data": await self._cards(request)})
 
     async def model(self, request: web.Request) -> web.Response:
         wanted = request.match_info["model"]
-        for card in self._cards(request):
+        for card in await self._cards(request):
             if card["id"] == wanted:
                 return web.json_response(card)
         self._resolve(request, wanted)  # raises NotFound with the list of valid names
         raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
 
-    def _cards(self, request: web.Request) -> list[dict[str, Any]]:
+    async def _cards(self, request: web.Request) -> list[dict[str, Any]]:
         """A card per name and alias of the models the request's key may use."""
         scope = request.get(SCOPE)
         cards = []
@@ -1002,18 +1043,17 @@ class Proxy:
                     "state": model.state().value,
                 }
             )
-        return cards + self._adapter_cards(request)
+        return cards + await self._adapter_cards(request)
 
-    def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
+    async def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
         """A card per LoRA adapter name and alias (of the models the request's key may use),
         as vLLM lists adapters: ``parent`` is the base model, ``root`` the adapter's path;
         ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
         ``not_loaded``) and ``instances`` which; an alias's card names its ``adapter``."""
         scope = request.get(SCOPE)
+        visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
         cards = []
-        for name, model, adapter in self.manager.adapter_entries():
-            if scope is not None and not scope.allows(model.name, model.spec.aliases):
-                continue
+        for name, model, adapter in await self.manager.adapter_entries(visible):
             held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
             states = set(held.values())
             state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
@@ -1034,7 +1074,7 @@ class Proxy:
 
     async def prefixed_models(self, request: web.Request) -> web.Response:
         name = self._resolve(request, request.match_info["model"]).name
-        cards = [c for c in self._cards(request) if c["id"] == name]
+        cards = [c for c in await self._cards(request) if c["id"] == name]
         return web.json_response({"object": "list", "data": cards})
 
     async def health(self, request: web.Request) -> web.Response:

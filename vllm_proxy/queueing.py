@@ -9,9 +9,12 @@ rules:
 
 * **Order.** Models waiting to be brought up are served by ``(priority, arrival of their
   oldest waiting request)``: FIFO among equals. Lower priority values go first (vLLM's rule for
-  its own ``priority`` field): the model's ``priority``, then the request's where the engine
-  runs ``--scheduling-policy priority``. A model's requests are grouped: all of them ride on
-  its one start or wake, whatever came in between.
+  its own ``priority`` field): the model's ``priority``, which the operator sets. A request's
+  own ``priority`` orders requests within its model (the engine does that, with
+  ``--scheduling-policy priority``) and takes no part here: a client could otherwise rank its
+  model ahead of every other and, with ``holds``, keep them from their turn for good. A
+  model's requests are grouped: all of them ride on its one start or wake, whatever came in
+  between.
 * **No needless waits.** A request for a model that serves is sent at once, ahead of swaps it
   does not need: unless a waiter before it in that order needs this very engine's memory and
   has used up its reorder window (``max_reorder_s`` after it arrived, at most half the queue
@@ -25,9 +28,10 @@ rules:
 * **Turns** (`turn`). Among starts and wakes waiting for memory, only the first in order may
   put engines to sleep or stop them; one behind it may start meanwhile where the memory it
   takes leaves the first one's plan intact (it fits without touching anyone, and the first
-  still fits once the busy engines drain), or where the first cannot be placed even then; but
-  never one that began waiting more than the reorder window after the first. Only a waiter
-  that may go holds requests (`may_hold`).
+  still fits once the busy engines drain), whenever it came: it delays no one. One whose plan
+  would put engines to sleep or stop them may go where the first cannot be placed even with
+  busy engines drained, but never if it began waiting more than the reorder window after the
+  first. Only a waiter that may go holds requests (`may_hold`).
 
 The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
@@ -42,7 +46,8 @@ import time
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass, field
 
-#: A ticket's rank: (model priority, request priority); lower goes first.
+#: A ticket's rank: (model priority, 0); lower goes first. Only what the operator sets ranks
+#: a ticket, never what a client writes in its body.
 Rank = tuple[int, int]
 
 
@@ -132,18 +137,20 @@ def turn(me: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool,
     plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (claim, then check that `first`'s plan with
     busy engines drained still fits; else give the claim back and wait).
 
-    The first always goes. No one that began waiting more than the reorder window after the
-    first goes ahead of it, by any path (the bound on reordering). Within that, one behind may
-    go when the first cannot be placed even with busy engines drained (`first_placeable`
-    False: it waits for something else), or when its own plan touches nobody (`reclaims`
-    False) and leaves the first's plan intact."""
+    The first always goes. A plan that touches nobody (`reclaims` False: it takes only free
+    memory) goes whenever it came, as long as it leaves the first's plan intact: it delays no
+    one, so a head stuck behind a long stream does not hold back starts that fit at once.
+    Otherwise no one that began waiting more than the reorder window after the first goes
+    ahead of it (the bound on reordering); within that, one behind may go when the first
+    cannot be placed even with busy engines drained (`first_placeable` False: it waits for
+    something else)."""
     if me.model == first.model:
         return GO
+    if not reclaims:
+        return IF_FIRST_STILL_FITS if first_placeable else GO
     if me.since - first.since > rules.window_s:
         return WAIT
-    if not first_placeable:
-        return GO
-    return WAIT if reclaims else IF_FIRST_STILL_FITS
+    return WAIT if first_placeable else GO
 
 
 def may_hold(waiter: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool) -> bool:

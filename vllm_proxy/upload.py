@@ -8,8 +8,10 @@ that in a temporary file; once a lease on the engine is held, it sends what it k
 the rest on from the client as it comes, scanning it still (`write_to`, a
 `upstream.BodySource`). The OpenAI SDK sends the fields before the file, so the model is known
 from the first piece and nothing goes to disk; a form with ``model`` after the file waits on
-disk, bounded by ``max_body_mb``, never in memory. While an engine starts, the client's upload
-waits: aiohttp stops reading its socket once about 128 KiB are buffered.
+disk, bounded by ``max_body_mb``, never in memory, and the spool files of all uploads
+together by ``max_spool_mb`` (503 past it: the temporary directory may be a tmpfs). While an
+engine starts, the client's upload waits: aiohttp stops reading its socket once about 128 KiB
+are buffered.
 
 The bytes go on as received; for an alias only the model value is replaced and the length
 adjusted (`form.Rename`); a body of unknown length (chunked, or decoded from a
@@ -42,16 +44,19 @@ SPOOL_FROM = 256 * 1024
 SPOOL_BYTES = 1024 * 1024
 
 
-def open_upload(request: web.Request, limit: int, timeout_s: float, hold: Hold) -> Upload:
+def open_upload(
+    request: web.Request, limit: int, timeout_s: float, hold: Hold, spooled: Hold
+) -> Upload:
     """The upload of `request`, checked before anything is read: its announced length (413),
-    its type (415: only ``multipart/form-data``) and its boundary (400)."""
+    its type (415: only ``multipart/form-data``) and its boundary (400). `hold` counts what is
+    kept in memory, `spooled` what goes to the spool file (``server.max_spool_mb``)."""
     length = request.content_length
     encoded = "Content-Encoding" in request.headers  # aiohttp decodes it: the length is not its
     if length is not None and length > limit and not encoded:
         raise too_large(limit)
     check_type(request, is_form, FORM_DATA)
     boundary = boundary_of(request.headers["Content-Type"])
-    return Upload(request, boundary, None if encoded else length, limit, timeout_s, hold)
+    return Upload(request, boundary, None if encoded else length, limit, timeout_s, hold, spooled)
 
 
 class Upload(BodySource):
@@ -67,6 +72,7 @@ class Upload(BodySource):
         limit: int,
         timeout_s: float,
         hold: Hold,
+        spooled: Hold,
     ) -> None:
         self.content = request.content
         self.boundary = boundary
@@ -76,6 +82,7 @@ class Upload(BodySource):
         self.timeout_s = timeout_s
         self.budget = timeout_s  # what is left of it for the client's reads
         self.hold = hold
+        self.spooled = spooled
         self.scan = FormScan(boundary)
         self.rename: Rename | None = None
         self.ended = False
@@ -176,6 +183,7 @@ class Upload(BodySource):
             self.kept.append(data)
             self.kept_bytes += len(data)
             return
+        self.spooled.take(len(data))  # 503 once the spool files of all uploads would pass
         if self.spool is None:
             self.spool = await asyncio.to_thread(tempfile.TemporaryFile, prefix="vllm-proxy-")
         self.pending.append(data)

@@ -709,6 +709,11 @@ class UpstreamPool:
             ) from None
         return share
 
+    async def take_slot(self, name: str) -> asyncio.Semaphore:
+        """A connection of `name`'s share for a caller that opens its own (a realtime
+        session): ``release()`` it in ``finally``. `NoSlot` as for a request."""
+        return await self._take(name)
+
     async def request(
         self,
         address: int | str,
