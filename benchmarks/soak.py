@@ -88,7 +88,7 @@ RECORD = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} (DEBUG|INFO|WARNING|E
 ACCESS = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} INFO vllm_proxy\.access: "
                     r"(?P<rid>[A-Za-z0-9\-._:~+/=]{1,128}) [A-Z]+ /[\x21-\x7e]* "
                     r"model=[\x21-\x7e]+ instance=[\x21-\x7e]+ status=[1-5]\d\d bytes=\d+ "
-                    r"duration_ms=\d+\.\d")  # fmt: skip
+                    r"duration_ms=\d+\.\d( key=[\x21-\x7e]+)?")  # fmt: skip
 #: An ERROR record that quotes an engine's log: its next lines are that log's.
 QUOTES = re.compile(r" ERROR .*; last log lines of (?P<path>/.+):$")
 #: The most lines of an engine's log a record quotes (engine.LOG_TAIL_LINES).

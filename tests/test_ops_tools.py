@@ -51,6 +51,10 @@ EXPORTED: dict[str, Series] = {
     "vllm_proxy_time_to_first_byte_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_prompt_tokens_total": Series("counter", ("model_id",)),
     "vllm_proxy_completion_tokens_total": Series("counter", ("model_id",)),
+    "vllm_proxy_key_requests_total": Series("counter", ("key",)),
+    "vllm_proxy_key_rejected_total": Series("counter", ("key", "reason")),
+    "vllm_proxy_key_prompt_tokens_total": Series("counter", ("key",)),
+    "vllm_proxy_key_completion_tokens_total": Series("counter", ("key",)),
     "vllm_proxy_instance_requests_active": Series("gauge", ("model_id", "instance")),
     "vllm_proxy_model_state": Series("gauge", ("model_id", "state")),
     "vllm_proxy_instance_state": Series("gauge", ("model_id", "instance", "state")),
@@ -277,14 +281,18 @@ def test_exported_series_match_the_registry() -> None:
     }
     assert registered == {name: s.kind for name, s in EXPORTED.items()}
 
-    # The request path's series are plain counts exported by a collector (metrics.RequestSeries);
-    # every other series is a prometheus_client metric.
+    # The request path's series are plain counts exported by collectors (metrics.RequestSeries,
+    # metrics.KeySeries); every other series is a prometheus_client metric.
     request_path = {
         "vllm_requests_total",
         "vllm_request_duration_seconds",
         "vllm_proxy_time_to_first_byte_seconds",
         "vllm_proxy_prompt_tokens_total",
         "vllm_proxy_completion_tokens_total",
+        "vllm_proxy_key_requests_total",
+        "vllm_proxy_key_rejected_total",
+        "vllm_proxy_key_prompt_tokens_total",
+        "vllm_proxy_key_completion_tokens_total",
     }
     wrappers = [v for v in vars(metrics).values() if isinstance(v, MetricWrapperBase)]
     assert len(wrappers) + len(request_path) == len(EXPORTED)
@@ -295,6 +303,7 @@ def test_exported_series_match_the_registry() -> None:
         wrapper.labels(**dict.fromkeys(EXPORTED[name].labels, "x"))
 
     metrics.series("x").count("x")  # the request path's series, once a request was counted
+    metrics.key_series("x").reject("x")  # ... and a key's, once one was refused
     rendered: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(metrics.render().decode()):
         for sample in family.samples:

@@ -108,11 +108,24 @@ class ApiKey(_Strict):
     #: model's name and aliases; a model matched by one is usable under all its names.
     #: None: every model.
     models: list[str] | None = None
-    #: The key opens /admin/* too, besides server.admin_api_keys (`models` does not narrow it).
+    #: What the access log and the metrics call the key (never the key itself); None:
+    #: ``key-<n>``, its position in the list.
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,63}$")
+    #: The key opens /admin/* too, besides server.admin_api_keys (all of it: refused together
+    #: with `models`).
     admin: bool = False
     #: Realtime WebSocket sessions the key may have open at once, all models together (past
     #: it 429); None: only each model's ``server.max_realtime_sessions``.
     max_realtime_sessions: int | None = Field(None, ge=1)
+    #: Requests (streams, uploads, realtime sessions) the key may have in flight at once, all
+    #: models together (past it 429); None: no limit.
+    max_concurrent_requests: int | None = Field(None, ge=1)
+    #: Requests the key may start in any 60 s (a sliding window; past it 429 with the seconds
+    #: until one is allowed); None: no limit.
+    max_requests_per_minute: int | None = Field(None, ge=1)
+    #: The key's place in the admission queue among requests for models of the same
+    #: ``priority``: lower goes first (a batch key: a higher number).
+    priority: int = 0
     _secret: str = PrivateAttr("")
 
     @property
@@ -134,6 +147,15 @@ class ApiKey(_Strict):
         return v
 
     @model_validator(mode="after")
+    def _admin_for_every_model(self) -> ApiKey:
+        if self.admin and self.models is not None:
+            raise ValueError(
+                "admin: true with models: the admin API acts on every model, so a key limited"
+                " to some models cannot open it; use a separate key (or leave models out)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _read_secret(self, info: ValidationInfo) -> ApiKey:
         if self.key is None and self.key_file is None:
             raise ValueError("key or key_file is required")
@@ -148,6 +170,11 @@ class ApiKey(_Strict):
             assert self.key_file is not None
             self._secret = _read_key_file(self.key_file, (info.context or {}).get("config_dir"))
         return self
+
+
+def key_label(entry: ApiKey, position: int) -> str:
+    """What logs and metrics call the key at `position` of ``server.api_keys``."""
+    return entry.name if entry.name is not None else f"key-{position}"
 
 
 def _key_problem(key: str) -> str | None:
@@ -271,6 +298,14 @@ class ServerConfig(_Strict):
                     f"@api_keys.{i}: the same key as server.api_keys.{first[entry.secret]}"
                 )
             first.setdefault(entry.secret, i)
+        labels: dict[str, int] = {}
+        for i, entry in enumerate(self.api_keys):
+            label = key_label(entry, i)
+            if label in labels:
+                problems.append(
+                    f"@api_keys.{i}.name: {label!r} already names server.api_keys.{labels[label]}"
+                )
+            labels.setdefault(label, i)
         if problems:
             raise ValueError("\n".join(problems))
         return self

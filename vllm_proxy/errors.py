@@ -104,9 +104,16 @@ class TooManyRequests(ProxyError):
     code = "rate_limit_exceeded"
 
     def __init__(
-        self, message: str, *, retry_after_s: int = RETRY_AFTER_S, code: str | None = None
+        self,
+        message: str,
+        *,
+        retry_after_s: int = RETRY_AFTER_S,
+        code: str | None = None,
+        reason: str = "limit",
     ) -> None:
         super().__init__(message, code=code, headers={"Retry-After": str(retry_after_s)})
+        #: Which limit: the label of ``vllm_proxy_key_rejected_total``.
+        self.reason = reason
 
 
 class EngineFailed(ProxyError):

@@ -48,17 +48,22 @@ class Lease:
     A plain class rather than a generator-based context manager: it is on every request.
     """
 
-    __slots__ = ("adapter", "inst", "model", "session")
+    __slots__ = ("adapter", "inst", "model", "priority", "session")
 
     def __init__(
-        self, model: Model, session: str | None = None, adapter: str | None = None
+        self,
+        model: Model,
+        session: str | None = None,
+        adapter: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.model = model
         self.session = session
         self.adapter = adapter
+        self.priority = priority
 
     async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire(self.session, self.adapter)
+        self.inst, engine = await self.model.acquire(self.session, self.adapter, self.priority)
         return self.inst, engine
 
     async def __aexit__(self, *exc: object) -> None:
@@ -288,17 +293,19 @@ class Manager:
         model: str | Model,
         session: str | None = None,
         adapter: str | None = None,
+        priority: int = 0,
     ) -> Lease:
         """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
 
         `session` is the value of the model's affinity header, if any; `adapter` the LoRA
-        adapter the request names (a replica holding it is preferred). Raises `NotFound` for
-        an unknown name and `Unavailable` while shutting down.
+        adapter the request names (a replica holding it is preferred); `priority` the API
+        key's (see `model.rank_of`). Raises `NotFound` for an unknown name and `Unavailable`
+        while shutting down.
         """
         if self.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         target = self.resolve(model) if isinstance(model, str) else model
-        return Lease(target, session, adapter)
+        return Lease(target, session, adapter, priority)
 
     def update_metrics(self) -> None:
         """Refresh the request gauges from the leases (at scrape time: the request path itself

@@ -106,6 +106,55 @@ class _RequestCollector:
         yield from (requests, duration, ttfb, prompt, completion)
 
 
+class KeySeries:
+    """What the request path counts for one API key (by its label, never the key): exported
+    as ``vllm_proxy_key_requests_total``, ``vllm_proxy_key_rejected_total`` and the key's
+    token counters."""
+
+    __slots__ = ("completion", "prompt", "rejected", "requests")
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.rejected: dict[str, int] = {}
+        self.prompt = 0
+        self.completion = 0
+
+    def reject(self, reason: str) -> None:
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
+
+
+class _KeyCollector:
+    """The `KeySeries` of every configured API key, as metric families at scrape time."""
+
+    def __init__(self, series: dict[str, KeySeries]) -> None:
+        self.series = series
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "vllm_proxy_key_requests",
+            "Requests (uploads and realtime sessions included) on the model routes per API key",
+            labels=["key"],
+        )
+        rejected = CounterMetricFamily(
+            "vllm_proxy_key_rejected",
+            "Requests refused with 429 for a limit of their API key",
+            labels=["key", "reason"],
+        )
+        prompt = CounterMetricFamily(
+            "vllm_proxy_key_prompt_tokens", "Prompt tokens per API key", labels=["key"]
+        )
+        completion = CounterMetricFamily(
+            "vllm_proxy_key_completion_tokens", "Completion tokens per API key", labels=["key"]
+        )
+        for key, s in sorted(self.series.items()):
+            requests.add_metric([key], s.requests)
+            for reason, n in sorted(s.rejected.items()):
+                rejected.add_metric([key, reason], n)
+            prompt.add_metric([key], s.prompt)
+            completion.add_metric([key], s.completion)
+        yield from (requests, rejected, prompt, completion)
+
+
 class Metrics:
     """Every series the proxy exports; names follow the design document."""
 
@@ -117,6 +166,9 @@ class Metrics:
         #: Per model: what the request path counts (see the module docstring).
         self.request_series: dict[str, RequestSeries] = {}
         r.register(_RequestCollector(self.request_series))
+        #: Per configured API key, by its label.
+        self.keys: dict[str, KeySeries] = {}
+        r.register(_KeyCollector(self.keys))
         self.loaded = Gauge(
             "vllm_model_loaded",
             "1 while any instance of the model serves requests",
@@ -263,6 +315,19 @@ class Metrics:
         self.gpu_util = Gauge(
             "vllm_gpu_utilization_percent", "GPU compute utilisation", ["gpu_id"], registry=r
         )
+
+    def key_series(self, label: str) -> KeySeries:
+        """The series of the API key `label` (made on first use)."""
+        series = self.keys.get(label)
+        if series is None:
+            series = self.keys[label] = KeySeries()
+        return series
+
+    def keep_keys(self, labels: set[str]) -> None:
+        """After a (re)load: drop the series of keys no longer configured, so that the
+        series stay as many as the keys."""
+        for label in [k for k in self.keys if k not in labels]:
+            del self.keys[label]
 
     def series(self, model: str) -> RequestSeries:
         """The request path's series of `model` (made on first use; kept after its removal,

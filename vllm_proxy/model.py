@@ -63,11 +63,13 @@ SESSIONS_KEPT = 10_000
 EvictMore = Callable[[tuple[int, ...]], Awaitable[bool]]
 
 
-def rank_of(spec: ModelSpec) -> Rank:
-    """A place in the admission queue, set by the operator: the model's priority. A request's
-    own ``priority`` (vLLM's field) orders requests within its model's engine and takes no part
-    here: a client that writes ``-1000000`` must not rank its model ahead of other models."""
-    return (spec.priority, 0)
+def rank_of(spec: ModelSpec, key_priority: int = 0) -> Rank:
+    """A place in the admission queue, set by the operator: the model's priority, then the
+    ``priority`` of the request's API key (among models of one priority, a batch key's
+    requests wait behind an interactive key's). A request's own ``priority`` (vLLM's field)
+    orders requests within its model's engine and takes no part here: a client that writes
+    ``-1000000`` must not rank its model ahead of other models."""
+    return (spec.priority, key_priority)
 
 
 class Model:
@@ -191,19 +193,20 @@ class Model:
                     best = inst
         return best
 
-    def rank(self) -> Rank:
+    def rank(self, key_priority: int = 0) -> Rank:
         """A request's place in the admission queue (see `rank_of`)."""
-        return rank_of(self.spec)
+        return rank_of(self.spec, key_priority)
 
     async def acquire(
-        self, session: str | None = None, adapter: str | None = None
+        self, session: str | None = None, adapter: str | None = None, priority: int = 0
     ) -> tuple[Instance, EngineProcess]:
         """Wait until an instance serves (waking or starting one if needed) and hold a lease on it.
 
         Concurrent callers share one start and all see its error. Pair with
         ``instance.release()`` in ``finally``. `session` is the affinity header's value,
         `adapter` the LoRA adapter it names (a replica that holds
-        it is preferred). A request for a serving instance is sent at once unless
+        it is preferred), `priority` its API key's. A request for a serving instance is sent
+        at once unless
         the admission queue holds it behind a waiter that needs that instance's memory.
         """
         starts = 0
@@ -212,7 +215,7 @@ class Model:
         # engine was started or woken for it; held, it could be taken before serving anyone).
         brought = False
         while True:
-            rank = self.rank()  # the model's priority as reloaded
+            rank = self.rank(priority)  # the model's priority as reloaded
             if self.closed:
                 raise Unavailable(f"model '{self.name}' is shutting down", code="shutting_down")
             if self.removed:

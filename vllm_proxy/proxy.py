@@ -7,6 +7,7 @@ the client used an alias): see `body`. Streams are passed through chunk by chunk
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
 import json
@@ -14,7 +15,7 @@ import logging
 import re
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 from urllib.parse import urlencode
 
@@ -37,6 +38,7 @@ from .errors import (
     MethodNotAllowed,
     NotFound,
     ProxyError,
+    TooManyRequests,
     Unauthorized,
     Unavailable,
     error_body,
@@ -44,9 +46,9 @@ from .errors import (
 from .form import MISSING
 from .instance import Instance
 from .intake import MIB, Bodies, Hold, read_body, too_large
-from .keys import KeyRing, Scope, bearer
+from .keys import KeyLimits, KeyRing, Scope, bearer
 from .manager import Manager
-from .metrics import Metrics
+from .metrics import KeySeries, Metrics
 from .model import Model
 from .realtime import ClientSocket
 from .upload import open_upload
@@ -172,8 +174,8 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = ("bytes", "client_gone", "ended", "first_byte", "instance", "model", "started",
-                 "usage")  # fmt: skip
+    __slots__ = ("bytes", "client_gone", "ended", "first_byte", "instance", "key", "model",
+                 "started", "usage")  # fmt: skip
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -186,6 +188,8 @@ class Tap:
         #: The status of an exchange that ended before its handler was cancelled: a WebSocket
         #: closed by its client (aiohttp cancels the handler when the connection then goes).
         self.ended: int | None = None
+        #: The request's API key: its label (the access log) and its series (its tokens).
+        self.key: tuple[str, KeySeries] | None = None
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
@@ -238,10 +242,22 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 TAP = web.RequestKey("tap", Tap)
-#: The scope of the request's API key when it is limited to some models (`Proxy._resolve`).
+#: The scope of the request's API key (`Proxy._key_use`; `_narrowed` for its models).
 SCOPE = web.RequestKey("key_scope", Scope)
 #: Why a model route refused a request's key.
 KEY_REFUSAL = "missing or invalid API key (expected 'Authorization: Bearer KEY')"
+
+
+def _narrowed(request: web.Request) -> Scope | None:
+    """The scope of the request's key when it is limited to some models."""
+    scope = request.get(SCOPE)
+    return None if scope is None or scope.everything else scope
+
+
+def _priority(request: web.Request) -> int:
+    """The ``priority`` of the request's API key (0 without one)."""
+    scope = request.get(SCOPE)
+    return 0 if scope is None else scope.priority
 
 
 def _upstream_headers(request: web.Request, engine_key: str | None) -> list[tuple[str, str]]:
@@ -314,6 +330,8 @@ class Proxy:
             code="upload_spool_full",
         )
         bulk()  # the scan's regexes, compiled now rather than when the first body needs them
+        #: Every key's requests in flight and recent starts (kept across reloads).
+        self.key_limits = KeyLimits()
         self.configure(server)
         self.created = int(time.time())
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
@@ -325,6 +343,9 @@ class Proxy:
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
         self.api_keys = KeyRing(server.api_keys)
+        scopes = self.api_keys.scopes()
+        self.key_limits.keep(scopes)
+        self.metrics.keep_keys({scope.label for scope in scopes})
         self.admin_keys = [k.encode() for k in server.admin_api_keys] + self.api_keys.admin_keys()
         self.admin_open = server.admin_open
         self.access_log = server.access_log
@@ -374,13 +395,15 @@ class Proxy:
 
     def _access(self, request: web.Request, rid: str, tap: Tap, status: int) -> None:
         # The path and the model come from the client: escaped, so that no value can end the
-        # line or pass for another field (the request id is a token, see `_request_id`).
+        # line or pass for another field (the request id is a token, see `_request_id`; a
+        # key's label is the operator's, see `config.ApiKey.name`).
         ACCESS.info(
-            "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f",
+            "%s %s %s model=%s instance=%s status=%d bytes=%d duration_ms=%.1f%s",
             rid, request.method, _escaped(request.path),
             _escaped(tap.model) if tap.model is not None else None, tap.instance,
             499 if tap.client_gone else status, tap.bytes,
             (time.monotonic() - tap.started) * 1000,
+            "" if tap.key is None else " key=" + tap.key[0],
         )  # fmt: skip
 
     def _request_id(self, request: web.Request) -> str:
@@ -406,21 +429,43 @@ class Proxy:
             )
 
     def _check_api_key(self, request: web.Request) -> None:
-        """401 unless the request carries a key of ``server.api_keys``; a key limited to some
-        models leaves its scope on the request, for `_resolve`."""
+        """401 unless the request carries a key of ``server.api_keys``; the key's scope is
+        left on the request, for `_resolve` and `_key_use`."""
         token = bearer(request.headers.get("Authorization", ""))
         scope = self.api_keys.find(token) if token is not None else None
         if scope is None:
             raise Unauthorized(KEY_REFUSAL)
-        if not scope.unbounded:
-            request[SCOPE] = scope
+        request[SCOPE] = scope
+
+    @contextlib.contextmanager
+    def _key_use(self, request: web.Request) -> Iterator[None]:
+        """The request counted for its API key while in the block: in the key's series, and
+        against its ``max_concurrent_requests`` and ``max_requests_per_minute`` (past one,
+        `TooManyRequests` and a count of the refusal). Held for the whole request: its
+        stream, upload or realtime session."""
+        scope = request.get(SCOPE)
+        if scope is None:
+            yield
+            return
+        series = self.metrics.key_series(scope.label)
+        request[TAP].key = (scope.label, series)
+        series.requests += 1
+        try:
+            self.key_limits.take(scope)
+        except TooManyRequests as err:
+            series.reject(err.reason)
+            raise
+        try:
+            yield
+        finally:
+            self.key_limits.release(scope)
 
     def _resolve_target(
         self, request: web.Request, requested: str
     ) -> tuple[Model, AdapterSpec | None]:
         """The LoRA adapter `requested` names with its base model, if the request's key may
         use that model; else `_resolve` (the model, or 404)."""
-        scope = request.get(SCOPE)
+        scope = _narrowed(request)
         visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
         found = self.manager.find_adapter(requested, visible)
         if found is not None:
@@ -432,7 +477,7 @@ class Proxy:
         key's scope is answered as one that does not exist, listing only the key's models, so
         a key learns nothing of the others; with `observe` that refusal is counted as a 404
         of the model. Every route that finds a model by name goes through here."""
-        scope = request.get(SCOPE)
+        scope = _narrowed(request)
         if scope is None:
             return self.manager.resolve(requested)
         try:
@@ -447,7 +492,8 @@ class Proxy:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """Route a JSON POST to the engine of the model named in its body."""
-        return await self._forward(request, request.raw_path, None)
+        with self._key_use(request):
+            return await self._forward(request, request.raw_path, None)
 
     async def forward_prefixed(self, request: web.Request) -> web.StreamResponse:
         """``/serve/{model}/v1/...``: the model comes from the path; the body's is optional."""
@@ -461,9 +507,10 @@ class Proxy:
         path = "/v1/" + tail
         if request.query:
             path += "?" + urlencode(list(request.query.items()))  # re-encoded, not raw
-        if tail in UPLOAD_TAILS:
-            return await self._forward_upload(request, path, request.match_info["model"])
-        return await self._forward(request, path, request.match_info["model"])
+        with self._key_use(request):
+            if tail in UPLOAD_TAILS:
+                return await self._forward_upload(request, path, request.match_info["model"])
+            return await self._forward(request, path, request.match_info["model"])
 
     async def _forward(
         self, request: web.Request, path: str, forced: str | None
@@ -505,10 +552,11 @@ class Proxy:
         if stream and (model.serving() is None or self.manager.queue.tickets):
             return await self._forward_loading(request, path, body, model, session, tap, adapter)
         if adapter is not None:
-            async with self.manager.lease(model, session, adapter.name) as (i, e):
+            lease = self.manager.lease(model, session, adapter.name, _priority(request))
+            async with lease as (i, e):
                 tap.instance = i.id
                 return await self._relay_adapter(request, path, body, i, e, tap, adapter)
-        async with self.manager.lease(model, session) as (inst, engine):
+        async with self.manager.lease(model, session, None, _priority(request)) as (inst, engine):
             tap.instance = inst.id
             return await self._relay(request, path, body, inst, engine, tap)
 
@@ -533,7 +581,8 @@ class Proxy:
 
     async def forward_upload(self, request: web.Request) -> web.StreamResponse:
         """Route a form upload (vLLM's speech-to-text routes) by its ``model`` field."""
-        return await self._forward_upload(request, request.raw_path, None)
+        with self._key_use(request):
+            return await self._forward_upload(request, request.raw_path, None)
 
     async def _forward_upload(
         self, request: web.Request, path: str, forced: str | None
@@ -574,7 +623,8 @@ class Proxy:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         hold = self.bodies.hold()  # what the client sends, until it has gone on
         try:
-            return await self._realtime(request, tap, hold)
+            with self._key_use(request):  # before the upgrade: past a limit, an HTTP 429
+                return await self._realtime(request, tap, hold)
         finally:
             hold.release()
 
@@ -619,7 +669,8 @@ class Proxy:
             scope = request.get(SCOPE)
             key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
             with self.sessions.open(model.name, self.max_realtime_sessions, key):
-                async with self.manager.lease(model, session) as (inst, engine):
+                lease = self.manager.lease(model, session, None, _priority(request))
+                async with lease as (inst, engine):
                     tap.instance = inst.id
                     slot = await self._realtime_slot(inst)
                     try:
@@ -629,6 +680,8 @@ class Proxy:
             status = str(client.status)
         except ProxyError as err:
             status = str(err.status)
+            if isinstance(err, TooManyRequests) and tap.key is not None:
+                tap.key[1].reject(err.reason)  # the key's max_realtime_sessions
             if not client.prepared:
                 raise
             await realtime.refuse(client, err)
@@ -737,7 +790,9 @@ class Proxy:
         visible progress (``reasoning_content`` chunks) instead. Then the engine's stream
         follows byte for byte; a failure after the 200 is an SSE error event and
         ``data: [DONE]``."""
-        lease = self.manager.lease(model, session, adapter.name if adapter else None)
+        lease = self.manager.lease(
+            model, session, adapter.name if adapter else None, _priority(request)
+        )
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
         progress = spec.loading_progress and path.endswith("/chat/completions")
@@ -813,8 +868,12 @@ class Proxy:
             series.ttfb.observe(tap.first_byte - started)
         usage = tap.tokens()
         if usage is not None:  # (an engine's negative count would make a counter go down)
-            series.prompt += max(0, usage[0])
-            series.completion += max(0, usage[1])
+            prompt, completion = max(0, usage[0]), max(0, usage[1])
+            series.prompt += prompt
+            series.completion += completion
+            if tap.key is not None:
+                tap.key[1].prompt += prompt
+                tap.key[1].completion += completion
 
     async def _relay(
         self,
@@ -1050,7 +1109,7 @@ class Proxy:
         as vLLM lists adapters: ``parent`` is the base model, ``root`` the adapter's path;
         ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
         ``not_loaded``) and ``instances`` which; an alias's card names its ``adapter``."""
-        scope = request.get(SCOPE)
+        scope = _narrowed(request)
         visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
         cards = []
         for name, model, adapter in await self.manager.adapter_entries(visible):

@@ -7,9 +7,11 @@ to wait (for a start, a wake, GPU memory, or a swap it must let go first) until 
 or gives up, and every start or wake that waits for memory holds one for its instance. The
 rules:
 
-* **Order.** Models waiting to be brought up are served by ``(priority, arrival of their
-  oldest waiting request)``: FIFO among equals. Lower priority values go first (vLLM's rule for
-  its own ``priority`` field): the model's ``priority``, which the operator sets. A request's
+* **Order.** Models waiting to be brought up are served by ``(model priority, key priority,
+  arrival of their oldest waiting request)``: FIFO among equals. Lower values go first (vLLM's
+  rule for its own ``priority`` field): the model's ``priority``, then the best ``priority`` of
+  the API keys whose requests wait for it (``server.api_keys``), both set by the operator, so
+  a batch key waits behind interactive ones for the same memory. A request's
   own ``priority`` orders requests within its model (the engine does that, with
   ``--scheduling-policy priority``) and takes no part here: a client could otherwise rank its
   model ahead of every other and, with ``holds``, keep them from their turn for good. A
@@ -44,10 +46,10 @@ import asyncio
 import itertools
 import time
 from collections.abc import Awaitable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-#: A ticket's rank: (model priority, 0); lower goes first. Only what the operator sets ranks
-#: a ticket, never what a client writes in its body.
+#: A ticket's rank: (model priority, API key priority); lower goes first. Only what the
+#: operator sets ranks a ticket, never what a client writes in its body.
 Rank = tuple[int, int]
 
 
@@ -222,12 +224,17 @@ class Queue:
 
     def waiters(self, *, bringing: Iterable[str] | None = None) -> list[Waiter]:
         """The models that wait to be brought up (each with its best rank and oldest
-        ticket), in order; `bringing` limits them to those models."""
+        ticket), in order; `bringing` limits them to those models. A model's rank is its
+        requests' best (their API keys' priorities included); a start or wake that no request
+        waits for (an admin load, a replica) has the model's own."""
         keep = set(bringing) if bringing is not None else None
         best: dict[str, Waiter] = {}
+        asked: dict[str, Rank] = {}
         for t in self.tickets.values():
             if t.held or (keep is not None and t.model not in keep):
                 continue
+            if t.instance is None:  # a request's ticket
+                asked[t.model] = min(asked.get(t.model, t.rank), t.rank)
             cur = best.get(t.model)
             w = Waiter(t.model, t.rank, t.since, t.seq)
             if cur is None:
@@ -235,6 +242,8 @@ class Queue:
             else:
                 best[t.model] = Waiter(t.model, min(cur.rank, w.rank), min(cur.since, w.since),
                                        min(cur.seq, w.seq))  # fmt: skip
+        for model, rank in asked.items():
+            best[model] = replace(best[model], rank=rank)
         return order(best.values())
 
     def waiting(self, model: str) -> int:

@@ -379,6 +379,7 @@ class Sessions:
                     f"this API key has {mine} realtime sessions open, its limit"
                     " (server.api_keys.max_realtime_sessions); close one first",
                     code="realtime_sessions_limit",
+                    reason="realtime_sessions",
                 )
             self.by_key[key[0]] = mine + 1
         self.count[model] = count + 1
