@@ -196,11 +196,13 @@ def admissions(monkeypatch: pytest.MonkeyPatch) -> Iterator[Admissions]:
     record = Admissions()
     original = Model.acquire
 
-    async def acquire(self: Model, session: Any = None, adapter: Any = None) -> Any:
-        call = Admitted(self.name, self.rank(), time.monotonic())
+    async def acquire(
+        self: Model, session: Any = None, adapter: Any = None, priority: int = 0
+    ) -> Any:
+        call = Admitted(self.name, self.rank(priority), time.monotonic())
         record.calls.append(call)
         try:
-            result = await original(self, session, adapter)
+            result = await original(self, session, adapter, priority)
         finally:
             call.ended = time.monotonic()
         call.ok = True
