@@ -20,6 +20,7 @@ from test_routes import AUDIO, FORM, field, form, receive
 from vllm_proxy.config import parse_config
 from vllm_proxy.errors import ConfigError, TooManyRequests
 from vllm_proxy.keys import KeyLimits, KeyRing
+from vllm_proxy.queueing import Queue
 
 #: Streams of 40 tokens, 50 ms apart: in flight for about 2 s.
 SLOW = FakeEngine(tokens=40, token_delay=0.05).env()
@@ -315,6 +316,25 @@ async def test_key_series_and_the_access_log_name_a_key_never_by_its_secret(
 
 
 # -- the admission queue -----------------------------------------------------------------------
+
+
+async def test_a_models_rank_is_its_requests_best_not_its_starts() -> None:
+    """b's start waits for memory with the model's own rank (0, 0); the request it was started
+    for is a batch key's (0, 10): b ranks (0, 10), behind c's interactive request that came
+    later. A start no request waits for (an admin load) keeps the model's own rank."""
+    queue = Queue()
+    queue.enter("b", (0, 10), since=1.0)
+    queue.enter("b", (0, 0), since=2.0, instance="b#1")
+    queue.enter("c", (0, 0), since=3.0)
+    queue.enter("d", (0, 0), since=4.0, instance="d#1")
+    queue.enter("e", (-1, 50), since=5.0)  # the model's priority ranks before the key's
+    ranked = [(w.model, w.rank, w.since) for w in queue.waiters()]
+    assert ranked == [
+        ("e", (-1, 50), 5.0),
+        ("c", (0, 0), 3.0),
+        ("d", (0, 0), 4.0),
+        ("b", (0, 10), 1.0),
+    ]
 
 
 async def test_a_batch_keys_request_waits_behind_an_interactive_keys_for_the_same_memory(
