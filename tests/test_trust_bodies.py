@@ -59,8 +59,7 @@ def peak_rss(pid: int) -> int:
     raise AssertionError("no VmHWM")
 
 
-@pytest.fixture
-def proxy_process(tmp_path: Path, start_proxy: StartProxy) -> tuple[subprocess.Popen[bytes], str]:
+def one_model_process(tmp_path: Path, start_proxy: StartProxy) -> tuple[Any, int]:
     """The proxy as a process of its own (its memory measured alone), one model."""
     port = free_port()
     data = {
@@ -69,7 +68,12 @@ def proxy_process(tmp_path: Path, start_proxy: StartProxy) -> tuple[subprocess.P
         "models": {"m1": {"model": "x"}},
     }
     path = write_config(tmp_path / "config.yaml", data)
-    proxy = start_proxy.process(path, port, tmp_path / "proxy.log")
+    return start_proxy.process(path, port, tmp_path / "proxy.log"), port
+
+
+@pytest.fixture
+def proxy_process(tmp_path: Path, start_proxy: StartProxy) -> tuple[subprocess.Popen[bytes], str]:
+    proxy, _port = one_model_process(tmp_path, start_proxy)
     return proxy.proc, proxy.url
 
 
@@ -322,14 +326,7 @@ async def test_bodies_announced_but_not_sent_do_not_fill_max_bodies_mb(
     ``body_timeout_s``. Bytes are counted as they arrive: a 60-byte request from someone else
     is answered 200 while the sixteen hold their connections open. The proxy runs as a
     process of its own, the attackers are raw sockets."""
-    port = free_port()
-    data = {
-        "server": {"host": "127.0.0.1", "port": port, "state_dir": str(tmp_path / "st")},
-        "engine": {"command": FAKE_ENGINE, "stop_timeout_s": 1, "port_range": [30000, 39999]},
-        "models": {"m1": {"model": "x"}},
-    }
-    path = write_config(tmp_path / "config.yaml", data)
-    proxy = start_proxy.process(path, port, tmp_path / "proxy.log")
+    proxy, port = one_model_process(tmp_path, start_proxy)
     writers: list[asyncio.StreamWriter] = []
     async with aiohttp.ClientSession() as http:
         await proxy.listening(http)
