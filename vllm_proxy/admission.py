@@ -126,9 +126,9 @@ class Admission:
                              wake_s=self._timing(i.spec, "wake"))
             )  # fmt: skip
             # Growth still to come: a start's, or a wake's once its claim is made (while its
-            # victims free memory, and after); before that it holds what NVML already shows.
-            # An awake engine's growth still to come: the transient peak vLLM freed after
-            # profiling or a wake and takes back on its first full batch.
+            # victims free memory, and after; before that it holds what NVML already shows),
+            # or an awake engine's transient peak, freed after profiling or a wake and taken
+            # back on its first full batch.
             woken = state in (State.WAKE_WAITING, State.WAKING) and i.id not in memory.asleep
             growing = state is State.STARTING or woken
             if memory.kind == "nvml" and (growing or state in AWAKE):

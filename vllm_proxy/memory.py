@@ -374,10 +374,9 @@ class Memory:
         upper bound: the engine may have regrown since)."""
         held = self.held_mb(instance_id)
         snap = next((s for s in self.snapshots if s.id == device), None)
-        if pgid is not None and snap is not None and snap.processes:
-            mine = sum(mb for pid, mb in snap.processes.items() if _pgid(pid) == pgid)
-            if mine:
-                return max(held - mine, 0)
+        mine = _group_mb(snap, pgid) if snap is not None else 0
+        if mine:
+            return max(held - mine, 0)
         measured = self.measured.get(instance_id)
         return max(held - measured, 0) if measured is not None else 0
 
@@ -399,10 +398,9 @@ class Memory:
         snap = next((s for s in self.snapshots if s.id == device), None)
         if snap is None:
             return 0
-        if pgid is not None and snap.processes:
-            mine = sum(mb for pid, mb in snap.processes.items() if _pgid(pid) == pgid)
-            if mine:
-                return mine
+        mine = _group_mb(snap, pgid)
+        if mine:
+            return mine
         base = self.baseline.get(instance_id, {}).get(device)
         return max(snap.used_mb - base, 0) if base is not None else 0
 
@@ -669,7 +667,7 @@ class Memory:
                 continue
             per_device = []
             for snap in self.snapshots:
-                mb = sum(m for pid, m in snap.processes.items() if _pgid(pid) == pgid)
+                mb = _group_mb(snap, pgid)
                 if mb:
                     per_device.append(mb)
             if per_device:
@@ -727,6 +725,13 @@ def _arg_names(spec: ModelSpec) -> set[str]:
 
 def _model_of(instance_id: str) -> str:
     return instance_id.rpartition("#")[0]
+
+
+def _group_mb(snap: GpuSnapshot, pgid: int | None) -> int:
+    """MiB the processes of group `pgid` hold on the snapshot's device (0: none listed)."""
+    if pgid is None:
+        return 0
+    return sum(mb for pid, mb in snap.processes.items() if _pgid(pid) == pgid)
 
 
 def _pgid(pid: int) -> int | None:
