@@ -24,7 +24,7 @@ import dataclasses
 import json
 import math
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -350,11 +350,7 @@ def pinned_weights_mb(spec: ModelSpec) -> int | None:
         arch = _architecture(None, model_dir)
         args = {k.replace("-", "_"): v for k, v in spec.args}
         serve = _serving_dtype_bytes(str(args.get("dtype") or "auto"), arch)
-        total = 0
-        for path in files:
-            for dtype, numel in tensor_sizes(path):
-                size = serve if dtype in _CAST_DTYPES else DTYPE_BYTES[dtype]
-                total += _pow2(math.ceil(numel * size / tp))
+        total = sum(_pow2(math.ceil(n / tp)) for n, _ in _served_tensors(files, serve))
     except (ValueError, OSError):
         return None
     return _ceil_mb(total * tp * dp)
@@ -494,12 +490,19 @@ def _weights_bytes(
         )
     total = 0.0
     params = 0
+    for nbytes, numel in _served_tensors(files, serve_bytes):
+        total += nbytes
+        params += numel
+    return total, params, "safetensors"
+
+
+def _served_tensors(files: list[Path], serve_bytes: float) -> Iterator[tuple[float, int]]:
+    """(bytes as served, element count) of every checkpoint tensor: floating-point tensors at
+    the serving dtype, others (quantised weights, packed ints) at their own size."""
     for path in files:
         for dtype, numel in tensor_sizes(path):
             size = serve_bytes if dtype in _CAST_DTYPES else DTYPE_BYTES[dtype]
-            total += numel * size
-            params += numel
-    return total, params, "safetensors"
+            yield numel * size, numel
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
