@@ -29,20 +29,20 @@ The policies, side by side on the same requests:
   sleeping one is woken; sleepers keep their residue, and when the GPU is full the least
   recently used sleeper is stopped.
 * ``planner`` (the proxy before admission): models share the GPU by memory through
-  ``vllm_proxy.scheduler.plan(..., now=None)`` (victims least recently used first); waiting
+  ``vllm_proxy.planning.scheduler.plan(..., now=None)`` (victims least recently used first); waiting
   bring-ups re-plan in the order they began waiting on every change, any of them may evict;
   requests for an awake model are never held.
-* ``scheduler`` (the proxy with ``vllm_proxy.admission``): ``plan(..., now=...)`` (price order,
-  from each model's measured starts and wakes) plus the queue rules of ``vllm_proxy.queueing``
-  as ``Admission`` applies them: one queue by (rank, oldest request); a model's requests
-  grouped on its one bring-up; turns (`queueing.turn`: the first waiting for memory may
-  evict; one behind it only without evicting and when the first's plan, once busy engines
-  drain, still fits, or with any plan when the first cannot be placed even then; never one
-  that began waiting more than the reorder window after the first); a request for an awake
-  engine held behind an earlier waiter that may go (`queueing.may_hold`) whose window has run
-  out and whose drained plan takes that engine (for at most ``queue_timeout_s``); minimum
-  residency while in use (a plan that went around a protected engine waits for it when the
-  plan without the protection would differ).
+* ``scheduler`` (the proxy with ``vllm_proxy.pool.admission``): ``plan(..., now=...)`` (price order,
+  from each model's measured starts and wakes) plus the queue rules of
+  ``vllm_proxy.planning.queueing`` as ``Admission`` applies them: one queue by (rank, oldest
+  request); a model's requests grouped on its one bring-up; turns (`queueing.turn`: the first
+  waiting for memory may evict; one behind it only without evicting and when the first's plan, once
+  busy engines drain, still fits, or with any plan when the first cannot be placed even then; never
+  one that began waiting more than the reorder window after the first); a request for an awake
+  engine held behind an earlier waiter that may go (`queueing.may_hold`) whose window has run out
+  and whose drained plan takes that engine (for at most ``queue_timeout_s``); minimum residency
+  while in use (a plan that went around a protected engine waits for it when the plan without the
+  protection would differ).
 
 A bring-up of the planner or the scheduler that has not claimed memory within
 ``--queue-timeout-s`` answers its requests 503 (they count as missed); the one-model policies
@@ -90,7 +90,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import docs_writer  # noqa: E402
 
-from vllm_proxy.queueing import (  # noqa: E402
+from vllm_proxy.planning.queueing import (  # noqa: E402
     GO,
     IF_FIRST_STILL_FITS,
     Rules,
@@ -104,7 +104,7 @@ from vllm_proxy.queueing import (  # noqa: E402
     protected,
     turn,
 )
-from vllm_proxy.scheduler import (  # noqa: E402
+from vllm_proxy.planning.scheduler import (  # noqa: E402
     Demand,
     DeviceView,
     InstanceView,
@@ -885,7 +885,7 @@ class SwapSim(Sim):
 
 class PlanSim(Sim):
     """Models share the GPU by memory through `plan()`: the ``planner`` as the proxy was, or
-    the ``scheduler`` with the admission rules as `vllm_proxy.admission` applies them."""
+    the ``scheduler`` with the admission rules as `vllm_proxy.pool.admission` applies them."""
 
     def __init__(self, scheduler: bool, *args: Any) -> None:
         self.policy = "scheduler" if scheduler else "planner"
@@ -1710,9 +1710,10 @@ def docs_section(
         "`benchmarks/density.py` answers *how many models one GPU serves within a latency "
         "target*. It is a discrete-event simulation in virtual time (no GPU, no engine): M "
         "models share one simulated GPU and the policies serve the same requests. The planner "
-        "and the scheduler call the proxy's own pure functions (`vllm_proxy.scheduler.plan`, "
-        "`vllm_proxy.queueing`) the way `vllm_proxy.admission` does; the method is in the "
-        "script's docstring. The simulator checks that GPU memory is never over-committed and "
+        "and the scheduler call the proxy's own pure functions "
+        "(`vllm_proxy.planning.scheduler.plan`, `vllm_proxy.planning.queueing`) the way "
+        "`vllm_proxy.pool.admission` does; the method is in the script's docstring. "
+        "The simulator checks that GPU memory is never over-committed and "
         "that no engine with a request in flight is put to sleep or stopped (every run below: "
         "none), and the test suite runs it at a small size (`tests/test_density.py`).",
         "",

@@ -3,7 +3,7 @@
 
     .venv/bin/python benchmarks/relay_micro.py [--base REV] [--relays 200] [--rounds 6]
 
-Each tree's `vllm_proxy.upstream` runs in a process of its own: `--relays` responses are
+Each tree's `vllm_proxy.frontend.upstream` runs in a process of its own: `--relays` responses are
 relayed at once (a real httptools parser each, chunked SSE head parsed), and one OpenAI chunk
 event is fed to each engine connection's current protocol in turn, round after round, as
 `data_received` would be called by the event loop; the client's transport is a stub whose
@@ -29,7 +29,7 @@ from harness import ROOT, checkout, command_line, session
 CHILD = r"""
 import asyncio, json, sys, time
 sys.path.insert(0, sys.argv[1])
-import vllm_proxy.upstream as u
+import vllm_proxy.frontend.upstream as u
 
 RELAYS, EVENTS = int(sys.argv[2]), int(sys.argv[3])
 

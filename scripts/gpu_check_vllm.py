@@ -195,7 +195,7 @@ def write_model(shape: Shape, out: Path, device: str, seed: int = 0) -> dict[str
 def planned(model_dir: Path, total_mb: int, boost_mb: int = 0) -> dict[str, Any]:
     """What the proxy plans for the model on a device of ``total_mb`` MiB (NVML's total)."""
     from vllm_proxy.config import parse_config
-    from vllm_proxy.footprint import footprint_for_spec, utilization_for
+    from vllm_proxy.planning.footprint import footprint_for_spec, utilization_for
 
     data = {"models": {"m": {"model": str(model_dir), "args": {"max_model_len": MAX_MODEL_LEN}}}}
     spec = parse_config(data).specs()["m"]
@@ -221,7 +221,7 @@ def run(command: list[str], timeout: float = 60) -> str:
 
 def nvml(pids: set[int] | None = None) -> dict[str, Any]:
     """Device 0: used MiB, and the MiB of ``pids`` (None where NVML has no per-process data)."""
-    from vllm_proxy.gpu import NvmlMonitor
+    from vllm_proxy.planning.gpu import NvmlMonitor
 
     monitor = NvmlMonitor(devices=[0])
     try:
@@ -486,7 +486,7 @@ class Check:
         }
 
     def start(self) -> dict[str, Any]:
-        from vllm_proxy.memory import KV_BOOST_MIN_MB, KV_SHORT_MARKERS
+        from vllm_proxy.planning.memory import KV_BOOST_MIN_MB, KV_SHORT_MARKERS
 
         model = self.work / "M"
         made = write_model(FULL, model, "cuda")

@@ -12,7 +12,7 @@ from kit import FAKE_ENGINE, FakeEngine, StartProxy, make_config, wait_for
 from kit.metrics import proxy_samples
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_proxy.instance import Instance, State
+from vllm_proxy.engines.instance import Instance, State
 
 ADMIN = {"Authorization": "Bearer adm"}
 
@@ -262,7 +262,7 @@ async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartP
 
 
 def test_tap_finds_usage_across_chunks() -> None:
-    from vllm_proxy.proxy import Tap
+    from vllm_proxy.frontend.proxy import Tap
 
     tap = Tap()
     event = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})

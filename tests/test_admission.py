@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
-from vllm_proxy.body import model_of
 from vllm_proxy.config import GpuDevice
-from vllm_proxy.instance import State
-from vllm_proxy.queueing import (
+from vllm_proxy.engines.instance import State
+from vllm_proxy.frontend.body import model_of
+from vllm_proxy.planning.queueing import (
     Queue,
     Rules,
     Waiter,
@@ -28,7 +28,7 @@ from vllm_proxy.queueing import (
     overdue,
     protected,
 )
-from vllm_proxy.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
+from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
 
 # -- pure rules -------------------------------------------------------------------------------
 

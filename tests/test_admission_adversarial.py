@@ -32,10 +32,10 @@ from kit import (
 from kit.watch import Watch, held
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.instance import State
-from vllm_proxy.model import Model
-from vllm_proxy.queueing import Rank
-from vllm_proxy.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
+from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.model import Model
+from vllm_proxy.planning.queueing import Rank
+from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 
 #: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
 SLOW = FakeEngine(tokens=100, token_delay=0.03).env()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_proxy.backoff import STABLE_S, Backoff, delay_for
+from vllm_proxy.engines.backoff import STABLE_S, Backoff, delay_for
 
 
 class Clock:

@@ -168,7 +168,9 @@ def test_replay_reads_the_access_log() -> None:
     assert j is not None and j.model == "my model" and (j.prompt, j.output) == (12, 34)
     assert j.time == pytest.approx(density._seconds("2026-05-01T12:00:04"))
     # Lines of other loggers, refused requests and requests without a model are not replayed.
-    assert density.parse_access_line("2026-05-01 12:00:05,250 INFO vllm_proxy.manager: x") is None
+    assert (
+        density.parse_access_line("2026-05-01 12:00:05,250 INFO vllm_proxy.pool.manager: x") is None
+    )
     assert density.parse_access_line(text.replace("status=200", "status=401")) is None
     assert density.parse_access_line(text.replace("model=qwen", "model=None")) is None
     assert density.parse_access_line(text.replace("status=200", "status=499")) is not None

@@ -22,9 +22,9 @@ from aiohttp import web
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engine import SUN_PATH_MAX, socket_path
+from vllm_proxy.engines.engine import SUN_PATH_MAX, socket_path
+from vllm_proxy.engines.instance import Instance, State
 from vllm_proxy.errors import ConfigError
-from vllm_proxy.instance import Instance, State
 
 NOBODY = 65534
 

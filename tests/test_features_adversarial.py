@@ -32,7 +32,7 @@ from test_routes import (
     uploads,
 )
 
-from vllm_proxy.instance import State
+from vllm_proxy.engines.instance import State
 
 #: What marks an engine's log line or command line (the fake prints vLLM's shapes).
 LOG_MARKS = ("[fake_vllm.py]", "APIServer pid", "EngineCore", "RuntimeError", "Traceback",
@@ -164,7 +164,7 @@ async def test_models_lists_adapters_folders_off_the_event_loop_once_per_ttl(
         adapter(folder, f"lora-{i:04d}")
     for i in range(20_000):  # sorted before the adapters
         (folder / f"0-junk-{i:05d}").touch()
-    from vllm_proxy import manager as manager_module
+    from vllm_proxy.pool import manager as manager_module
 
     listings: list[int] = []
     original = manager_module.list_folder

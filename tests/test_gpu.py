@@ -15,14 +15,14 @@ from kit import wait_for
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.errors import ConfigError
-from vllm_proxy.footprint import (
+from vllm_proxy.planning.footprint import (
     Footprint,
     estimate_footprint_mb,
     footprint_for_spec,
     tensor_sizes,
     utilization_for,
 )
-from vllm_proxy.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
+from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
 
 MIB = 1024 * 1024
 
@@ -452,8 +452,8 @@ def test_utilization_loses_at_most_a_fraction_of_a_mib_of_the_budget() -> None:
 
 def _nvml_memory(tmp_path: Path, fake: FakeNvml, models: dict[str, Any]) -> Any:
     from vllm_proxy.config import parse_config
-    from vllm_proxy.memory import Memory
     from vllm_proxy.metrics import Metrics
+    from vllm_proxy.planning.memory import Memory
 
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": models})
     return Memory(NvmlMonitor(nvml=fake), "nvml", cfg, cfg.specs(), Metrics())
@@ -517,7 +517,7 @@ def test_memory_measures_an_engine_by_its_process_group(tmp_path: Path) -> None:
 async def test_wait_free_polls_until_the_memory_is_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import vllm_proxy.memory as memory_module
+    import vllm_proxy.planning.memory as memory_module
 
     fake = FakeNvml([(80_000, 70_000)])
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": "x", "memory_mb": 20_000}})
@@ -612,10 +612,10 @@ def test_the_proxys_own_cuda_visible_devices_limits_planning(
 ) -> None:
     """Regression: an inherited CUDA_VISIBLE_DEVICES was overwritten with NVML indices and the
     planner used every GPU the driver sees."""
-    from vllm_proxy import memory as memory_module
+    from vllm_proxy.planning import memory as memory_module
 
     fake = FakeNvml([(80_000, 0), (80_000, 0), (80_000, 0)])
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: fake)
+    monkeypatch.setattr("vllm_proxy.planning.gpu._import_pynvml", lambda: fake)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,1")
     monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
     assert memory_module._nvml_source(None).devices == (2, 1)
@@ -629,11 +629,11 @@ def test_the_proxys_own_cuda_visible_devices_limits_planning(
 def test_mig_gpus_are_refused_with_a_clear_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm_proxy import memory as memory_module
+    from vllm_proxy.planning import memory as memory_module
 
     fake = FakeNvml([(80_000, 0), (80_000, 0)])
     fake.mig = {1}
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: fake)
+    monkeypatch.setattr("vllm_proxy.planning.gpu._import_pynvml", lambda: fake)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ConfigError, match=r"GPU\(s\) \[1\] are in MIG mode"):
         memory_module._nvml_source(None)
@@ -661,7 +661,7 @@ def test_a_model_env_pinning_gpus_is_planned_on_them(tmp_path: Path) -> None:
 
 
 def test_world_size_counts_every_parallel_dimension() -> None:
-    from vllm_proxy.footprint import parallel_sizes
+    from vllm_proxy.planning.footprint import parallel_sizes
 
     specs = parse_config(
         {
@@ -715,7 +715,7 @@ def test_no_room_for_the_kv_cache_grows_an_estimated_budget_only(tmp_path: Path)
 
 
 def _claimed(memory: Any, iid: str, mb: int) -> None:
-    from vllm_proxy.memory import Placement
+    from vllm_proxy.planning.memory import Placement
 
     memory.claim(iid, Placement((0,), mb))
 
@@ -770,7 +770,7 @@ def test_the_sleep_residue_without_per_process_readings_keeps_what_the_engine_he
     proxy cannot see, the engine dropped more than its start reading: the residue came out as
     0 while it still held its context (and later wakes or starts over-committed). Counted from
     its claim it is exact."""
-    from vllm_proxy.memory import Usage
+    from vllm_proxy.planning.memory import Usage
 
     fake = FakeNvml([(24_000, 10_500)])
     memory = _nvml_memory(tmp_path, fake, {"a": {"model": "x", "memory_mb": 13_500}})

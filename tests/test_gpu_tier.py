@@ -39,9 +39,9 @@ from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
 from fake_vllm.gpu import MIB, layout
 from vllm_proxy.config import Config, parse_config
-from vllm_proxy.engine import instance_logs
-from vllm_proxy.gpu import GpuSnapshot, NvmlMonitor
-from vllm_proxy.instance import DOWN, State
+from vllm_proxy.engines.engine import instance_logs
+from vllm_proxy.engines.instance import DOWN, State
+from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor
 
 DEVICE = 0
 #: What a fake engine holds on the device beyond its `gpu_mb` (torch's CUDA context).

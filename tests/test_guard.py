@@ -14,9 +14,9 @@ import psutil
 import pytest
 from kit import alive, group_alive, wait_for_sync
 
-from vllm_proxy.engine import PortAllocator, port_is_free, read_tail
+from vllm_proxy.engines.engine import PortAllocator, port_is_free, read_tail
+from vllm_proxy.engines.guard import RotatingLog, exit_status
 from vllm_proxy.errors import EngineFailed
-from vllm_proxy.guard import RotatingLog, exit_status
 
 
 def test_rotating_log_is_bounded(tmp_path: Path) -> None:
@@ -97,7 +97,7 @@ def _guard(tmp_path: Path, *engine_args: str) -> subprocess.Popen[bytes]:
     script = tmp_path / "engine.py"
     script.write_text(CHILD)
     return subprocess.Popen(
-        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()),
+        [sys.executable, "-m", "vllm_proxy.engines.guard", "--parent", str(os.getpid()),
          "--log", str(tmp_path / "e.log"), "--", sys.executable, str(script), *engine_args],
         start_new_session=True,
     )  # fmt: skip
@@ -129,7 +129,7 @@ def test_guard_kills_group_when_its_parent_dies(tmp_path: Path) -> None:
     parent = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import os, subprocess, sys, time
-            g = subprocess.Popen([sys.executable, "-m", "vllm_proxy.guard", "--parent",
+            g = subprocess.Popen([sys.executable, "-m", "vllm_proxy.engines.guard", "--parent",
                 str(os.getpid()), "--log", {str(log)!r}, "--", sys.executable, {str(script)!r},
                 "600", "0"], start_new_session=True)
             print(g.pid, flush=True)
@@ -164,9 +164,9 @@ async def test_readiness_polling_stays_within_tens_of_milliseconds(
     from aiohttp import web
     from kit import free_port
 
-    import vllm_proxy.engine as engine_module
+    import vllm_proxy.engines.engine as engine_module
     from vllm_proxy.config import parse_config
-    from vllm_proxy.engine import POLL_FIRST_S, POLL_MAX_S, EngineProcess
+    from vllm_proxy.engines.engine import POLL_FIRST_S, POLL_MAX_S, EngineProcess
 
     port = free_port()
     spec = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
@@ -231,7 +231,7 @@ def test_a_process_that_left_the_group_is_still_stopped(tmp_path: Path) -> None:
     script.write_text(ESCAPEE)
     log = tmp_path / "e.log"
     guard = subprocess.Popen(
-        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()),
+        [sys.executable, "-m", "vllm_proxy.engines.guard", "--parent", str(os.getpid()),
          "--log", str(log), "--", sys.executable, str(script)],
         start_new_session=True,
     )  # fmt: skip
@@ -261,7 +261,7 @@ def test_sweep_leaves_a_reused_pid_alone(tmp_path: Path) -> None:
     reused): the start-up sweep must not kill it."""
     import json
 
-    from vllm_proxy.registry import EngineRegistry
+    from vllm_proxy.engines.registry import EngineRegistry
 
     stranger = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
@@ -283,7 +283,7 @@ def test_the_death_handler_can_interrupt_the_tree_lock_holder() -> None:
     lock again from there must not deadlock."""
     import threading
 
-    from vllm_proxy.guard import Tree
+    from vllm_proxy.engines.guard import Tree
 
     tree = Tree(os.getpid())
     tree.refresh()
@@ -301,13 +301,13 @@ def test_the_death_handler_can_interrupt_the_tree_lock_holder() -> None:
 
 
 def test_repeated_death_signals_still_take_the_group_down(tmp_path: Path) -> None:
-    from vllm_proxy.guard import DEATH_SIGNAL
+    from vllm_proxy.engines.guard import DEATH_SIGNAL
 
     script = tmp_path / "engine.py"
     script.write_text(CHILD)
     log = tmp_path / "e.log"
     guard = subprocess.Popen(
-        [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid()), "--log",
+        [sys.executable, "-m", "vllm_proxy.engines.guard", "--parent", str(os.getpid()), "--log",
          str(log), "--", sys.executable, str(script), "600", "0"],
         start_new_session=True,
     )  # fmt: skip

@@ -1,43 +1,84 @@
-"""The package's layering: imports go one way, and the product never imports its test kit."""
+"""The package's layering: imports go one way, between the layers' packages and between modules,
+and the product never imports its test kit.
+
+Layers, lowest first: the shared modules at the top of the package (config, errors, metrics,
+adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`, `cli`).
+A package may import its own modules, the shared ones and the layers below it, never above.
+"""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_proxy"
 TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
+SHARED = {"config", "errors", "metrics", "adapters"}
+LAYERS = ["planning", "engines", "pool", "frontend"]
+ROOT_MODULES = {"app", "cli", "__main__", "__init__"}
 
 
-def imports_of(path: Path) -> tuple[set[str], set[str]]:
-    """(modules of the package this file imports, top-level packages it imports)."""
+def dotted(path: Path) -> str:
+    """``engines.instance`` for engines/instance.py, ``config`` for config.py."""
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, package: Path = PACKAGE) -> tuple[set[str], set[str]]:
+    """(modules of the package this file imports, dotted from the package root; top-level
+    packages it imports)."""
     tree = ast.parse(path.read_text())
+    here = list(path.relative_to(package).parent.parts)
     inside: set[str] = set()
     outside: set[str] = set()
+
+    def add(base: list[str], module: str | None, names: list[str]) -> None:
+        parts = base + (module.split(".") if module else [])
+        if not module:
+            inside.update(".".join([*parts, n]) for n in names)
+        elif parts:
+            inside.add(".".join(parts))
+
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
-            if node.level == 1:
-                if node.module:
-                    inside.add(node.module.split(".")[0])
-                else:  # from . import x
-                    inside.update(a.name for a in node.names)
+            if node.level:
+                base = here[: len(here) - (node.level - 1)]
+                add(base, node.module, [a.name for a in node.names])
             elif node.module:
                 top, _, rest = node.module.partition(".")
-                if top == "vllm_proxy" and rest:
-                    inside.add(rest.split(".")[0])
+                if top == "vllm_proxy":
+                    add([], rest or None, [a.name for a in node.names])
                 outside.add(top)
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 top, _, rest = alias.name.partition(".")
                 if top == "vllm_proxy" and rest:
-                    inside.add(rest.split(".")[0])
+                    inside.add(rest)
                 outside.add(top)
     return inside, outside
 
 
-def graph() -> dict[str, set[str]]:
-    modules = {p.stem: p for p in PACKAGE.glob("*.py")}
-    return {name: imports_of(path)[0] & set(modules) - {name} for name, path in modules.items()}
+def graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports (a subpackage named alone is left out)."""
+    modules = {dotted(p) if package == PACKAGE else p.stem: p for p in package.rglob("*.py")}
+    modules = {name: p for name, p in modules.items() if p.stem != "__init__" or name == "__init__"}
+    return {
+        name: {d for d in imports_of(path, package)[0] if d in modules} - {name}
+        for name, path in modules.items()
+    }
+
+
+def layer_of(module: str) -> str:
+    head = module.split(".")[0]
+    if head in LAYERS:
+        return head
+    if head in SHARED:
+        return "shared"
+    return "root"
 
 
 def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
@@ -66,21 +107,52 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_imports_go_one_way() -> None:
     edges = graph()
-    assert {"instance", "model", "manager", "proxy"} <= set(edges), "the modules were found"
-    assert "instance" in edges["model"] and "model" in edges["manager"]
+    assert {"engines.instance", "engines.model", "pool.manager", "frontend.proxy"} <= set(edges)
+    assert "engines.instance" in edges["engines.model"]
+    assert "engines.model" in edges["pool.manager"]
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
+
+
+def test_every_module_sits_in_a_layer() -> None:
+    """A new module goes into one of the layers' packages, or is a shared one by decision."""
+    for name in graph():
+        head = name.split(".")[0]
+        assert head in {*LAYERS, *SHARED, *ROOT_MODULES}, f"{name} is in no layer"
+
+
+def test_layers_import_only_downwards() -> None:
+    """Shared modules import only shared ones; a layer imports itself, the shared modules and
+    the layers below it; only the composition root sees every layer."""
+    order = {"shared": -1, **{name: i for i, name in enumerate(LAYERS)}, "root": len(LAYERS)}
+    for name, deps in graph().items():
+        mine = layer_of(name)
+        for dep in deps:
+            theirs = layer_of(dep)
+            if theirs == "root":
+                continue  # checked by test_nothing_imports_the_composition_root
+            assert order[theirs] <= order[mine], f"{name} ({mine}) imports {dep} ({theirs})"
+
+
+def test_the_layers_use_each_other() -> None:
+    """The rule above is not vacuous: each layer does import the one below it."""
+    edges = graph()
+    for lower, upper in itertools.pairwise(LAYERS):
+        assert any(
+            layer_of(name) == upper and any(layer_of(d) == lower for d in deps)
+            for name, deps in edges.items()
+        ), f"nothing in {upper} imports {lower}"
 
 
 def test_a_model_s_autoscaler_and_back_off_sit_below_it() -> None:
     """The model uses both; neither knows the model (the autoscaler sees it as `Replicas`),
     and the back-off is bookkeeping that knows no instance either."""
     edges = graph()
-    assert {"autoscale", "backoff"} <= edges["model"]
-    assert edges["backoff"] <= {"errors"}
-    assert edges["autoscale"] <= {"config", "instance"}
-    for part in ("autoscale", "backoff"):
+    assert {"engines.autoscale", "engines.backoff"} <= edges["engines.model"]
+    assert edges["engines.backoff"] <= {"errors"}
+    assert edges["engines.autoscale"] <= {"config", "engines.instance"}
+    for part in ("engines.autoscale", "engines.backoff"):
         got = {name for name, deps in edges.items() if part in deps}
-        assert got <= {"model"}, f"{sorted(got - {'model'})} import {part}"
+        assert got <= {"engines.model"}, f"{sorted(got - {'engines.model'})} import {part}"
 
 
 def test_nothing_imports_the_composition_root() -> None:
@@ -97,12 +169,22 @@ def test_the_product_never_imports_its_test_kit() -> None:
         assert not outside & TEST_KIT, f"{path.name} imports {sorted(outside & TEST_KIT)}"
 
 
+def test_relative_imports_are_resolved_from_the_importing_package(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "sub" / "m.py").write_text(
+        "from . import sib\nfrom ..shared import x\nfrom ..other.deep import y\n"
+    )
+    inside, _ = imports_of(pkg / "sub" / "m.py", pkg)
+    assert inside == {"sub.sib", "shared", "other.deep"}
+
+
 def test_a_cycle_would_be_found(tmp_path: Path) -> None:
     """The checker itself: modules that import each other, directly or through a third."""
     (tmp_path / "a.py").write_text("from .b import x\n")
     (tmp_path / "b.py").write_text("from . import c\n")
     (tmp_path / "c.py").write_text("import vllm_proxy.a\n")
-    edges = {p.stem: imports_of(p)[0] for p in tmp_path.glob("*.py")}
+    edges = graph(tmp_path)
     assert edges == {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert find_cycle(edges) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None

@@ -19,8 +19,8 @@ from test_routes import AUDIO, FORM, field, form, receive
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.errors import ConfigError, TooManyRequests
-from vllm_proxy.keys import KeyLimits, KeyRing
-from vllm_proxy.queueing import Queue
+from vllm_proxy.frontend.keys import KeyLimits, KeyRing
+from vllm_proxy.planning.queueing import Queue
 
 #: Streams of 40 tokens, 50 ms apart: in flight for about 2 s.
 SLOW = FakeEngine(tokens=40, token_delay=0.05).env()

@@ -14,8 +14,8 @@ from kit import budget_config as budget
 from kit.metrics import proxy_samples
 
 from vllm_proxy.app import create_app
+from vllm_proxy.engines.instance import State
 from vllm_proxy.errors import ConfigError
-from vllm_proxy.instance import State
 
 SLOW = FakeEngine(tokens=30, token_delay=0.05).env()
 LONG = FakeEngine(tokens=200, token_delay=0.05).env()
@@ -234,7 +234,7 @@ async def test_proxy_answers_while_a_model_waits(tmp_path: Path, start_proxy: St
 
 def test_static_monitor_needs_sizes(tmp_path: Path) -> None:
     from vllm_proxy.config import parse_config
-    from vllm_proxy.memory import make_source
+    from vllm_proxy.planning.memory import make_source
 
     cfg = parse_config({"gpu": {"monitor": "static", "devices": [0, 1]}})
     with pytest.raises(ConfigError, match=r"gpu\.devices"):

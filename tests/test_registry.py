@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kit import FakeEngine, StartProxy, free_port, group_alive, kill_group, make_config, wait_for
 
-from vllm_proxy.registry import EngineRegistry, StateDirBusy, StateLock
+from vllm_proxy.engines.registry import EngineRegistry, StateDirBusy, StateLock
 
 MODELS = {"m1": {"model": "x", "env": FakeEngine(spawn_child=True).env()}}
 

@@ -34,7 +34,7 @@ from fake_vllm.simgpu import (
     device_uuid,
     nvml_module,
 )
-from vllm_proxy.gpu import NvmlMonitor
+from vllm_proxy.planning.gpu import NvmlMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 NVML_DIR = ROOT / "fake_vllm" / "simgpu_nvml"
@@ -249,7 +249,7 @@ def test_a_subprocess_imports_the_stand_in_as_pynvml(tmp_path: Path) -> None:
     ledger.allocate(ME, 0, 1000, "weights")
     code = (
         "import json, pynvml\n"
-        "from vllm_proxy.gpu import NvmlMonitor\n"
+        "from vllm_proxy.planning.gpu import NvmlMonitor\n"
         "s = NvmlMonitor().read()[0]\n"
         "print(json.dumps([pynvml.__file__, s.used_mb, s.processes]))\n"
     )

@@ -39,8 +39,8 @@ from kit.simgpu import (
 
 from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import Config
-from vllm_proxy.engine import instance_logs
-from vllm_proxy.instance import Instance, State
+from vllm_proxy.engines.engine import instance_logs
+from vllm_proxy.engines.instance import Instance, State
 
 
 def sim_config(

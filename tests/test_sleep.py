@@ -22,7 +22,7 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.instance import Instance, State
+from vllm_proxy.engines.instance import Instance, State
 
 
 async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:
@@ -393,14 +393,14 @@ class StaleNvml:
 async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Path) -> None:
     """Three 31 GiB models on 80 GiB: the third must evict even though the device reading
     (stale, or taken before the second engine allocated) shows room for it."""
-    from vllm_proxy.engine import PortAllocator
-    from vllm_proxy.gpu import NvmlMonitor
-    from vllm_proxy.instance import EngineContext
-    from vllm_proxy.manager import Manager
-    from vllm_proxy.memory import Memory
+    from vllm_proxy.engines.engine import PortAllocator
+    from vllm_proxy.engines.instance import EngineContext
+    from vllm_proxy.engines.registry import EngineRegistry
     from vllm_proxy.metrics import Metrics
-    from vllm_proxy.registry import EngineRegistry
-    from vllm_proxy.scheduler import Plan
+    from vllm_proxy.planning.gpu import NvmlMonitor
+    from vllm_proxy.planning.memory import Memory
+    from vllm_proxy.planning.scheduler import Plan
+    from vllm_proxy.pool.manager import Manager
 
     models = {n: {"model": "x", "memory_mb": 31 * 1024} for n in "abc"}
     cfg = make_config(tmp_path, models)
@@ -452,9 +452,9 @@ def _sleepy_instance(
     pool), with `room` MiB of host RAM; its context's host figures."""
     from unittest.mock import MagicMock
 
-    from vllm_proxy.hostmem import HostRam
-    from vllm_proxy.instance import EngineContext
+    from vllm_proxy.engines.instance import EngineContext
     from vllm_proxy.metrics import Metrics
+    from vllm_proxy.planning.hostmem import HostRam
 
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": model}})
     host = HostRam(lambda: room)
@@ -469,7 +469,7 @@ def test_level_1_falls_back_to_level_2_without_host_ram_for_the_weights(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 40_000, 10_000)
-    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
+    with caplog.at_level("WARNING", logger="vllm_proxy.engines.instance"):
         assert inst._choose_level(1) == 2
     # The weights and the runtime pool are pinned at level 1, the runtime pool at level 2.
     assert "using level 2" in caplog.text and "40512 MiB" in caplog.text
@@ -487,7 +487,7 @@ def test_level_2_needs_host_ram_for_its_runtime_pool_too(
     127-137): with no room even for that, no level fits and the engine is stopped instead
     (a sleep that pins past the cgroup limit gets the engine OOM-killed)."""
     inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {"level": 2}}, 1_000, 1_200)
-    with caplog.at_level("WARNING", logger="vllm_proxy.instance"):
+    with caplog.at_level("WARNING", logger="vllm_proxy.engines.instance"):
         assert inst._choose_level(2) is None
     assert "no sleep level fits in host RAM" in caplog.text and host.promised == {}
 
@@ -556,7 +556,7 @@ def test_level_1_sleeps_in_flight_share_one_host_ram_figure(tmp_path: Path) -> N
 
 
 def test_host_ram_room_comes_from_the_cgroup_limit(tmp_path: Path) -> None:
-    from vllm_proxy.hostmem import cgroup_room_mb
+    from vllm_proxy.planning.hostmem import cgroup_room_mb
 
     root_only = tmp_path / "self-root"
     root_only.write_text("0::/\n")
@@ -578,7 +578,7 @@ def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path
     """Under systemd's MemoryMax= the limit sits on the service's own cgroup
     (/proc/self/cgroup), not at the root of the hierarchy: every level from there up counts,
     the tightest wins."""
-    from vllm_proxy.hostmem import cgroup_room_mb
+    from vllm_proxy.planning.hostmem import cgroup_room_mb
 
     unit = tmp_path / "system.slice" / "vllm-proxy.service"
     unit.mkdir(parents=True)
@@ -595,7 +595,7 @@ def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path
 
 
 def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> None:
-    from vllm_proxy.manager import Manager
+    from vllm_proxy.pool.manager import Manager
 
     cfg = parse_config(
         {

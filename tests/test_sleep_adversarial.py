@@ -24,8 +24,8 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_samples
 from kit.watch import watching
 
-from vllm_proxy.engine import EngineProcess
-from vllm_proxy.instance import DOWN, Instance, State
+from vllm_proxy.engines.engine import EngineProcess
+from vllm_proxy.engines.instance import DOWN, Instance, State
 
 #: States an instance may be left in once everything has settled.
 SETTLED = frozenset({State.RUNNING, State.STOPPED, State.ERROR})

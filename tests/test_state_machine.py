@@ -9,7 +9,7 @@ from unittest.mock import MagicMock
 import pytest
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.instance import (
+from vllm_proxy.engines.instance import (
     DOWN,
     TRANSITIONS,
     EngineContext,
@@ -154,7 +154,7 @@ async def test_set_state_enforces_the_table(tmp_path: Path, old: State, new: Sta
 
 async def test_transition_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     inst, _ = _instance(tmp_path)
-    with caplog.at_level("INFO", logger="vllm_proxy.instance"):
+    with caplog.at_level("INFO", logger="vllm_proxy.engines.instance"):
         inst._set_state(State.STARTING)
     assert "m#7: NEW -> STARTING" in caplog.text
 
@@ -207,7 +207,7 @@ def test_an_instance_up_after_it_was_retired_is_up_for_the_back_off(
     """Regression: a start (or a wake) that ends after a reload retired its instance lands in
     DRAINING, not RUNNING; the model's back-off must still see it come up (a fresh start is
     on probation), as it did when a retired instance was RUNNING."""
-    from vllm_proxy.model import Model
+    from vllm_proxy.engines.model import Model
 
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
     ctx = EngineContext(

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 from kit import StartProxy, free_port, make_config
 
-import vllm_proxy.engine as engine_module
+import vllm_proxy.engines.engine as engine_module
 
 
 async def test_foreign_listener_on_the_engine_port_is_never_trusted(

@@ -11,9 +11,9 @@ import pytest
 from aiohttp import web
 from kit import RawEngine, free_port, wait_for
 
-from vllm_proxy.body import Pieces
-from vllm_proxy.proxy import Tap
-from vllm_proxy.upstream import (
+from vllm_proxy.frontend.body import Pieces
+from vllm_proxy.frontend.proxy import Tap
+from vllm_proxy.frontend.upstream import (
     HIGH_WATER,
     ClientRelay,
     NoSlot,

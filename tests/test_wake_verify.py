@@ -18,8 +18,8 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.instance import Instance, State
-from vllm_proxy.oracle import LOGPROB_TOLERANCE, VECTOR_TOLERANCE, Oracle, mismatch
+from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.oracle import LOGPROB_TOLERANCE, VECTOR_TOLERANCE, Oracle, mismatch
 
 
 async def asleep(inst: Instance) -> None:
@@ -52,7 +52,7 @@ async def test_a_wake_that_corrupts_output_never_reaches_a_client(
     proxy, first = await start_proxy.serving(cfg, "m")
     assert first.oracle is not None and first.oracle.tokens, "recorded at the start"
     await asleep(first)
-    with caplog.at_level(logging.ERROR, logger="vllm_proxy.instance"):
+    with caplog.at_level(logging.ERROR, logger="vllm_proxy.engines.instance"):
         status, text = await proxy.reply("m", max_tokens=4)
     assert status == 200 and text == "tok0 tok1 tok2 tok3 ", "a cold-started engine's answer"
     assert first.state is State.STOPPED and first.engine is not None
@@ -130,7 +130,7 @@ async def test_an_answer_that_cannot_be_recorded_leaves_wakes_unchecked(
     """A plugin pooling task takes inputs only its plug-in knows: no check request can be made.
     The start does not fail for that; it is logged, and the wakes are not checked."""
     args = {"runner": "pooling", "pooler_config": {"task": "plugin"}}
-    with caplog.at_level(logging.WARNING, logger="vllm_proxy.instance"):
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.engines.instance"):
         proxy = await start_proxy(config(tmp_path, {"m": sleepy(warmup=True, args=args)}))
         status, answer = await post(proxy, "/pooling", {"model": "m", "input": "x"})
     assert status == 200, answer

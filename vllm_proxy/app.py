@@ -23,19 +23,19 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
-from .admin import Admin, add_admin_routes
 from .config import AdmissionConfig, Config, ModelSpec, ServerConfig, load_for_reload, state_dir
-from .connection import Listener, Runner, Site, listen
-from .engine import PortAllocator
+from .engines.engine import PortAllocator
+from .engines.instance import EngineContext
+from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
-from .instance import EngineContext
-from .manager import Manager
-from .memory import Memory, make_source
+from .frontend.admin import Admin, add_admin_routes
+from .frontend.connection import Listener, Runner, Site, listen
+from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
+from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
-from .proxy import Proxy, add_routes, check_key, opens_to_pages
-from .queueing import Rules
-from .registry import EngineRegistry, StateDirBusy, StateLock
-from .upstream import UpstreamPool
+from .planning.memory import Memory, make_source
+from .planning.queueing import Rules
+from .pool.manager import Manager
 
 log = logging.getLogger(__name__)
 

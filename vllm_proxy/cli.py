@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     import uvloop
 
-    from . import heap
     from .app import check_memory, serve
+    from .frontend import heap
 
     if args.check:
         try:  # also: does every model fit on a device it may use (as at start)?

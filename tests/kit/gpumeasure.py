@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 
-from vllm_proxy.gpu import NvmlMonitor
+from vllm_proxy.planning.gpu import NvmlMonitor
 
 MIB = 1024 * 1024
 OUT_ENV = "GPU_CHECK_OUT"

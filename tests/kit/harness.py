@@ -16,10 +16,10 @@ from kit.configs import write_config
 from kit.wait import wait_for
 from vllm_proxy.app import Server
 from vllm_proxy.config import Config, load_config
-from vllm_proxy.engine import instance_logs
-from vllm_proxy.instance import Instance
-from vllm_proxy.manager import Manager
-from vllm_proxy.model import Model
+from vllm_proxy.engines.engine import instance_logs
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.model import Model
+from vllm_proxy.pool.manager import Manager
 
 
 async def wait_healthy(session: aiohttp.ClientSession, url: str, timeout: float = 30) -> None:

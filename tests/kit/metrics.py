@@ -10,7 +10,7 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from vllm_proxy.instance import Instance
+from vllm_proxy.engines.instance import Instance
 
 if TYPE_CHECKING:
     from kit.harness import RunningProxy

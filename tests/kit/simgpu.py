@@ -17,7 +17,7 @@ from kit.configs import make_config
 from kit.fake import FakeEngine
 from kit.harness import RunningProxy
 from vllm_proxy.config import Config
-from vllm_proxy.engine import instance_logs
+from vllm_proxy.engines.engine import instance_logs
 
 #: What the simulated engines hold outside their budget (a real H100 context is of this order).
 CONTEXT_MB = 512
@@ -34,8 +34,10 @@ def sim_ledger(
     ledger = Ledger.create(
         path, [{"total_mb": 24_000} for _ in range(devices)], per_process=per_process
     )
-    monkeypatch.setattr("vllm_proxy.gpu._import_pynvml", lambda: nvml_module(path))
-    monkeypatch.setattr("vllm_proxy.hostmem.tree_rss_mb", lambda pid: pinned_rss(ledger, pid))
+    monkeypatch.setattr("vllm_proxy.planning.gpu._import_pynvml", lambda: nvml_module(path))
+    monkeypatch.setattr(
+        "vllm_proxy.planning.hostmem.tree_rss_mb", lambda pid: pinned_rss(ledger, pid)
+    )
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return ledger
 

@@ -20,7 +20,7 @@ from kit import StartProxy
 
 from tiny_llama import ensure_tiny_model
 from vllm_proxy.config import parse_config
-from vllm_proxy.engine import instance_logs
+from vllm_proxy.engines.engine import instance_logs
 from vllm_proxy_demo import CPU_ARGS, CPU_ENV
 
 pytestmark = [

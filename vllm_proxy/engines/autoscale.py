@@ -25,7 +25,7 @@ import math
 import time
 from typing import Protocol
 
-from .config import ModelSpec
+from ..config import ModelSpec
 from .instance import ASLEEP_OR_FALLING, DORMANT, Instance, State
 
 log = logging.getLogger(__name__)

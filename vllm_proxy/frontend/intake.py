@@ -35,9 +35,9 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from ..errors import BadRequest, PayloadTooLarge, RequestTimeout, Unavailable
 from . import heap
 from .body import SCAN_MIN_BYTES, Body, Pieces, Scan, needs_scan
-from .errors import BadRequest, PayloadTooLarge, RequestTimeout, Unavailable
 
 #: Bodies announced at least this long are kept as their pieces and scanned as they arrive.
 PIECES_FROM = SCAN_MIN_BYTES

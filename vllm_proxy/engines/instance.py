@@ -30,7 +30,19 @@ from typing import Protocol
 import aiohttp
 from prometheus_client import Gauge
 
-from .config import ModelSpec
+from ..config import ModelSpec
+from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
+from ..metrics import Metrics
+from ..planning.hostmem import HostRam
+from ..planning.memory import (
+    KV_SHORT_MARKERS,
+    NOT_SIZED,
+    OOM_MARKERS,
+    PROFILING_MARKERS,
+    Placement,
+    Usage,
+)
+from ..planning.queueing import Queue, Rank
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
@@ -41,20 +53,8 @@ from .engine import (
     read_tail,
     socket_path,
 )
-from .errors import Conflict, EngineFailed, ProxyError, Unavailable
-from .hostmem import HostRam
 from .lora import Registrations
-from .memory import (
-    KV_SHORT_MARKERS,
-    NOT_SIZED,
-    OOM_MARKERS,
-    PROFILING_MARKERS,
-    Placement,
-    Usage,
-)
-from .metrics import Metrics
 from .oracle import Oracle, mismatch, take
-from .queueing import Queue, Rank
 from .registry import EngineRegistry
 
 log = logging.getLogger(__name__)

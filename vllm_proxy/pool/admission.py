@@ -23,14 +23,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from . import queueing
-from .config import ModelSpec
-from .errors import Unavailable
-from .instance import AWAKE, EngineContext, Instance, State, Stopped
-from .memory import Memory, Placement
-from .model import Model, rank_of
-from .queueing import Queue, Rank, Waiter
-from .scheduler import Demand, InstanceView, NoFit, Phase, Plan, plan
+from ..config import ModelSpec
+from ..engines.instance import AWAKE, EngineContext, Instance, State, Stopped
+from ..engines.model import Model, rank_of
+from ..errors import Unavailable
+from ..planning import queueing
+from ..planning.memory import Memory, Placement
+from ..planning.queueing import Queue, Rank, Waiter
+from ..planning.scheduler import Demand, InstanceView, NoFit, Phase, Plan, plan
 
 log = logging.getLogger(__name__)
 

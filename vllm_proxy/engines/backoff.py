@@ -21,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Hashable
 
-from .errors import Unavailable
+from ..errors import Unavailable
 
 log = logging.getLogger(__name__)
 

@@ -35,11 +35,11 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from .adapters import AdapterSpec, rank_of
-from .config import ModelSpec
+from ..adapters import AdapterSpec, rank_of
+from ..config import ModelSpec
+from ..errors import BadRequest, EngineFailed, NotFound, ProxyError, Unavailable
+from ..metrics import Metrics
 from .engine import EngineProcess
-from .errors import BadRequest, EngineFailed, NotFound, ProxyError, Unavailable
-from .metrics import Metrics
 
 log = logging.getLogger(__name__)
 

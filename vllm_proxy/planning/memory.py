@@ -29,11 +29,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from .config import ArgValue, Config, GpuDevice, ModelSpec
-from .errors import ConfigError
+from ..config import ArgValue, Config, GpuDevice, ModelSpec
+from ..errors import ConfigError
+from ..metrics import Metrics
 from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
-from .metrics import Metrics
 from .scheduler import Demand, DeviceView, never_fits
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from typing import IO
 
 from aiohttp import web
 
-from .errors import BadRequest, RequestTimeout
+from ..errors import BadRequest, RequestTimeout
 from .form import FORM_DATA, MISSING, FormScan, Rename, boundary_of, model_field
 from .intake import Hold, check_type, is_form, too_large
 from .upstream import BodySink, BodySource

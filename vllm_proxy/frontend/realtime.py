@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 from aiohttp import WSMsgType, web
 
-from .errors import BadRequest, ProxyError, RequestTimeout, TooManyRequests, Unavailable
+from ..errors import BadRequest, ProxyError, RequestTimeout, TooManyRequests, Unavailable
 from .intake import Hold
 
 PATH = "/v1/realtime"

@@ -25,13 +25,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from . import __version__
-from .config import ServerConfig
-from .engine import read_tail
-from .errors import BadRequest, NotFound
-from .instance import AWAKE, Instance
-from .manager import Manager
-from .model import Model
+from .. import __version__
+from ..config import ServerConfig
+from ..engines.engine import read_tail
+from ..engines.instance import AWAKE, Instance
+from ..engines.model import Model
+from ..errors import BadRequest, NotFound
+from ..pool.manager import Manager
 
 log = logging.getLogger(__name__)
 

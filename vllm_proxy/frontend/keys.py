@@ -16,8 +16,8 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from fnmatch import fnmatchcase
 
-from .config import ApiKey, key_label
-from .errors import TooManyRequests
+from ..config import ApiKey, key_label
+from ..errors import TooManyRequests
 
 #: The window of ``max_requests_per_minute``, in seconds.
 WINDOW_S = 60.0

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .adapters import largest_sizes_mb, list_folder, slots_mb
-from .config import ModelSpec
+from ..adapters import largest_sizes_mb, list_folder, slots_mb
+from ..config import ModelSpec
 
 MIB = 1024 * 1024
 

@@ -21,11 +21,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
+from ..config import ModelSpec
+from ..errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
+from ..planning.queueing import Rank
 from .autoscale import Autoscaler
 from .backoff import Backoff
-from .config import ModelSpec
 from .engine import EngineProcess, PortInUse, prune_logs
-from .errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
 from .instance import (
     ASLEEP_OR_FALLING,
     AWAKE,
@@ -41,7 +42,6 @@ from .instance import (
     WakeFailed,
     consume_exception,
 )
-from .queueing import Rank
 
 log = logging.getLogger(__name__)
 

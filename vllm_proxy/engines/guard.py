@@ -1,8 +1,8 @@
 """Per-engine guard: the process that makes an engine tree impossible to orphan.
 
-The proxy starts ``python -m vllm_proxy.guard --parent PID --log FILE ... -- ENGINE ARGV`` in a
-new session, so the guard leads a process group that the engine and everything it forks (vLLM's
-``VLLM::EngineCore`` and ``VLLM::Worker`` processes) inherit. The guard:
+The proxy starts ``python -m vllm_proxy.engines.guard --parent PID --log FILE ... -- ENGINE
+ARGV`` in a new session, so the guard leads a process group that the engine and everything it
+forks (vLLM's ``VLLM::EngineCore`` and ``VLLM::Worker`` processes) inherit. The guard:
 
 * asks the kernel for a parent-death signal (``PR_SET_PDEATHSIG``): when the proxy dies, even by
   ``kill -9``, the guard SIGKILLs its whole process group, engine tree and itself included;
@@ -33,7 +33,7 @@ PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 #: The parent-death signal; distinct from SIGTERM, which the proxy uses for graceful stops.
 DEATH_SIGNAL = signal.SIGUSR1
-MARKER = "vllm_proxy.guard"
+MARKER = "vllm_proxy.engines.guard"
 
 
 class RotatingLog:

@@ -29,8 +29,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from .config import ArgValue, ModelSpec, file_stem
-from .errors import EngineFailed, EngineTimeout
+from ..config import ArgValue, ModelSpec, file_stem
+from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,7 @@ class EngineProcess:
     async def spawn(self) -> None:
         """Start the guard and, under it, the engine; returns once the process exists."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "vllm_proxy.guard", "--parent", str(os.getpid())]
+        argv = [sys.executable, "-m", "vllm_proxy.engines.guard", "--parent", str(os.getpid())]
         argv += ["--log", str(self.log_path), "--log-max-bytes", str(self.spec.log_max_bytes)]
         argv += ["--log-backups", str(self.spec.log_backups), "--tag", self.tag, "--"]
         argv += self.spec.engine_argv(self.address, self.overrides)

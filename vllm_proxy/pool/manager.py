@@ -18,16 +18,16 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .adapters import AdapterSpec, find_in, list_folder
+from ..adapters import AdapterSpec, find_in, list_folder
+from ..config import ModelSpec
+from ..engines.engine import EngineProcess
+from ..engines.instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
+from ..engines.model import Model
+from ..errors import BadRequest, NotFound, Unavailable
+from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
+from ..planning.memory import Memory
+from ..planning.queueing import Queue, Rules
 from .admission import Admission
-from .config import ModelSpec
-from .engine import EngineProcess
-from .errors import BadRequest, NotFound, Unavailable
-from .footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
-from .instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
-from .memory import Memory
-from .model import Model
-from .queueing import Queue, Rules
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,12 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from . import heap, realtime
-from .adapters import AdapterSpec
-from .body import Body, bulk, model_of
-from .config import ServerConfig
-from .engine import EngineProcess
-from .errors import (
+from ..adapters import AdapterSpec
+from ..config import ServerConfig
+from ..engines.engine import EngineProcess
+from ..engines.instance import Instance
+from ..engines.model import Model
+from ..errors import (
     RETRY_AFTER_S,
     BadRequest,
     EngineFailed,
@@ -43,13 +43,13 @@ from .errors import (
     Unavailable,
     error_body,
 )
+from ..metrics import KeySeries, Metrics
+from ..pool.manager import Manager
+from . import heap, realtime
+from .body import Body, bulk, model_of
 from .form import MISSING
-from .instance import Instance
 from .intake import MIB, Bodies, Hold, read_body, too_large
 from .keys import KeyLimits, KeyRing, Scope, bearer
-from .manager import Manager
-from .metrics import KeySeries, Metrics
-from .model import Model
 from .realtime import ClientSocket
 from .upload import open_upload
 from .upstream import (
