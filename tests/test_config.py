@@ -12,8 +12,6 @@ import pytest
 import yaml
 
 from vllm_proxy.config import (
-    RENAMED,
-    SLEEP_KEYS,
     EngineConfig,
     EngineKeys,
     ModelConfig,
@@ -52,9 +50,8 @@ def test_example_config_loads_and_documents_every_default() -> None:
     block = text[text.index("  # sleep:") :]
     block = [line[4:] for line in block[: next(i for i, x in enumerate(block) if x[:3] != "  #")]]
     assert yaml.safe_load("\n".join(block)) == {"sleep": SleepPolicy().model_dump()}
-    old = {o for names in RENAMED.values() for o in names} | set(SLEEP_KEYS)
     keys = {line.split(":")[0].strip() for line in text if not line.lstrip().startswith("#")}
-    assert not keys & old, "the example uses the new names only"
+    assert not keys & {p.split(".")[-1] for _, p in REMOVED}, "the example uses no removed name"
 
 
 def test_args_map_to_vllm_flags() -> None:
@@ -326,119 +323,40 @@ def test_each_engine_key_is_declared_once_and_a_model_overrides_what_it_sets() -
     assert "stop_timeout_s" not in cfg.models["nulls"].model_fields_set
 
 
-OLD_NAMES = [
-    ({"server": {"connection_wait_s": 5}}, "server.connection_wait_s",
-     "server.connection_queue_timeout_s", lambda c, s: c.server.connection_queue_timeout_s == 5),
-    ({"server": {"engine_metrics_max_mb": 2}}, "server.engine_metrics_max_mb",
-     "server.max_engine_metrics_mb", lambda c, s: c.server.max_engine_metrics_mb == 2),
-    ({"engine": {"keepalive_s": 3}}, "engine.keepalive_s", "engine.loading_keepalive_interval_s",
-     lambda c, s: s.loading_keepalive_interval_s == 3),
-    ({"engine": {"backoff_max_s": 4}}, "engine.backoff_max_s", "engine.max_backoff_s",
-     lambda c, s: s.max_backoff_s == 4),
-    ({"engine": {"log_max_mb": 1}}, "engine.log_max_mb", "engine.max_log_mb",
-     lambda c, s: s.max_log_mb == 1 and s.log_max_bytes == 2**20),
-    ({"model": {"keepalive_s": 3}}, "models.m.keepalive_s", "models.m.loading_keepalive_interval_s",
-     lambda c, s: s.loading_keepalive_interval_s == 3),
-    ({"engine": {"sleep": {}, "sleep_memory_mb": 100}}, "engine.sleep_memory_mb",
-     "engine.sleep.memory_mb", lambda c, s: s.sleep_memory_mb == 100),
-    ({"engine": {"sleep": {}, "sleep_timeout_s": 7}}, "engine.sleep_timeout_s",
-     "engine.sleep.timeout_s", lambda c, s: s.sleep_timeout_s == 7),
-    ({"model": {"sleep": {"level": 2}, "wake_timeout_s": 8}}, "models.m.wake_timeout_s",
-     "models.m.sleep.wake_timeout_s",
-     lambda c, s: s.wake_timeout_s == 8 and s.sleep is not None and s.sleep.level == 2),
-    # The engine's flat keys reached the models' own policies when the engine had none ...
-    ({"engine": {"sleep_memory_mb": 100}, "model": {"sleep": {"level": 2}}},
-     "engine.sleep_memory_mb", "models.m.sleep.memory_mb",
-     lambda c, s: s.sleep_memory_mb == 100 and c.engine.sleep is None),
-    # ... and a model's own flat key came with the engine's policy.
-    ({"engine": {"sleep": {"level": 2, "after_idle_s": 9}}, "model": {"sleep_memory_mb": 50}},
-     "models.m.sleep_memory_mb", "models.m.sleep.memory_mb",
-     lambda c, s: s.sleep == SleepPolicy(level=2, after_idle_s=9, memory_mb=50, timeout_s=60,
-                                         wake_timeout_s=60)),
-    # Without a sleep policy anywhere the key had no effect; it still warns.
-    ({"model": {"sleep_memory_mb": 50}}, "models.m.sleep_memory_mb", "models.m.sleep.memory_mb",
-     lambda c, s: s.sleep is None),
-]  # fmt: skip
+#: The key names removed in 0.2.0 (CHANGELOG.md), where a file may still give them.
+REMOVED = [
+    ({"server": {"connection_wait_s": 5}}, "server.connection_wait_s"),
+    ({"server": {"engine_metrics_max_mb": 5}}, "server.engine_metrics_max_mb"),
+    ({"engine": {"keepalive_s": 2}}, "engine.keepalive_s"),
+    ({"engine": {"backoff_max_s": 2}}, "engine.backoff_max_s"),
+    ({"engine": {"log_max_mb": 2}}, "engine.log_max_mb"),
+    ({"engine": {"sleep": {}, "sleep_memory_mb": 100}}, "engine.sleep_memory_mb"),
+    ({"engine": {"sleep_timeout_s": 7}}, "engine.sleep_timeout_s"),
+    ({"engine": {"wake_timeout_s": 7}}, "engine.wake_timeout_s"),
+    ({"models": {"m": {"model": "x", "keepalive_s": 3}}}, "models.m.keepalive_s"),
+    ({"models": {"m": {"model": "x", "sleep_memory_mb": 50}}}, "models.m.sleep_memory_mb"),
+]
 
 
-@pytest.mark.parametrize(("data", "old", "new", "check"), OLD_NAMES)
-def test_an_old_key_name_still_works_with_one_warning_naming_the_new_one(
-    data: dict[str, Any], old: str, new: str, check: Any, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(("data", "path"), REMOVED)
+def test_a_removed_key_name_is_refused_naming_its_path(
+    data: dict[str, Any], path: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    doc = {k: v for k, v in data.items() if k != "model"}
-    doc["models"] = {"m": {"model": "x", **data.get("model", {})}}
-    with caplog.at_level("WARNING", logger="vllm_proxy.config"):
-        cfg = parse_config(doc)
-    assert check(cfg, cfg.specs()["m"])
-    warned = [r.getMessage() for r in caplog.records]
-    assert warned == [f"{old}: an old name, read as {new}; rename it (old names are read for"
-                      " this release only)"]  # fmt: skip
-
-
-def test_old_flat_sleep_keys_keep_their_meaning_across_models(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    policy = {"level": 1, "after_idle_s": 60}
-    models = {
-        "a": {"model": "x", "sleep": policy, "sleep_memory_mb": 10},
-        "b": {"model": "x", "sleep": policy},  # the same mapping object: not changed for a
-        "c": {"model": "x", "sleep": {"memory_mb": 30}},
-        "d": {"model": "x"},
-    }
-    data = {"engine": {"sleep_memory_mb": 20, "sleep_timeout_s": 5}, "models": models}
-    with caplog.at_level("WARNING", logger="vllm_proxy.config"):
-        specs = parse_config(data).specs()
-    assert {n: s.sleep_memory_mb for n, s in specs.items()} == {
-        "a": 10,
-        "b": 20,
-        "c": 30,
-        "d": None,
-    }
-    assert [s.sleep_timeout_s for s in specs.values()] == [5, 5, 5, 0]
-    assert specs["d"].sleep is None
-    assert policy == {"level": 1, "after_idle_s": 60} and "sleep_memory_mb" in models["a"]
-    assert (
-        "engine.sleep_memory_mb: an old name, read as models.a.sleep.memory_mb, "
-        "models.b.sleep.memory_mb, models.c.sleep.memory_mb;" in caplog.text
-    )
-
-
-@pytest.mark.parametrize(
-    ("data", "message"),
-    [
-        ({"server": {"connection_wait_s": 5, "connection_queue_timeout_s": 6}},
-         "server.connection_wait_s: the old name of server.connection_queue_timeout_s, which is"
-         " given too; keep server.connection_queue_timeout_s only"),
-        ({"engine": {"log_max_mb": 5, "max_log_mb": 6}},
-         "engine.log_max_mb: the old name of engine.max_log_mb"),
-        ({"models": {"m": {"model": "x", "keepalive_s": 1, "loading_keepalive_interval_s": 2}}},
-         "models.m.keepalive_s: the old name of models.m.loading_keepalive_interval_s"),
-        ({"engine": {"sleep": {"memory_mb": 1}, "sleep_memory_mb": 2}},
-         "engine.sleep_memory_mb: the old name of engine.sleep.memory_mb, which is given too"),
-        ({"models": {"m": {"model": "x", "sleep": {"timeout_s": 1}, "sleep_timeout_s": 2}}},
-         "models.m.sleep_timeout_s: the old name of models.m.sleep.timeout_s"),
-    ],
-)  # fmt: skip
-def test_an_old_name_beside_its_new_one_is_refused_naming_both(
-    data: dict[str, Any], message: str
-) -> None:
+    """The old names were read for one release with a warning; now they are unknown keys, and
+    the error names where (the new names: CHANGELOG.md)."""
+    doc = {"models": {"m": {"model": "x"}}, **data}
     with pytest.raises(ConfigError, match="invalid configuration") as err:
-        parse_config(data)
-    assert message in str(err.value)
+        parse_config(doc)
+    assert f"{path}: unknown key" in str(err.value)
+    assert not caplog.records
 
 
-def test_a_file_with_old_names_loads_with_warnings(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    path = tmp_path / "old.yaml"
-    path.write_text(
-        "engine:\n  keepalive_s: 2\n  sleep: {level: 1}\n  wake_timeout_s: 9\n"
-        "models:\n  m: {model: x}\n"
-    )
-    with caplog.at_level("WARNING", logger="vllm_proxy.config"):
-        spec = load_config(path).specs()["m"]
-    assert (spec.loading_keepalive_interval_s, spec.wake_timeout_s) == (2, 9)
-    assert "engine.keepalive_s: an old name, read as engine.loading_keepalive_interval_s" in (
-        caplog.text
-    )
-    assert "engine.wake_timeout_s: an old name, read as engine.sleep.wake_timeout_s" in caplog.text
+def test_the_changelog_names_every_removed_key_with_its_new_name() -> None:
+    notes = (ROOT / "CHANGELOG.md").read_text()
+    for _, path in REMOVED:
+        key = path.split(".")[-1]
+        assert key in notes, key
+    for new in ("connection_queue_timeout_s", "max_engine_metrics_mb",
+                "loading_keepalive_interval_s", "max_backoff_s", "max_log_mb",
+                "sleep.memory_mb", "sleep.timeout_s", "sleep.wake_timeout_s"):  # fmt: skip
+        assert new in notes, new

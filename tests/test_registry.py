@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kit import FakeEngine, StartProxy, free_port, group_alive, kill_group, make_config, wait_for
 
-from vllm_proxy.engines.registry import EngineRegistry, StateDirBusy, StateLock
+from vllm_proxy.engines.registry import EngineRegistry, StateDirBusy, StateLock, _is_our_guard
 
 MODELS = {"m1": {"model": "x", "env": FakeEngine(spawn_child=True).env()}}
 
@@ -97,3 +97,20 @@ def test_the_state_dir_lock_is_exclusive_and_names_its_holder(tmp_path: Path) ->
     lock.release()
     lock.release()  # idempotent
     StateLock(str(tmp_path / "st")).release()  # free again
+
+
+@pytest.mark.parametrize(
+    ("argv_tail", "ours"),
+    [(["vllm_proxy.engines.guard"], True), (["vllm_proxy.guard"], True), (["other"], False)],
+)
+def test_a_guard_is_known_by_its_module_now_and_before_0_2_0(
+    argv_tail: list[str], ours: bool
+) -> None:
+    """0.2.0 moved the guard module; a leftover guard of a 0.1.0 proxy is still one of ours."""
+    cmd = [sys.executable, "-c", "import time; time.sleep(60)", *argv_tail]
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+    try:
+        assert _is_our_guard(proc.pid, None) is ours
+    finally:
+        proc.kill()
+        proc.wait()

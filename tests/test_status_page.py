@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
+from vllm_proxy import __version__
 from vllm_proxy.config import Config, parse_config
 
 CHROMIUM = "/usr/bin/chromium"
@@ -256,7 +257,7 @@ async def test_status_page_renders_in_chromium(status_proxy: StatusProxy, tmp_pa
     )
     assert rc == 0, err[-2000:]
     assert 'id="banner" class="banner hidden"' in dom, "the error banner is showing"
-    assert 'id="version">0.1.0<' in dom
+    assert f'id="version">{__version__}<' in dom
     assert 'id="memory-mode">static<' in dom
     assert 'id="engines">3<' in dom and 'id="active">2<' in dom
 

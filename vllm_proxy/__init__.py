@@ -1,3 +1,3 @@
 """vllm-proxy: a serverless pool of vLLM engines behind one OpenAI-compatible endpoint."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -18,13 +18,12 @@ Key names follow one rule:
 * any other duration says what it is (``sleep.after_idle_s``, ``min_resident_s``);
 * sizes are in MiB (``_mb``), durations in seconds (``_s``).
 
-Keys renamed to follow it (`RENAMED`, `SLEEP_KEYS`) are still read for one release, with one
-warning per old key naming the new one; giving both the old and the new name is an error.
+The names that did not follow it were removed in 0.2.0 (CHANGELOG.md lists them with their new
+names); a file that still uses one is refused with the key's path, like any unknown key.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import importlib.metadata
 import json
@@ -1166,114 +1165,13 @@ def _format_error(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-#: Keys renamed to follow the naming rule, by section (``models`` stands for every model);
-#: the old names are read for one release.
-RENAMED = {
-    "server": {
-        "connection_wait_s": "connection_queue_timeout_s",
-        "engine_metrics_max_mb": "max_engine_metrics_mb",
-    },
-    "engine": {
-        "keepalive_s": "loading_keepalive_interval_s",
-        "backoff_max_s": "max_backoff_s",
-        "log_max_mb": "max_log_mb",
-    },
-}
-RENAMED["models"] = RENAMED["engine"]
-#: Flat sleep keys of ``engine`` and of a model, now in its ``sleep`` mapping.
-SLEEP_KEYS = {
-    "sleep_memory_mb": "memory_mb",
-    "sleep_timeout_s": "timeout_s",
-    "wake_timeout_s": "wake_timeout_s",
-}
-
-
-class _OldNames:
-    """A document with its old key names (`RENAMED`, `SLEEP_KEYS`) read as the new ones:
-    `moved` lists (old path, new path) for each found, `problems` the old names given beside
-    their new ones. The flat sleep keys keep their meaning: the engine's apply to its sleep
-    policy and to every model's own (a model's ``sleep`` replaces the engine's whole), a
-    model's to the policy in effect for it; where none is, they had no effect."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = copy.deepcopy(data)
-        self.moved: list[tuple[str, str]] = []
-        self.problems: list[str] = []
-        raw = self.data.get("models")
-        models = raw.items() if isinstance(raw, dict) else ()
-        self.models = {n: m for n, m in models if isinstance(m, dict)}
-        engine = self.data.get("engine")
-        self.engine = engine if isinstance(engine, dict) else {}
-
-    def read(self) -> dict[str, Any]:
-        """The document with the new names."""
-        places = [(s, self.data.get(s), s) for s in ("server", "engine")]
-        places += [("models", m, f"models.{n}") for n, m in self.models.items()]
-        for section, where, path in places:
-            for old, new in RENAMED[section].items():
-                if isinstance(where, dict) and old in where:
-                    given = new in where
-                    self._found(f"{path}.{old}", f"{path}.{new}", given)
-                    if not given:
-                        where[new] = where.pop(old)
-        self._sleep_keys()
-        return self.data
-
-    def _sleep_keys(self) -> None:
-        policy = self.engine.get("sleep")
-        policy = policy if isinstance(policy, dict) else None
-        own = [n for n, m in self.models.items() if isinstance(m.get("sleep"), dict)]
-        targets = (["engine"] if policy is not None else []) + [f"models.{n}" for n in own]
-        defaults = self._flat(self.engine, "engine", policy or {}, targets or ["engine"])
-        if policy is not None:
-            policy = self.engine["sleep"] = {**policy, **defaults}
-        for name, m in self.models.items():
-            path = f"models.{name}"
-            keys = self._flat(m, path, m["sleep"] if name in own else {}, [path])
-            if name in own:
-                m["sleep"] = {**defaults, **m["sleep"], **keys}
-            elif keys and "sleep" not in m and policy is not None:
-                m["sleep"] = {**policy, **keys}  # it had the engine's policy with its own keys
-
-    def _flat(
-        self, where: dict[str, Any], path: str, given: dict[str, Any], targets: list[str]
-    ) -> dict[str, Any]:
-        """Take `where`'s flat sleep keys out; their values by new name (null: unset)."""
-        out = {}
-        for old, new in SLEEP_KEYS.items():
-            if old in where:
-                self._found(f"{path}.{old}", ", ".join(f"{t}.sleep.{new}" for t in targets),
-                            new in given, f"{path}.sleep.{new}")  # fmt: skip
-                value = where.pop(old)
-                if value is not None and new not in given:
-                    out[new] = value
-        return out
-
-    def _found(self, old: str, new: str, given: bool, beside: str | None = None) -> None:
-        if given:
-            beside = beside or new
-            self.problems.append(
-                f"{old}: the old name of {beside}, which is given too; keep {beside} only"
-            )
-        else:
-            self.moved.append((old, new))
-
-
 def parse_config(data: Any, source: str = "config", config_dir: str | None = None) -> Config:
     """Validate an already-parsed YAML document; relative ``key_file`` paths are taken from
-    `config_dir` (else the working directory). Old key names are read as the new ones, with
-    one warning each."""
+    `config_dir` (else the working directory)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: the top level must be a mapping")
-    old_names = _OldNames(data)
-    data = old_names.read()
-    if old_names.problems:
-        raise ConfigError(f"{source}: invalid configuration\n" + "\n".join(old_names.problems))
-    for old, new in old_names.moved:
-        log.warning("%s: an old name, read as %s; rename it (old names are read for this"
-                    " release only)", old, new)  # fmt: skip
     try:
         return Config.model_validate(data, context={"config_dir": config_dir})
     except ValidationError as err:

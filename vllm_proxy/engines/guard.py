@@ -34,6 +34,9 @@ PR_SET_CHILD_SUBREAPER = 36
 #: The parent-death signal; distinct from SIGTERM, which the proxy uses for graceful stops.
 DEATH_SIGNAL = signal.SIGUSR1
 MARKER = "vllm_proxy.engines.guard"
+#: What a guard's command line carries: its module, and the path it had before 0.2.0, so the
+#: start-up sweep after an upgrade still finds an older proxy's leftover guards.
+MARKERS = (MARKER, "vllm_proxy.guard")
 
 
 class RotatingLog:

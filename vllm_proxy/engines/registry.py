@@ -25,7 +25,7 @@ from typing import Any
 
 import psutil
 
-from .guard import MARKER
+from .guard import MARKERS
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class EngineRegistry:
         found = []
         for p in psutil.process_iter(["cmdline"]):
             cmd = p.info.get("cmdline") or []
-            if MARKER in cmd and _tag_of(cmd) == self.tag:
+            if any(m in cmd for m in MARKERS) and _tag_of(cmd) == self.tag:
                 with contextlib.suppress(psutil.Error, ProcessLookupError):
                     found.append(os.getpgid(p.pid))
         return found
@@ -194,7 +194,7 @@ def _is_our_guard(pid: int, started: float | None) -> bool:
         proc = psutil.Process(pid)
         if started is not None and abs(proc.create_time() - started) > 0.01:
             return False
-        return MARKER in proc.cmdline()
+        return any(m in proc.cmdline() for m in MARKERS)
     except psutil.Error:
         return False
 
@@ -210,7 +210,8 @@ def _live_owner(guard: int) -> int | None:
         proc = psutil.Process(guard)
         cmd = proc.cmdline()
         parent = int(_arg(cmd, "--parent") or 0)
-        return parent if parent > 1 and MARKER in cmd and proc.ppid() == parent else None
+        ours = any(m in cmd for m in MARKERS)
+        return parent if parent > 1 and ours and proc.ppid() == parent else None
     except (psutil.Error, ValueError):
         return None
 
