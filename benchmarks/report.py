@@ -524,12 +524,12 @@ def write(res: dict[str, Any], out: Path, plot_dir: Path) -> None:
             "programs to leave the cores (bounded budget)."
         )
     w(
-        "* How the hot path got here (c=64 against the nginx upstream, full runs of this "
-        "benchmark on this machine): aiohttp's client on the request path, 6.3k req/s, p99 35 ms; "
-        "then `gc.freeze()` with a higher gen-0 threshold, cached metric children and a "
-        "class-based lease, 8.8k req/s, p99 11 ms; then `vllm_proxy/frontend/upstream.py`, a keep-alive "
-        "HTTP/1.1 client on httptools instead of aiohttp's client, the figures above. What is "
-        "left is spread over aiohttp's server (parsing, response writes) and socket calls; the "
+        "* How the hot path got here (c=64 against the nginx upstream, full runs of this benchmark "
+        "on this machine): aiohttp's client on the request path, 6.3k req/s, p99 35 ms; then "
+        "`gc.freeze()` with a higher gen-0 threshold, cached metric children and a class-based "
+        "lease, 8.8k req/s, p99 11 ms; then `vllm_proxy/frontend/upstream.py`, a keep-alive "
+        "HTTP/1.1 client on httptools instead of aiohttp's client, the figures above. What is left "
+        "is spread over aiohttp's server (parsing, response writes) and socket calls; the "
         "30%-of-nginx goal would need a server without aiohttp's per-request machinery."
     )
     w(

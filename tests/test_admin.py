@@ -12,7 +12,8 @@ from kit import FAKE_ENGINE, FakeEngine, StartProxy, make_config, wait_for
 from kit.metrics import proxy_samples
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 
 ADMIN = {"Authorization": "Bearer adm"}
 

@@ -15,7 +15,7 @@ import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.config import GpuDevice
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 from vllm_proxy.frontend.body import model_of
 from vllm_proxy.planning.queueing import (
     Queue,

@@ -32,8 +32,8 @@ from kit import (
 from kit.watch import Watch, held
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines.instance import State
 from vllm_proxy.engines.model import Model
+from vllm_proxy.engines.states import State
 from vllm_proxy.planning.queueing import Rank
 from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 

@@ -10,7 +10,7 @@ from kit import wait_for
 
 from vllm_proxy.config import ModelSpec, parse_config
 from vllm_proxy.engines.autoscale import Autoscaler, desired, may_shrink, scaled, surplus_count
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 
 
 def spec(**keys: Any) -> ModelSpec:

@@ -23,7 +23,8 @@ from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.config import parse_config
 from vllm_proxy.engines.engine import SUN_PATH_MAX, socket_path
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 from vllm_proxy.errors import ConfigError
 
 NOBODY = 65534

@@ -13,7 +13,7 @@ import pytest
 from kit import FAKE_ENGINE, FakeEngine, StartProxy, group_alive, make_config, wait_for
 from kit.metrics import proxy_samples
 
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 
 WATCH = {"health_interval_s": 0.2, "health_timeout_s": 0.3, "health_misses": 3}
 

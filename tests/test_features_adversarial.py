@@ -32,7 +32,7 @@ from test_routes import (
     uploads,
 )
 
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 
 #: What marks an engine's log line or command line (the fake prints vLLM's shapes).
 LOG_MARKS = ("[fake_vllm.py]", "APIServer pid", "EngineCore", "RuntimeError", "Traceback",

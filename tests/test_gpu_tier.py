@@ -40,7 +40,7 @@ from kit.metrics import engine_metric, proxy_metric, proxy_samples
 from fake_vllm.gpu import MIB, layout
 from vllm_proxy.config import Config, parse_config
 from vllm_proxy.engines.engine import instance_logs
-from vllm_proxy.engines.instance import DOWN, State
+from vllm_proxy.engines.states import DOWN, State
 from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor
 
 DEVICE = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import aiohttp
 from kit import FakeEngine, RunningProxy, StartProxy, group_alive, make_config, wait_for
 
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 
 
 def starts_logged(proxy: RunningProxy, name: str) -> int:

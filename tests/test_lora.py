@@ -21,7 +21,8 @@ from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 from kit.metrics import engine_samples, proxy_samples
 
 from vllm_proxy.config import ConfigError, parse_config
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 
 
 def adapter(root: Path, name: str, rank: int = 8, size: int = 0) -> Path:

@@ -14,7 +14,7 @@ from kit import budget_config as budget
 from kit.metrics import proxy_samples
 
 from vllm_proxy.app import create_app
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 from vllm_proxy.errors import ConfigError
 
 SLOW = FakeEngine(tokens=30, token_delay=0.05).env()

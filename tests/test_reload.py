@@ -19,8 +19,8 @@ from kit import FAKE_ENGINE, FakeEngine, group_alive, wait_for
 
 from vllm_proxy.app import Server
 from vllm_proxy.config import load_config
-from vllm_proxy.engines.instance import State
 from vllm_proxy.engines.model import Model
+from vllm_proxy.engines.states import State
 
 ADMIN = {"Authorization": "Bearer adm"}
 USER = {"Authorization": "Bearer user"}

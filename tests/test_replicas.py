@@ -16,7 +16,8 @@ from kit import replicas_config as config
 from kit.metrics import engine_metric, proxy_samples
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 from vllm_proxy.errors import ConfigError
 
 LONG = FakeEngine(tokens=40, token_delay=0.05).env()  # ~2 s per stream

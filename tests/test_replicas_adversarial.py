@@ -17,8 +17,9 @@ from kit import replicas_config as config
 from kit.metrics import engine_metric
 from kit.watch import watching
 
-from vllm_proxy.engines.instance import DOWN, Instance, State
+from vllm_proxy.engines.instance import Instance
 from vllm_proxy.engines.model import Model
+from vllm_proxy.engines.states import DOWN, State
 
 LONG = FakeEngine(tokens=40, token_delay=0.05).env()  # ~2 s per stream
 SLEEPY = {"level": 1, "after_idle_s": 0.3}

@@ -44,7 +44,8 @@ from kit.simgpu import (
 from kit.watch import watching
 
 from fake_vllm.simgpu import Event, Ledger
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 
 #: vLLM's messages that must never appear in an engine's log during proxy-ordered changes.
 PROFILING_ERROR = "Error in memory profiling"

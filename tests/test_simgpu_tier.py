@@ -40,7 +40,8 @@ from kit.simgpu import (
 from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import Config
 from vllm_proxy.engines.engine import instance_logs
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 
 
 def sim_config(

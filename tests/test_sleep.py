@@ -22,7 +22,8 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric, proxy_samples
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import State
 
 
 async def chat(proxy: RunningProxy, model: str, **extra: Any) -> tuple[int, str]:

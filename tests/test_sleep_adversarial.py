@@ -25,7 +25,8 @@ from kit.metrics import engine_metric, proxy_samples
 from kit.watch import watching
 
 from vllm_proxy.engines.engine import EngineProcess
-from vllm_proxy.engines.instance import DOWN, Instance, State
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.states import DOWN, State
 
 #: States an instance may be left in once everything has settled.
 SETTLED = frozenset({State.RUNNING, State.STOPPED, State.ERROR})

@@ -18,8 +18,9 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines.instance import Instance, State
+from vllm_proxy.engines.instance import Instance
 from vllm_proxy.engines.oracle import LOGPROB_TOLERANCE, VECTOR_TOLERANCE, Oracle, mismatch
+from vllm_proxy.engines.states import State
 
 
 async def asleep(inst: Instance) -> None:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from kit.harness import RunningProxy
-from vllm_proxy.engines.instance import State
+from vllm_proxy.engines.states import State
 
 
 def held(proxy: RunningProxy, name: str) -> int:

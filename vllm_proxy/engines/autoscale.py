@@ -26,7 +26,8 @@ import time
 from typing import Protocol
 
 from ..config import ModelSpec
-from .instance import ASLEEP_OR_FALLING, DORMANT, Instance, State
+from .instance import Instance
+from .states import ASLEEP_OR_FALLING, DORMANT, State
 
 log = logging.getLogger(__name__)
 

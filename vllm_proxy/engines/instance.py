@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -56,6 +55,15 @@ from .engine import (
 from .lora import Registrations
 from .oracle import Oracle, mismatch, take
 from .registry import EngineRegistry
+from .states import (
+    ASLEEP_OR_FALLING,
+    AWAKE,
+    DOWN,
+    LIVE,
+    TRANSITIONS,
+    InvalidTransition,
+    State,
+)
 
 log = logging.getLogger(__name__)
 
@@ -67,91 +75,6 @@ HOST_RAM_MARGIN_MB = 1024
 #: The ``runtime`` pool a sleep of either level pins in host RAM, when unknown (LoRA slots come
 #: on top: `EngineContext.runtime_mb`).
 RUNTIME_POOL_MB = 512
-
-
-class State(enum.Enum):
-    """Every state an instance can be in; `public` is the coarser one operators see."""
-
-    #: Created, not started yet (no process, no memory).
-    NEW = "new"
-    #: In admission, spawned, or waiting for readiness and the warm-up.
-    STARTING = "starting"
-    #: Serving: takes new requests.
-    RUNNING = "running"
-    #: Retired (a reload, a removed model): takes no new request, its leases run out.
-    DRAINING = "draining"
-    #: The /sleep call is in flight: its memory still counts as awake.
-    FALLING_ASLEEP = "falling_asleep"
-    #: Asleep (the /sleep call returned): it holds only what the sleep left.
-    SLEEPING = "sleeping"
-    #: A wake in admission: queued for memory, or its victims freeing it; nothing sent yet.
-    WAKE_WAITING = "wake_waiting"
-    #: The wake was admitted: /wake_up (and the warm-up) in flight.
-    WAKING = "waking"
-    STOPPING = "stopping"
-    #: Ended after a stop, or a start that admission refused (no process was started).
-    STOPPED = "stopped"
-    #: Ended: killed after failed health checks (or put to sleep by someone else).
-    UNHEALTHY = "unhealthy"
-    #: Ended: crashed, or failed to start.
-    ERROR = "error"
-
-    @property
-    def public(self) -> State:
-        """The state operators see (metrics labels, the admin API's ``state``): one of
-        stopped, starting, running, sleeping, waking, stopping, error."""
-        return _PUBLIC.get(self, self)
-
-
-_PUBLIC = {
-    State.NEW: State.STOPPED,
-    State.DRAINING: State.RUNNING,
-    State.FALLING_ASLEEP: State.SLEEPING,
-    State.WAKE_WAITING: State.WAKING,
-    State.UNHEALTHY: State.ERROR,
-}
-#: States in which the instance has ended: no process, no memory; it never runs again.
-DOWN = frozenset({State.STOPPED, State.UNHEALTHY, State.ERROR})
-#: States with a live engine process that may be asked to sleep, wake or stop.
-LIVE = frozenset(
-    {State.RUNNING, State.DRAINING, State.FALLING_ASLEEP, State.SLEEPING, State.WAKE_WAITING,
-     State.WAKING}
-)  # fmt: skip
-#: RUNNING or DRAINING: up and awake, its leases served.
-AWAKE = frozenset({State.RUNNING, State.DRAINING})
-#: Put to sleep by the proxy, or on the way back: woken before any cold start.
-DORMANT = frozenset({State.FALLING_ASLEEP, State.SLEEPING, State.WAKE_WAITING, State.WAKING})
-#: Put to sleep by the proxy: asleep, or its /sleep call in flight.
-ASLEEP_OR_FALLING = frozenset({State.FALLING_ASLEEP, State.SLEEPING})
-_LIVE_END = frozenset({State.STOPPING, State.UNHEALTHY, State.ERROR})
-#: The allowed transitions. An instance starts once (NEW -> STARTING) and ends in STOPPED,
-#: UNHEALTHY or ERROR; a restart is a new instance. Every live state may crash (ERROR) or be
-#: stopped (STOPPING).
-TRANSITIONS: dict[State, frozenset[State]] = {
-    State.NEW: frozenset({State.STARTING}),
-    # STARTING -> STOPPED: admission refused (no GPU memory in time); no process was started.
-    # STARTING -> DRAINING: it became ready after it was retired.
-    State.STARTING: frozenset(
-        {State.RUNNING, State.DRAINING, State.STOPPING, State.ERROR, State.STOPPED}
-    ),
-    State.RUNNING: frozenset({State.DRAINING, State.FALLING_ASLEEP, *_LIVE_END}),
-    State.DRAINING: _LIVE_END,
-    # A wake asked for meanwhile waits for the call to return (`Instance.wake_asked`).
-    State.FALLING_ASLEEP: frozenset({State.SLEEPING, *_LIVE_END}),
-    State.SLEEPING: frozenset({State.WAKE_WAITING, *_LIVE_END}),
-    # WAKE_WAITING -> SLEEPING: no GPU memory for the wake in time (nothing was sent).
-    State.WAKE_WAITING: frozenset({State.WAKING, State.SLEEPING, State.STOPPING, State.ERROR}),
-    # WAKING -> DRAINING: awake again after it was retired.
-    State.WAKING: frozenset({State.RUNNING, State.DRAINING, State.STOPPING, State.ERROR}),
-    State.STOPPING: frozenset({State.STOPPED}),
-    State.STOPPED: frozenset(),
-    State.UNHEALTHY: frozenset(),
-    State.ERROR: frozenset(),
-}
-
-
-class InvalidTransition(RuntimeError):
-    pass
 
 
 class Stopped(Unavailable):

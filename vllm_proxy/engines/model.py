@@ -28,20 +28,16 @@ from .autoscale import Autoscaler
 from .backoff import Backoff
 from .engine import EngineProcess, PortInUse, prune_logs
 from .instance import (
-    ASLEEP_OR_FALLING,
-    AWAKE,
-    DORMANT,
-    DOWN,
     EngineContext,
     Instance,
     KvCacheShort,
     OutOfMemory,
     ProfilingDisturbed,
-    State,
     Stopped,
     WakeFailed,
     consume_exception,
 )
+from .states import ASLEEP_OR_FALLING, AWAKE, DORMANT, DOWN, State
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from .. import __version__
 from ..config import ServerConfig
 from ..engines.engine import read_tail
-from ..engines.instance import AWAKE, Instance
+from ..engines.instance import Instance
 from ..engines.model import Model
+from ..engines.states import AWAKE
 from ..errors import BadRequest, NotFound
 from ..pool.manager import Manager
 

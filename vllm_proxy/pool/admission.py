@@ -24,8 +24,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..config import ModelSpec
-from ..engines.instance import AWAKE, EngineContext, Instance, State, Stopped
+from ..engines.instance import EngineContext, Instance, Stopped
 from ..engines.model import Model, rank_of
+from ..engines.states import AWAKE, State
 from ..errors import Unavailable
 from ..planning import queueing
 from ..planning.memory import Memory, Placement

@@ -21,8 +21,9 @@ from typing import Any
 from ..adapters import AdapterSpec, find_in, list_folder
 from ..config import ModelSpec
 from ..engines.engine import EngineProcess
-from ..engines.instance import AWAKE, RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
+from ..engines.instance import RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from ..engines.model import Model
+from ..engines.states import AWAKE
 from ..errors import BadRequest, NotFound, Unavailable
 from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
 from ..planning.memory import Memory
