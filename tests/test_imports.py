@@ -149,7 +149,7 @@ def test_a_model_s_autoscaler_and_back_off_sit_below_it() -> None:
     edges = graph()
     assert {"engines.autoscale", "engines.backoff"} <= edges["engines.model"]
     assert edges["engines.backoff"] <= {"errors"}
-    assert edges["engines.autoscale"] <= {"config", "engines.instance"}
+    assert edges["engines.autoscale"] <= {"config", "engines.instance", "engines.states"}
     for part in ("engines.autoscale", "engines.backoff"):
         got = {name for name, deps in edges.items() if part in deps}
         assert got <= {"engines.model"}, f"{sorted(got - {'engines.model'})} import {part}"
