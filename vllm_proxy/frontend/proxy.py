@@ -47,6 +47,7 @@ from ..metrics import KeySeries, Metrics
 from ..pool.manager import Manager
 from . import heap, realtime
 from .body import Body, bulk, model_of
+from .catalogue import Catalogue
 from .form import MISSING
 from .intake import MIB, Bodies, Hold, read_body, too_large
 from .keys import KeyLimits, KeyRing, Scope, bearer
@@ -333,7 +334,8 @@ class Proxy:
         #: Every key's requests in flight and recent starts (kept across reloads).
         self.key_limits = KeyLimits()
         self.configure(server)
-        self.created = int(time.time())
+        #: What ``/v1/models`` lists.
+        self.catalogue = Catalogue(manager, int(time.time()))
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
         self._rid_seq = 0
@@ -1073,68 +1075,21 @@ class Proxy:
     # -- proxy's own routes --------------------------------------------------------------
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": await self._cards(request)})
+        cards = await self.catalogue.cards(_narrowed(request))
+        return web.json_response({"object": "list", "data": cards})
 
     async def model(self, request: web.Request) -> web.Response:
         wanted = request.match_info["model"]
-        for card in await self._cards(request):
-            if card["id"] == wanted:
-                return web.json_response(card)
+        card = await self.catalogue.card(_narrowed(request), wanted)
+        if card is not None:
+            return web.json_response(card)
         self._resolve(request, wanted)  # raises NotFound with the list of valid names
         raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
 
-    async def _cards(self, request: web.Request) -> list[dict[str, Any]]:
-        """A card per name and alias of the models the request's key may use."""
-        scope = request.get(SCOPE)
-        cards = []
-        for name, target in self.manager.names.items():
-            model = self.manager.models[target]
-            if scope is not None and not scope.allows(model.name, model.spec.aliases):
-                continue
-            cards.append(
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": self.created,
-                    "owned_by": "vllm-proxy",
-                    "root": model.spec.model,
-                    "parent": None if name == target else target,
-                    "state": model.state().value,
-                }
-            )
-        return cards + await self._adapter_cards(request)
-
-    async def _adapter_cards(self, request: web.Request) -> list[dict[str, Any]]:
-        """A card per LoRA adapter name and alias (of the models the request's key may use),
-        as vLLM lists adapters: ``parent`` is the base model, ``root`` the adapter's path;
-        ``state`` says whether a serving engine holds it (``loaded``, ``loading``,
-        ``not_loaded``) and ``instances`` which; an alias's card names its ``adapter``."""
-        scope = _narrowed(request)
-        visible = None if scope is None else (lambda m: scope.allows(m.name, m.spec.aliases))
-        cards = []
-        for name, model, adapter in await self.manager.adapter_entries(visible):
-            held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
-            states = set(held.values())
-            state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
-            card = {
-                "id": name,
-                "object": "model",
-                "created": self.created,
-                "owned_by": "vllm-proxy",
-                "root": adapter.path,
-                "parent": model.name,
-                "state": state or "not_loaded",
-                "instances": sorted(iid for iid, st in held.items() if st is not None),
-            }
-            if name != adapter.name:
-                card["adapter"] = adapter.name
-            cards.append(card)
-        return cards
-
     async def prefixed_models(self, request: web.Request) -> web.Response:
         name = self._resolve(request, request.match_info["model"]).name
-        cards = [c for c in await self._cards(request) if c["id"] == name]
-        return web.json_response({"object": "list", "data": cards})
+        card = await self.catalogue.card(_narrowed(request), name)
+        return web.json_response({"object": "list", "data": [] if card is None else [card]})
 
     async def health(self, request: web.Request) -> web.Response:
         """200 while the proxy takes requests; 503 + ``Retry-After`` from the moment a drain
