@@ -28,7 +28,8 @@ import yaml
 from kit import FAKE_ENGINE, FakeEngine, free_port, wait_for
 from multidict import CIMultiDict
 
-from vllm_proxy.config import EngineConfig, auto_timeouts
+from vllm_proxy.config import EngineConfig
+from vllm_proxy.engine_args import auto_timeouts
 
 # The cluster (HAProxy and three proxies) starts with the first test.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]

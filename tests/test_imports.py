@@ -1,9 +1,9 @@
 """The package's layering: imports go one way, between the layers' packages and between modules,
 and the product never imports its test kit.
 
-Layers, lowest first: the shared modules at the top of the package (config, errors, metrics,
-adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`, `cli`).
-A package may import its own modules, the shared ones and the layers below it, never above.
+Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
+metrics, adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
+`cli`). A package may import its own modules, the shared ones and the layers below it, never above.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_proxy"
 TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
-SHARED = {"config", "errors", "metrics", "adapters"}
+SHARED = {"config", "engine_args", "errors", "metrics", "adapters"}
 LAYERS = ["planning", "engines", "pool", "frontend"]
 ROOT_MODULES = {"app", "cli", "__main__", "__init__"}
 

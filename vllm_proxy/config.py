@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import json
 import logging
 import os
 import re
@@ -61,6 +60,19 @@ from .adapters import (
     rank_of,
     vllm_rank,
 )
+from .engine_args import (
+    ARCHITECTURE_TASKS,
+    NO_RELOAD_FORMATS,
+    POOLING_ARCHITECTURES,
+    POOLING_TASKS,
+    ArgValue,
+    architectures,
+    arg_name,
+    auto_timeouts,
+    checkpoint_gib,
+    flag,
+    pooler_task,
+)
 from .errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -70,7 +82,6 @@ RESERVED_ARGS = {"host", "port", "uds", "served_model_name", "model"}
 #: How the proxy reaches an engine: a Unix socket in a directory only its user can open, or a
 #: loopback TCP port (any local user can connect to it).
 Transport = Literal["uds", "tcp"]
-ArgValue = bool | int | float | str | list[Any] | dict[str, Any] | None
 
 
 def default_engine_command() -> list[str]:
@@ -442,7 +453,7 @@ class EngineKeys(_Strict):
     @classmethod
     def _args_ok(cls, v: dict[str, ArgValue]) -> dict[str, ArgValue]:
         for key in v:
-            if _arg_name(key) in RESERVED_ARGS:
+            if arg_name(key) in RESERVED_ARGS:
                 raise ValueError(f"@{key}: reserved, the proxy sets it (see transport)")
         return v
 
@@ -451,7 +462,7 @@ class EngineKeys(_Strict):
     def _extra_ok(cls, v: list[str]) -> list[str]:
         for tok in v:
             name = tok.split("=", 1)[0]
-            if name.startswith("--") and _arg_name(name[2:]) in RESERVED_ARGS:
+            if name.startswith("--") and arg_name(name[2:]) in RESERVED_ARGS:
                 raise ValueError(f"{tok}: reserved, the proxy sets it (see transport)")
         return v
 
@@ -654,7 +665,7 @@ class Config(_Strict):
         problems = []
         for name, m in self.models.items():
             keys = merged_engine_keys(m, self.engine)
-            args = {_arg_name(k): v for k, v in keys["args"].items()}
+            args = {arg_name(k): v for k, v in keys["args"].items()}
             problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, keys["sleep"])]
         if problems:
             raise ValueError("\n".join(problems))
@@ -798,7 +809,7 @@ class ModelSpec:
     def engine_api_key(self) -> str | None:
         """The key the engine was started with (``api_key`` arg or ``VLLM_API_KEY``), if any:
         the proxy's own calls to its /v1 routes (the warm-up) need it."""
-        args = {_arg_name(k): v for k, v in self.args}
+        args = {arg_name(k): v for k, v in self.args}
         key = args.get("api_key")
         if isinstance(key, list):
             key = key[0] if key else None
@@ -811,13 +822,13 @@ class ModelSpec:
         """A pooling (embedding, classification, reward) engine, which serves no completions:
         ``runner: pooling``, a pooling ``convert``/``task``, or (runner auto) a local
         checkpoint whose architecture vLLM runs as a pooling model."""
-        args = {_arg_name(k): v for k, v in self.args}
+        args = {arg_name(k): v for k, v in self.args}
         runner = str(args.get("runner") or "auto")
         if runner != "auto":
             return runner == "pooling"
         if str(args.get("convert") or "auto") in POOLING_TASKS:
             return True
-        return any(a.endswith(POOLING_ARCHITECTURES) for a in _architectures(self.model))
+        return any(a.endswith(POOLING_ARCHITECTURES) for a in architectures(self.model))
 
     @functools.cached_property
     def pooling_task(self) -> str | None:
@@ -832,14 +843,14 @@ class ModelSpec:
         ``pooling``: only /pooling is sure to be there."""
         if not self.pooling:
             return None
-        args = {_arg_name(k): v for k, v in self.args}
-        task = _pooler_task(args.get("pooler_config"))
+        args = {arg_name(k): v for k, v in self.args}
+        task = pooler_task(args.get("pooler_config"))
         if task is not None:
             return task
         convert = str(args.get("convert") or "auto")
         if convert in POOLING_TASKS:
             return convert
-        for arch in _architectures(self.model):
+        for arch in architectures(self.model):
             for suffix, arch_task in ARCHITECTURE_TASKS:
                 if arch.endswith(suffix):
                     return arch_task
@@ -849,7 +860,7 @@ class ModelSpec:
     def reloadable(self) -> bool:
         """A level-2 wake can reload its weights: its loader reads the checkpoint again (not one
         of `NO_RELOAD_FORMATS`)."""
-        args = {_arg_name(k): v for k, v in self.args}
+        args = {arg_name(k): v for k, v in self.args}
         return str(args.get("load_format") or "auto") not in NO_RELOAD_FORMATS
 
     @property
@@ -880,12 +891,12 @@ class ModelSpec:
                 # short, or an operator's ?level=2).
                 args.setdefault("sleep_preserve_parameter_names", ["draft.*"])
         if self.lora:  # adapters are loaded at run time: LoRA on, slots and rank from the spec
-            given = {_arg_name(k) for k in args}
+            given = {arg_name(k) for k in args}
             lora = {"enable_lora": True, "max_loras": self.max_adapters,
                     "max_lora_rank": self.max_lora_rank}  # fmt: skip
             args.update({k: v for k, v in lora.items() if k not in given})
         for key, value in args.items():
-            argv += _flag(key, value)
+            argv += flag(key, value)
         return argv + list(self.extra_args)
 
     def engine_env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -898,14 +909,6 @@ class ModelSpec:
         if self.lora:
             dev["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         return {**os.environ, **dev, **dict(self.env), **(extra or {})}
-
-
-#: Load formats whose loader cannot read the checkpoint again (no ``get_all_weights``), so a
-#: level-2 wake's ``reload_weights`` raises NotImplementedError (vLLM 0.33
-#: ``model_executor/model_loader/reload/inplace.py:74-79``).
-NO_RELOAD_FORMATS = frozenset(
-    {"dummy", "sharded_state", "runai_streamer_sharded", "tensorizer", "modelexpress", "ipc_cache"}
-)
 
 
 def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | None) -> list[str]:
@@ -953,32 +956,6 @@ def _lora_conflicts(m: ModelConfig, args: dict[str, ArgValue]) -> list[str]:
                 " adapter's)"
             )
     return out
-
-
-def _arg_name(key: str) -> str:
-    return key.replace("-", "_")
-
-
-def _flag(key: str, value: ArgValue) -> list[str]:
-    """`max_model_len: 8192` -> ``--max-model-len 8192``; True -> bare flag; False ->
-    ``--no-<flag>`` (vLLM's boolean flags are argparse's BooleanOptionalAction, and several
-    default to on, such as ``--enable-prefix-caching``); None -> none."""
-    flag = "--" + key.replace("_", "-")
-    if value is True:
-        return [flag]
-    if value is False:
-        return [] if _arg_name(key) in STORE_TRUE_FLAGS else ["--no-" + key.replace("_", "-")]
-    if value is None:
-        return []
-    if isinstance(value, list):
-        return [flag, *(_scalar(v) for v in value)] if value else []
-    return [flag, _scalar(value)]
-
-
-def _scalar(value: Any) -> str:
-    if isinstance(value, dict | list):
-        return json.dumps(value, separators=(",", ":"))
-    return str(value)
 
 
 def state_dir(server: ServerConfig) -> str:
@@ -1040,7 +1017,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         replicas=m.replicas,
         autoscale=m.autoscale,
         affinity_header=m.affinity_header,
-        **_lora_fields(m, {_arg_name(k): v for k, v in keys["args"]}),
+        **_lora_fields(m, {arg_name(k): v for k, v in keys["args"]}),
     )
 
 
@@ -1066,84 +1043,6 @@ def _lora_fields(m: ModelConfig, args: dict[str, ArgValue]) -> dict[str, Any]:
         rank = vllm_rank(min(known, VLLM_RANKS[-1])) if known is not None else DEFAULT_RANK
     return {"adapters": specs, "adapters_dir": folder, "max_adapters": bound,
             "max_lora_rank": rank}  # fmt: skip
-
-
-#: ``convert`` values that make vLLM run a model as a pooling model.
-POOLING_TASKS = frozenset({"embed", "classify"})
-#: vLLM's boolean flags that are plain ``store_true`` (no ``--no-`` form): false omits them.
-STORE_TRUE_FLAGS = frozenset(
-    {"headless", "grpc", "data_parallel_multi_port_external_lb", "disable_log_stats",
-     "aggregate_engine_logging"}
-)  # fmt: skip
-#: Architecture name endings vLLM runs as pooling models when the runner is left to "auto".
-POOLING_ARCHITECTURES = (
-    "ForSequenceClassification", "ForTokenClassification", "ForRewardModeling", "RewardModel",
-    "EmbeddingModel", "BertModel", "RobertaModel", "XLMRobertaModel", "BertSpladeSparseEmbedding",
-)  # fmt: skip
-
-
-#: The pooling task of an architecture, by name ending (first match; vLLM's
-#: ``_SUFFIX_TO_DEFAULTS`` and ``get_pooling_task``); other pooling architectures: `pooling`.
-ARCHITECTURE_TASKS = (
-    ("ForTokenClassification", "token_classify"), ("RewardModel", "token_classify"),
-    ("ForSequenceClassification", "classify"), ("ClassificationModel", "classify"),
-    ("EmbeddingModel", "embed"), ("BertModel", "embed"), ("RobertaModel", "embed"),
-    ("BertSpladeSparseEmbedding", "embed"),
-)  # fmt: skip
-
-
-def _pooler_task(value: ArgValue) -> str | None:
-    """``task`` of a ``pooler_config`` arg (a mapping or its JSON), if it names one."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return None
-    task = value.get("task") if isinstance(value, dict) else None
-    return str(task) if task else None
-
-
-def _architectures(model: str) -> list[str]:
-    """``architectures`` from a local checkpoint's config.json (empty when not readable)."""
-    try:
-        data = json.loads((Path(model).expanduser() / "config.json").read_text())
-    except (OSError, ValueError):
-        return []
-    names = data.get("architectures") if isinstance(data, dict) else None
-    return [str(n) for n in names] if isinstance(names, list) else []
-
-
-#: Timeouts left unset: a fixed part plus seconds per GiB of checkpoint on disk. These are
-#: allowances, not measurements: a start reads the checkpoint (0.5 GiB/s leaves 2 s per GiB),
-#: compiles and captures CUDA graphs; a level-2 wake reads it again; a level-1 sleep copies the
-#: weights into newly pinned host memory. A 140 GB checkpoint gets 440 s to start.
-AUTO_TIMEOUTS = {
-    "startup_timeout_s": (180.0, 2.0),
-    "sleep_timeout_s": (60.0, 1.0),
-    "wake_timeout_s": (60.0, 2.0),
-}
-#: Files that hold a checkpoint's weights.
-CHECKPOINT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-
-
-def checkpoint_gib(model: str, params_b: float | None) -> float:
-    """The checkpoint's size in GiB: its weight files when `model` is a local path, else 16-bit
-    weights of ``params_b`` billion parameters, else 0 (unknown)."""
-    path = Path(model).expanduser()
-    try:
-        if path.is_file():
-            return path.stat().st_size / 2**30
-        if path.is_dir():
-            files = [f for f in path.iterdir() if f.suffix in CHECKPOINT_SUFFIXES]
-            return sum(f.stat().st_size for f in files if f.is_file()) / 2**30
-    except OSError:
-        pass
-    return params_b * 2e9 / 2**30 if params_b else 0.0
-
-
-def auto_timeouts(gib: float) -> dict[str, float]:
-    """The default startup, sleep and wake timeouts for a checkpoint of `gib` GiB."""
-    return {key: round(base + per_gib * gib, 1) for key, (base, per_gib) in AUTO_TIMEOUTS.items()}
 
 
 def _format_error(err: ValidationError) -> str:

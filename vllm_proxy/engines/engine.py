@@ -29,7 +29,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
-from ..config import ArgValue, ModelSpec, file_stem
+from ..config import ModelSpec, file_stem
+from ..engine_args import ArgValue
 from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 

@@ -29,7 +29,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from ..config import ArgValue, Config, GpuDevice, ModelSpec
+from ..config import Config, GpuDevice, ModelSpec
+from ..engine_args import ArgValue
 from ..errors import ConfigError
 from ..metrics import Metrics
 from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
