@@ -5,12 +5,14 @@
 #   systemd     systemd-analyze, for the unit file test
 #   haproxy     the cluster tier (tests/test_cluster.py: HAProxy in front of three proxies)
 #   nginx, wrk  the benchmarks
+#   stress-ng   `make test-busy` (the suite with one core kept busy)
 # Idempotent: nothing is installed when every binary is already there.
 set -eu
 
 # binary:package pairs
 DEPS="/usr/bin/chromium:chromium /usr/bin/prometheus:prometheus /usr/bin/systemd-analyze:systemd
-      /usr/sbin/haproxy:haproxy /usr/sbin/nginx:nginx /usr/bin/wrk:wrk"
+      /usr/sbin/haproxy:haproxy /usr/sbin/nginx:nginx /usr/bin/wrk:wrk
+      /usr/bin/stress-ng:stress-ng"
 
 missing=""
 for dep in $DEPS; do

@@ -99,6 +99,27 @@ async def test_idle_sleep_then_concurrent_requests_cause_one_wake(
     assert await transitions(proxy, "wake_l1") == 1
 
 
+async def test_an_idle_engine_whose_sleep_was_put_off_sleeps_at_a_later_period(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Its sleep timer fired while a request of its model waited in admission (a replica ready
+    before the one the request waits for): no sleep then, but the engine stays idle, so it
+    sleeps a period later rather than stay awake until its next request."""
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy()}), "m")
+    waiting, asked = [1], [0]
+
+    def queued() -> int:  # a request of m waits in admission meanwhile
+        asked[0] += 1
+        return waiting[0]
+
+    inst._queued = queued
+    await wait_for(lambda: asked[0] >= 2, what="the sleep asked for again a period later")
+    assert inst.state is State.RUNNING, "not put to sleep while its model has a request waiting"
+    waiting[0] = 0
+    await asleep(inst)
+    assert proxy.engine_starts("m") == 1
+
+
 async def test_a_stream_longer_than_after_idle_is_never_cut_by_a_sleep(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:

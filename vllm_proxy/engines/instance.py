@@ -400,9 +400,15 @@ class Instance:
 
     def _sleep_due(self) -> None:
         self._sleep_timer = None
+        policy = self.spec.sleep
         if self.sleep("idle") is not None:
-            assert self.spec.sleep is not None
-            log.info("%s: idle for %gs, put to sleep", self.id, self.spec.sleep.after_idle_s)
+            assert policy is not None
+            log.info("%s: idle for %gs, put to sleep", self.id, policy.after_idle_s)
+        elif policy is not None and self.state is State.RUNNING and self.leases == 0:
+            # Not now (a request of its model waits in admission): idle still, so ask again
+            # after another period rather than stay awake until its next lease.
+            loop = asyncio.get_running_loop()
+            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
 
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
