@@ -2,8 +2,8 @@
 #   make demo       installs everything, generates two tiny models, runs the proxy on the CPU build of vLLM
 #   make demo-fake  the same proxy in front of the fake engine: installs neither torch nor vLLM
 #   make test       ruff + mypy + pytest (all tiers) -- exactly what CI runs
-# The project's Python, named: CI runs the whole suite on 3.11 and everything but the real-vLLM
-# tier on 3.12 as well (vLLM's CPU build is installed for 3.11 only).
+# The project's Python, named: CI runs the whole suite on 3.11, and on 3.12 the tests of what
+# differs between the two (PY312_TESTS below; vLLM's CPU build is installed for 3.11 only).
 PYTHON ?= $(shell sh scripts/find-python.sh 3.11)
 PYTHON312 ?= $(shell sh scripts/find-python.sh 3.12)
 VENV   ?= .venv
@@ -13,7 +13,7 @@ DEMO   ?= .demo
 PORT   ?= 8080
 LINT_PATHS := vllm_proxy fake_vllm tiny_llama vllm_proxy_demo tests benchmarks
 
-.PHONY: setup setup-base system-deps test test-py312 lint demo demo-fake clean
+.PHONY: setup setup-base system-deps test test-busy test-py312 test-py312-all lint demo demo-fake clean
 
 # Base: the proxy, the fake engine and the demo on the core dependencies (no torch, no vLLM).
 setup-base: $(VENV)/.base
@@ -43,13 +43,36 @@ lint: setup
 system-deps:
 	sh scripts/system-deps.sh
 
+# Test workers (pytest-xdist): most tests wait on engine subprocesses, so two share 2 cores well.
+JOBS ?= 2
+
 test: system-deps lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(JOBS) --dist worksteal
 	$(MAKE) test-py312
 
-# The same tests (less the real-vLLM tier) on Python 3.12, in a venv without torch or vLLM.
+# The suite with one core kept busy by stress-ng: every bound in a test must hold there too.
+test-busy:
+	sh scripts/test-busy.sh test
+
+# On Python 3.12 (a venv without torch or vLLM), the tests of what differs between 3.11 and 3.12
+# or runs on 3.12 elsewhere: asyncio's servers, transports, cancellation and signals (3.12
+# changed Server.wait_closed, task cancellation and eager tasks) under uvloop's 3.12 build; the
+# config schema (pydantic and typing on 3.12); the ctypes calls (prctl in the guard, glibc's
+# mallopt and malloc_trim); and the GPU tier, the GPU check and NVML handling, which GPU
+# machines run on their own Python 3.12 (docs/gpu.md). The rest is pure Python whose behaviour
+# does not depend on the minor version; `make test-py312-all` runs it all.
+PY312_TESTS := tests/test_listener.py tests/test_lifecycle.py tests/test_signals.py \
+	tests/test_client_timeouts.py tests/test_upstream.py tests/test_keepalive.py \
+	tests/test_proxy_http.py tests/test_conformance.py tests/test_config.py tests/test_guard.py \
+	tests/test_registry.py tests/test_body.py tests/test_gpu.py tests/test_gpu_check.py \
+	tests/test_gpu_fake_engine.py tests/test_gpu_tier.py tests/test_simgpu.py \
+	tests/test_openai_sdk.py tests/test_imports.py
+
 test-py312: $(VENV312)/.installed
-	$(VENV312)/bin/python -m pytest -m "not realvllm"
+	$(VENV312)/bin/python -m pytest -n $(JOBS) --dist worksteal -m "not realvllm" $(PY312_TESTS)
+
+test-py312-all: $(VENV312)/.installed
+	$(VENV312)/bin/python -m pytest -n $(JOBS) --dist worksteal -m "not realvllm"
 
 $(VENV312)/.installed: pyproject.toml
 	test -n "$(PYTHON312)"
