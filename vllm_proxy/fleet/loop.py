@@ -129,10 +129,17 @@ class Fleet:
     async def run(self, stop: asyncio.Event) -> None:
         """Rounds every `interval_s` (on a fixed schedule) until `stop` is set."""
         await self.start()
+        log.info("placing the models of %d servers every %gs in %s", len(self.opts.servers),
+                 self.opts.interval_s, self.opts.map_path)  # fmt: skip
         next_at = time.monotonic()
+        first = True
         while not stop.is_set():
             try:
-                await self.tick()
+                decisions = await self.tick()
+                if first:
+                    servers = sorted({d.server for d in decisions.values()})
+                    log.info("first round: %d models on %s", len(decisions), ", ".join(servers))
+                    first = False
             except (OSError, aiohttp.ClientError) as err:  # the file, the network
                 log.warning("round failed: %s", err)
             next_at = max(next_at + self.opts.interval_s, time.monotonic())
