@@ -1,6 +1,7 @@
 """The multi-server tier: HAProxy from apt with the shipped recipe (deploy/haproxy/haproxy.cfg,
 only addresses, paths and the connection limit adapted) in front of three real `vllm-proxy`
-processes running the fake engine on 1000 MiB static GPU budgets (docs/cluster.md).
+processes running the fake engine on 1000 MiB static GPU budgets (docs/cluster.md), routing by
+the hash (the fleet's map is empty: tests/test_fleet_cluster.py runs the map).
 
 Which server serves what is read from the proxies themselves (their admin API and logs) and
 from HAProxy's runtime API (`show stat` on its stats socket), never guessed from timing.
@@ -9,8 +10,6 @@ from HAProxy's runtime API (`show stat` on its stats socket), never guessed from
 from __future__ import annotations
 
 import asyncio
-import csv
-import io
 import json
 import os
 import re
@@ -18,318 +17,30 @@ import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
-import yaml
-from kit import FAKE_ENGINE, FakeEngine, free_port, wait_for
-from multidict import CIMultiDict
+from kit import wait_for
+from kit.cluster import (
+    HAPROXY,
+    MODELS,
+    RECIPE,
+    RECIPE_MAP,
+    SERVERS,
+    SYSTEMD_ANALYZE,
+    TEMPLATE_UNIT,
+    Cluster,
+    Load,
+    complete,
+    need,
+)
 
 from vllm_proxy.config import EngineConfig
 from vllm_proxy.engine_args import auto_timeouts
 
 # The cluster (HAProxy and three proxies) starts with the first test.
 pytestmark = [pytest.mark.cluster, pytest.mark.timeout(600)]
-
-ROOT = Path(__file__).resolve().parent.parent
-RECIPE = ROOT / "deploy" / "haproxy" / "haproxy.cfg"
-TEMPLATE_UNIT = ROOT / "systemd" / "vllm-proxy@.service"
-HAPROXY = "/usr/sbin/haproxy"
-SYSTEMD_ANALYZE = "/usr/bin/systemd-analyze"
-SERVERS = ("gpu1", "gpu2", "gpu3")
-#: Every proxy runs the same models (any server can serve any model): six small ones (five
-#: fit in a budget) and one that takes a whole server.
-MODELS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot")
-SMALL_MB, BUDGET_MB = 200, 1000
-#: A reply has min(max_tokens, 400) tokens, 20 ms apart: max_tokens sets a stream's length.
-ENGINE_ENV = FakeEngine(tokens=400, token_delay=0.02).env()
-ACCESS = re.compile(r"vllm_proxy\.access: (\S+) \S+ \S+ model=(\S+) instance=\S+ status=(\d+)")
-
-
-def need(binary: str) -> None:
-    if not os.access(binary, os.X_OK):
-        pytest.fail(f"{binary} missing: run scripts/system-deps.sh (make test does)")
-
-
-def haproxy_config(
-    recipe: str, *, frontend: int, stats: int, socket: Path, servers: dict[str, int]
-) -> str:
-    """The shipped recipe as HAProxy runs it here: every routing, retry, health-check and
-    timeout line is kept; what differs on a test machine is replaced, each exactly where the
-    recipe has it (a recipe that changes shape fails here rather than being tested half)."""
-    subs = [
-        # no syslog here: HAProxy's log goes to its stderr (the test's log file)
-        (r"^    log /dev/log local0$", "    log stderr format raw local0"),
-        # chroot and the haproxy user need root
-        (r"^    chroot .*$\n", ""),
-        (r"^    user .*$\n", ""),
-        (r"^    group .*$\n", ""),
-        (r"^(    stats socket )/run/haproxy/admin\.sock ", rf"\g<1>{socket} "),
-        # the recipe's limit needs twice as many descriptors as a test machine may allow
-        (r"^    maxconn \d+$", "    maxconn 2000"),
-        (r"^    bind :8000$", f"    bind 127.0.0.1:{frontend}"),
-        (r"^    bind 127\.0\.0\.1:8404$", f"    bind 127.0.0.1:{stats}"),
-    ]
-    text = recipe
-    for pattern, replacement in subs:
-        text, n = re.subn(pattern, replacement, text, flags=re.MULTILINE)
-        assert n == 1, f"the recipe no longer has a line matching {pattern!r}"
-
-    def server(m: re.Match[str]) -> str:
-        return f"    server {m[1]} 127.0.0.1:{servers[m[1]]} {m[2]}"
-
-    text, n = re.subn(
-        r"^    server (\S+) 10\.0\.0\.\d+:8080 (.*)$", server, text, flags=re.MULTILINE
-    )
-    assert n == len(servers), "the recipe lists one server line per GPU server"
-    return text
-
-
-@dataclass
-class Member:
-    """One vllm-proxy process of the cluster."""
-
-    name: str
-    index: int
-    port: int
-    dir: Path
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return (self.dir / "proxy.log").read_text(errors="replace")
-
-    def served(self) -> list[tuple[str, str, int]]:
-        """(request id, model, status) of every request its access log recorded."""
-        return [(m[1], m[2], int(m[3])) for m in ACCESS.finditer(self.log())]
-
-    def starts(self, model: str) -> int:
-        """Engines of `model` this proxy started (that came up; a start that lost a port race
-        and was retried counts once)."""
-        return len(re.findall(rf"\b{re.escape(model)}#\d+: ready on (?:port|socket) ", self.log()))
-
-
-@dataclass
-class Reply:
-    status: int
-    body: bytes
-    headers: CIMultiDict[str]
-
-
-class Cluster:
-    def __init__(self, tmp_path: Path, http: aiohttp.ClientSession) -> None:
-        self.tmp = tmp_path
-        self.http = http
-        self.port = free_port()
-        self.socket = tmp_path / "haproxy.sock"
-        self.members = {
-            name: Member(name, i, free_port(), tmp_path / name) for i, name in enumerate(SERVERS)
-        }
-        self.haproxy: subprocess.Popen[bytes] | None = None
-        self.loads: list[Load] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    # -- processes -----------------------------------------------------------------------
-
-    def proxy_config(self, member: Member) -> dict[str, Any]:
-        low = 15000 + 1000 * member.index  # below Linux's ephemeral ports (32768-60999)
-        models: dict[str, Any] = {
-            name: {"model": f"fake/{name}", "memory_mb": SMALL_MB} for name in MODELS
-        }
-        models["big"] = {"model": "fake/big", "memory_mb": BUDGET_MB}
-        return {
-            "server": {
-                "host": "127.0.0.1",
-                "port": member.port,
-                "state_dir": str(member.dir / "state"),
-                "admin_open": True,
-                "drain_timeout_s": 30,
-            },
-            "engine": {
-                "command": FAKE_ENGINE,
-                "env": ENGINE_ENV,
-                "startup_timeout_s": 20,
-                "stop_timeout_s": 2,
-                "idle_timeout_s": 0,
-                "port_range": [low, low + 999],
-            },
-            "gpu": {"monitor": "static", "devices": [{"id": 0, "memory_mb": BUDGET_MB}]},
-            # in a cluster a server without room answers at once: HAProxy tries the next one
-            "admission": {"queue_timeout_s": 0},
-            "models": models,
-        }
-
-    def start_proxy(self, member: Member) -> None:
-        member.dir.mkdir(exist_ok=True)
-        config = member.dir / "config.yaml"
-        config.write_text(yaml.safe_dump(self.proxy_config(member)))
-        with open(member.dir / "proxy.log", "ab") as log:  # a restart appends
-            member.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_proxy", "--config", str(config)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    async def start(self) -> None:
-        for member in self.members.values():
-            self.start_proxy(member)
-        for member in self.members.values():
-            await self.listening(member)
-        cfg = haproxy_config(
-            RECIPE.read_text(),
-            frontend=self.port,
-            stats=free_port(),
-            socket=self.socket,
-            servers={m.name: m.port for m in self.members.values()},
-        )
-        (self.tmp / "haproxy.cfg").write_text(cfg)
-        with open(self.tmp / "haproxy.log", "wb") as log:
-            self.haproxy = subprocess.Popen(
-                [HAPROXY, "-db", "-f", str(self.tmp / "haproxy.cfg")],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-        async def all_up() -> bool:
-            assert self.haproxy is not None and self.haproxy.poll() is None, self.haproxy_log()
-            try:
-                rows = await self.stat()
-            except OSError:  # the runtime API is not open yet
-                return False
-            return all(row["status"] == "UP" for row in rows.values())
-
-        await wait_for(all_up, timeout=30, what="HAProxy up with every server UP")
-
-    async def listening(self, member: Member) -> None:
-        """Wait until the member's proxy answers /health with 200."""
-
-        async def healthy() -> bool:
-            assert member.proc is not None and member.proc.poll() is None, member.log()[-3000:]
-            try:
-                async with self.http.get(member.url + "/health") as r:
-                    return r.status == 200
-            except aiohttp.ClientError:
-                return False
-
-        await wait_for(healthy, timeout=30, what=f"{member.name} listening")
-
-    async def close(self) -> None:
-        for load in self.loads:  # a test that failed half-way left its clients running
-            load.stopped.set()
-            for task in load.tasks:
-                task.cancel()
-            await asyncio.gather(*load.tasks, return_exceptions=True)
-        for member in self.members.values():
-            if member.proc is not None and member.proc.poll() is None:
-                member.proc.send_signal(signal.SIGTERM)
-        for member in self.members.values():
-            if member.proc is None:
-                continue
-            try:
-                await asyncio.to_thread(member.proc.wait, 30)
-            except subprocess.TimeoutExpired:
-                member.proc.kill()  # its engines' guards take them down with it
-                member.proc.wait()
-        if self.haproxy is not None and self.haproxy.poll() is None:
-            self.haproxy.terminate()
-            await asyncio.to_thread(self.haproxy.wait, 10)
-
-    def haproxy_log(self) -> str:
-        return (self.tmp / "haproxy.log").read_text(errors="replace")[-4000:]
-
-    # -- what the cluster says -----------------------------------------------------------
-
-    async def command(self, line: str) -> str:
-        """One command on HAProxy's runtime API (its stats socket)."""
-        reader, writer = await asyncio.open_unix_connection(str(self.socket))
-        writer.write(line.encode() + b"\n")
-        await writer.drain()
-        raw = await asyncio.wait_for(reader.read(), 10)
-        writer.close()
-        return raw.decode()
-
-    async def stat(self) -> dict[str, dict[str, str]]:
-        """HAProxy's `show stat` for each server of the backend (status, stot, chkdown, ...)."""
-        rows = csv.DictReader(io.StringIO((await self.command("show stat")).lstrip("# ")))
-        return {r["svname"]: r for r in rows if r["pxname"] == "vllm" and r["svname"] in SERVERS}
-
-    async def status_is(self, server: str, status: str) -> None:
-        async def reached() -> bool:
-            return (await self.stat())[server]["status"] == status
-
-        await wait_for(reached, what=f"{server} {status} in HAProxy")
-
-    async def where(self, model: str) -> list[str]:
-        """The live servers with a RUNNING instance of `model`."""
-        found = []
-        for member in self.members.values():
-            if member.proc is None or member.proc.poll() is not None:
-                continue
-            async with self.http.get(f"{member.url}/admin/models/{model}") as r:
-                row = await r.json()
-            if any(i["state"] == "running" for i in row["instances"]):
-                found.append(member.name)
-        return found
-
-    async def homes(self) -> dict[str, str]:
-        """Each model's one server (asserting that it runs on exactly one)."""
-        homes = {}
-        for model in MODELS:
-            where = await self.where(model)
-            assert len(where) == 1, f"{model} runs on {where}"
-            homes[model] = where[0]
-        return homes
-
-    def starts(self, model: str) -> int:
-        return sum(m.starts(model) for m in self.members.values())
-
-    # -- requests ------------------------------------------------------------------------
-
-    async def chat(
-        self,
-        model: str,
-        *,
-        rid: str | None = None,
-        max_tokens: int = 1,
-        url: str | None = None,
-        session: aiohttp.ClientSession | None = None,
-        **extra: Any,
-    ) -> Reply:
-        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], **extra}
-        body["max_tokens"] = max_tokens
-        headers = {"X-Request-ID": rid} if rid else {}
-        target = (url or self.url) + "/v1/chat/completions"
-        async with (session or self.http).post(target, json=body, headers=headers) as r:
-            return Reply(r.status, await r.read(), r.headers.copy())
-
-    async def stream(
-        self, model: str, rid: str, max_tokens: int, url: str | None = None
-    ) -> aiohttp.ClientResponse:
-        """A stream whose first chunk has arrived (it is being served)."""
-        body = {"model": model, "stream": True, "max_tokens": max_tokens,
-                "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
-        resp = await self.http.post(
-            (url or self.url) + "/v1/chat/completions", json=body, headers={"X-Request-ID": rid}
-        )
-        assert resp.status == 200, await resp.text()
-        assert await resp.content.readany()
-        return resp
-
-    async def place(self) -> dict[str, str]:
-        """Serve every model once through HAProxy; each model's home."""
-        for model in MODELS:
-            reply = await self.chat(model)
-            assert reply.status == 200, reply.body
-        return await self.homes()
 
 
 @pytest.fixture
@@ -343,63 +54,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[Cluster]:
             yield c
         finally:
             await c.close()
-
-
-async def complete(stream: aiohttp.ClientResponse) -> bool:
-    """True when the rest of the stream arrives and ends with ``data: [DONE]``."""
-    try:
-        rest = await stream.read()
-    except aiohttp.ClientError:
-        return False
-    finally:
-        stream.release()
-    return rest.endswith(b"data: [DONE]\n\n")
-
-
-class Load:
-    """Clients that send requests through HAProxy one after another, round robin over the
-    models, until stopped; every reply is kept as (request id, model, status)."""
-
-    def __init__(self, cluster: Cluster, clients: int, *, streams: bool = False) -> None:
-        self.cluster = cluster
-        self.stopped = asyncio.Event()
-        self.replies: list[tuple[str, str, int]] = []
-        self.started: list[str] = []
-        self.streams = streams
-        self.tasks = [asyncio.ensure_future(self.client(i)) for i in range(clients)]
-        cluster.loads.append(self)
-
-    async def client(self, i: int) -> None:
-        n = 0
-        while not self.stopped.is_set():
-            model = MODELS[(i + n) % len(MODELS)]
-            rid = f"load-{i}-{n}"
-            n += 1
-            self.started.append(rid)
-            try:
-                if self.streams and n % 2:
-                    reply = await self.cluster.chat(model, rid=rid, max_tokens=5, stream=True)
-                    ok = reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
-                    status = reply.status if ok else 0
-                else:
-                    status = (await self.cluster.chat(model, rid=rid)).status
-            except aiohttp.ClientError:
-                status = 0
-            self.replies.append((rid, model, status))
-
-    def since(self, mark: int) -> set[str]:
-        """The requests started after `mark` (a length of `started`)."""
-        return set(self.started[mark:])
-
-    async def more(self, count: int) -> None:
-        """Wait until `count` more replies have come back."""
-        target = len(self.replies) + count
-        await wait_for(lambda: len(self.replies) >= target, what=f"{count} more replies")
-
-    async def stop(self) -> list[tuple[str, str, int]]:
-        self.stopped.set()
-        await asyncio.gather(*self.tasks)
-        return self.replies
 
 
 # --- the recipe itself ----------------------------------------------------------------------
@@ -420,17 +74,30 @@ def directives(section: str) -> list[str]:
     return lines
 
 
-def test_recipe_is_valid_and_routes_as_documented() -> None:
-    """`haproxy -c` accepts the shipped file as it is, and it has what docs/cluster.md says."""
+def test_recipe_is_valid_and_routes_as_documented(tmp_path: Path) -> None:
+    """`haproxy -c` accepts the shipped file as it is (with the fleet's map file where the
+    recipe names it: HAProxy refuses to start without it), and it has what docs/cluster.md
+    says."""
     need(HAPROXY)
+    (tmp_path / "models.map").write_text("")
+    checked = tmp_path / "haproxy.cfg"
+    checked.write_text(RECIPE.read_text().replace(RECIPE_MAP, str(tmp_path / "models.map")))
     done = subprocess.run(
-        [HAPROXY, "-c", "-f", str(RECIPE)], capture_output=True, text=True, timeout=30
+        [HAPROXY, "-c", "-f", str(checked)], capture_output=True, text=True, timeout=30
     )
     assert done.returncode == 0, done.stdout + done.stderr
     frontend, backend = directives("frontend openai"), directives("backend vllm")
     assert "option http-buffer-request" in frontend
     assert any("json_query('$.model')" in line for line in frontend)
     assert "balance hash var(txn.model)" in backend
+    mapped = (
+        f"%[var(txn.model),map({RECIPE_MAP})] if {{ var(txn.model),map({RECIPE_MAP}) -m found }}"
+    )
+    assert f"use-server {mapped}" in backend, "the fleet's map first, the hash as the fallback"
+    assert any(
+        x.startswith("stats socket ") and "level admin" in x and "group haproxy" in x
+        for x in directives("global")
+    ), "vllm-proxy-fleet reaches the runtime API through the haproxy group"
     assert any(line.startswith("hash-type consistent") for line in backend)
     factor = next(int(x.split()[1]) for x in backend if x.startswith("hash-balance-factor"))
     servers = [line for line in backend if line.startswith("server ")]

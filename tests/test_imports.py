@@ -4,6 +4,9 @@ and the product never imports its test kit.
 Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
 metrics, adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
 `cli`). A package may import its own modules, the shared ones and the layers below it, never above.
+
+Tools (`fleet`: `vllm-proxy-fleet`, which runs beside HAProxy) stand apart: a tool imports its
+own modules and the shared ones only, and nothing imports a tool.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
 SHARED = {"config", "engine_args", "errors", "metrics", "adapters"}
 LAYERS = ["planning", "engines", "pool", "frontend"]
 ROOT_MODULES = {"app", "cli", "__main__", "__init__"}
+TOOLS = {"fleet"}
 
 
 def dotted(path: Path) -> str:
@@ -78,6 +82,8 @@ def layer_of(module: str) -> str:
         return head
     if head in SHARED:
         return "shared"
+    if head in TOOLS:
+        return head
     return "root"
 
 
@@ -117,7 +123,7 @@ def test_every_module_sits_in_a_layer() -> None:
     """A new module goes into one of the layers' packages, or is a shared one by decision."""
     for name in graph():
         head = name.split(".")[0]
-        assert head in {*LAYERS, *SHARED, *ROOT_MODULES}, f"{name} is in no layer"
+        assert head in {*LAYERS, *SHARED, *ROOT_MODULES, *TOOLS}, f"{name} is in no layer"
 
 
 def test_layers_import_only_downwards() -> None:
@@ -126,11 +132,29 @@ def test_layers_import_only_downwards() -> None:
     order = {"shared": -1, **{name: i for i, name in enumerate(LAYERS)}, "root": len(LAYERS)}
     for name, deps in graph().items():
         mine = layer_of(name)
+        if mine in TOOLS:
+            continue  # test_a_tool_imports_only_itself_and_the_shared_modules
         for dep in deps:
             theirs = layer_of(dep)
+            assert theirs not in TOOLS, f"{name} imports the tool {dep}"
             if theirs == "root":
                 continue  # checked by test_nothing_imports_the_composition_root
             assert order[theirs] <= order[mine], f"{name} ({mine}) imports {dep} ({theirs})"
+
+
+def test_a_tool_imports_only_itself_and_the_shared_modules() -> None:
+    """`vllm-proxy-fleet` talks to the proxies over HTTP: it knows no planner, engine, pool or
+    handler, and no layer knows it."""
+    edges = graph()
+    assert "fleet.loop" in edges and "fleet.placement" in edges["fleet.loop"]
+    for name, deps in edges.items():
+        mine = layer_of(name)
+        for dep in deps:
+            theirs = layer_of(dep)
+            if mine in TOOLS:
+                assert theirs in {mine, "shared"}, f"{name} ({mine}) imports {dep} ({theirs})"
+            else:
+                assert theirs not in TOOLS, f"{name} ({mine}) imports the tool {dep}"
 
 
 def test_the_layers_use_each_other() -> None:

@@ -30,6 +30,7 @@ from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .frontend.admin import Admin, add_admin_routes
 from .frontend.connection import Listener, Runner, Site, listen
+from .frontend.placement import Holdings, add_placement_routes
 from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
 from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
@@ -104,7 +105,7 @@ def _restart_only(old: Config, new: Config) -> list[str]:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Methods that change nothing; an admin call with any other is refused from another origin.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
-METRICS_PATHS = frozenset({"/metrics", "/metrics/engines"})
+METRICS_PATHS = frozenset({"/metrics", "/metrics/engines", "/placement", "/metrics/model-server"})
 #: Answered whatever the Host: load balancers probe by address.
 ANY_HOST_PATHS = frozenset({"/health"})
 #: Host header values allowed: ``(name, None)`` for any port, ``(name, port)`` for that one.
@@ -132,7 +133,8 @@ class Gate:
       in ``Origin`` (or, without one, ``Sec-Fetch-Site``); curl and scripts send neither.
       So do form uploads and WebSockets on the model routes (`proxy.opens_to_pages`): a page
       may send either to any site without a preflight.
-    * ``server.metrics_api_keys``: ``/metrics`` and ``/metrics/engines`` need one when set.
+    * ``server.metrics_api_keys``: ``/metrics``, ``/metrics/engines``, ``/placement`` and
+      ``/metrics/model-server`` need one when set.
 
     It runs inside `Proxy.middleware`, which turns its refusals into OpenAI-shaped errors with
     the request id.
@@ -304,6 +306,7 @@ async def create_app(
     app[RUNTIME] = runtime
     add_routes(app, proxy)
     add_admin_routes(app, admin)
+    add_placement_routes(app, Holdings(manager, admin))
     app.on_cleanup.append(_cleanup)
     return app
 

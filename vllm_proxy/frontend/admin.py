@@ -61,7 +61,9 @@ class Admin:
         self.configure(server)
         #: The last merged engine page and when it was made; the round of reads under way.
         self._engine_page: tuple[float, bytes] | None = None
-        self._engine_round: asyncio.Task[bytes] | None = None
+        self._engine_round: asyncio.Task[tuple[bytes, dict[str, float]]] | None = None
+        #: Totals over the engines of the last round (`SUMMED`), for the model-server page.
+        self.engine_sums: dict[str, float] = {}
         #: Instances whose oversized page was reported (once each, while they live).
         self._too_large: set[str] = set()
 
@@ -198,18 +200,30 @@ class Admin:
         cached = self._engine_page
         if cached is not None and time.monotonic() - cached[0] < ENGINE_METRICS_TTL_S:
             return cached[1]
+        # Shielded: a scraper that hangs up does not cancel the round the others wait for.
+        return (await asyncio.shield(self._start_round()))[0]
+
+    def _start_round(self) -> asyncio.Task[tuple[bytes, dict[str, float]]]:
         if self._engine_round is None:
             self._engine_round = asyncio.ensure_future(self._read_engines())
             self._engine_round.add_done_callback(self._round_done)
-        # Shielded: a scraper that hangs up does not cancel the round the others wait for.
-        return await asyncio.shield(self._engine_round)
+        return self._engine_round
 
-    def _round_done(self, task: asyncio.Task[bytes]) -> None:
+    def refresh_engine_sums(self) -> None:
+        """Start a round of engine reads when the last one is older than
+        `ENGINE_METRICS_TTL_S` (`engine_sums` then changes when it ends); never waits."""
+        cached = self._engine_page
+        if cached is None or time.monotonic() - cached[0] >= ENGINE_METRICS_TTL_S:
+            self._start_round()
+
+    def _round_done(self, task: asyncio.Task[tuple[bytes, dict[str, float]]]) -> None:
         self._engine_round = None
         if not task.cancelled() and task.exception() is None:
-            self._engine_page = (time.monotonic(), task.result())
+            page, sums = task.result()
+            self._engine_page = (time.monotonic(), page)
+            self.engine_sums = sums
 
-    async def _read_engines(self) -> bytes:
+    async def _read_engines(self) -> tuple[bytes, dict[str, float]]:
         running = [
             i for i in self.manager.all_instances()
             if (i.state in AWAKE or i.asleep) and i.engine is not None
@@ -254,15 +268,24 @@ class Admin:
         )  # fmt: skip
 
 
-def _render(pages: list[tuple[str, str, bytes]]) -> bytes:
-    """The engines' pages (model name, instance id, page) merged and rendered; CPU-bound, run
-    in a worker thread."""
+#: Engine gauges summed over every engine in a round (`Admin.engine_sums`).
+SUMMED = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+
+
+def _render(pages: list[tuple[str, str, bytes]]) -> tuple[bytes, dict[str, float]]:
+    """The engines' pages (model name, instance id, page) merged and rendered, and the totals
+    of `SUMMED`; CPU-bound, run in a worker thread."""
+    families = _merge(pages)
+    sums = {name: 0.0 for name in SUMMED}
+    for fam in families:
+        if fam.name in sums:
+            sums[fam.name] += sum(s.value for s in fam.samples if s.name == fam.name)
     registry = CollectorRegistry()
-    registry.register(_Families(_merge(pages)))
-    return generate_latest(registry)
+    registry.register(Families(families))
+    return generate_latest(registry), sums
 
 
-class _Families:
+class Families:
     """A collector that yields a fixed list of metric families."""
 
     def __init__(self, families: list[Metric]) -> None:

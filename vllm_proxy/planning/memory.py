@@ -457,16 +457,21 @@ class Memory:
         reading lags. A starting instance is never counted twice: `pending` is only its
         not-yet-allocated part.
         """
-        claimed: dict[int, int] = {}
-        for iid, claim in self.claims.items():
-            for d in claim.devices:
-                claimed[d] = claimed.get(d, 0) + self.held_mb(iid)
+        claimed = self.claimed_by_device()
         views = []
         for s in self.snapshots:
             wait = pending.get(s.id, 0)
             used = max(s.used_mb, claimed.get(s.id, 0) - wait)
             views.append(DeviceView(s.id, s.total_mb, used, wait))
         return views
+
+    def claimed_by_device(self) -> dict[int, int]:
+        """What the proxy's instances hold or were promised, per device (MiB)."""
+        claimed: dict[int, int] = {}
+        for iid, claim in self.claims.items():
+            for d in claim.devices:
+                claimed[d] = claimed.get(d, 0) + self.held_mb(iid)
+        return claimed
 
     def placement(self, spec: ModelSpec, devices: tuple[int, ...]) -> Placement:
         """What the engine is started with on `devices`, and the memory it claims there.

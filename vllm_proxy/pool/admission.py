@@ -31,7 +31,7 @@ from ..errors import Unavailable
 from ..planning import queueing
 from ..planning.memory import Memory, Placement
 from ..planning.queueing import Queue, Rank, Waiter
-from ..planning.scheduler import Demand, InstanceView, NoFit, Phase, Plan, plan
+from ..planning.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -175,6 +175,27 @@ class Admission:
                     kept,
                 )
         return decision
+
+    def devices(self) -> list[DeviceView]:
+        """Each device as the planner sees it now (memory promised to starts and wakes
+        counted)."""
+        assert self.memory is not None
+        return self.memory.device_views(self._views(None)[1])
+
+    def fit(self, spec: ModelSpec) -> Plan | NoFit:
+        """What starting one more instance of `spec` would take now (pure: nothing is claimed
+        and nobody is asked to sleep or stop). A `Plan` without victims: it fits as things
+        are; with victims: what its start would put to sleep or stop once minimum residencies
+        allow; `NoFit`: it would wait for busy or pinned engines."""
+        memory = self.memory
+        assert memory is not None
+        views, pending = self._views(None, protect=False)
+        model = self._models().get(spec.name)
+        placed = [i for i in model.instances if i.id in memory.claims] if model else []
+        avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
+        demand = memory.demand(spec, f"{spec.name}#fit", avoid)
+        demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
+        return plan(demand, memory.device_views(pending), views, time.monotonic())
 
     def _waiter(self, model: str) -> Waiter | None:
         """`model` as the queue sees it (None: nothing of it waits)."""

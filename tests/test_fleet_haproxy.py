@@ -1,0 +1,169 @@
+"""`vllm-proxy-fleet`'s HAProxy side: the map file, the runtime API on a real HAProxy (Debian's
+2.6, cluster tier) and the command line."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from kit import free_port, wait_for
+
+from vllm_proxy.fleet.cli import parse_args
+from vllm_proxy.fleet.haproxy import HaproxyError, RuntimeApi, read_map, write_map
+
+HAPROXY = "/usr/sbin/haproxy"
+
+
+def test_the_map_file_is_written_whole_and_only_when_it_changes(tmp_path: Path) -> None:
+    path = tmp_path / "models.map"
+    assert read_map(path) == {}
+    assert write_map(path, {"b": "gpu2", "a": "gpu1"})
+    assert path.read_text().splitlines()[1:] == ["a gpu1", "b gpu2"]
+    assert read_map(path) == {"a": "gpu1", "b": "gpu2"}
+    before = path.stat().st_ino
+    assert not write_map(path, {"a": "gpu1", "b": "gpu2"}), "unchanged: not rewritten"
+    assert path.stat().st_ino == before
+    assert write_map(path, {"a": "gpu3"})
+    assert path.stat().st_ino != before, "a new file renamed over the old one"
+    assert read_map(path) == {"a": "gpu3"}
+    assert [p.name for p in tmp_path.iterdir()] == ["models.map"], "no temporary file left"
+    assert oct(path.stat().st_mode & 0o777) == "0o644", "HAProxy's user reads it"
+
+
+def test_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("VLLM_PROXY_FLEET_API_KEY", "from-env")
+    opts = parse_args(
+        ["--haproxy-socket", "/run/haproxy/admin.sock", "--map", "/var/lib/f/models.map",
+         "--server", "gpu1=http://10.0.0.1:8080", "--server", "gpu2=http://10.0.0.2:8080"]
+    )  # fmt: skip
+    assert opts.servers == {"gpu1": "http://10.0.0.1:8080", "gpu2": "http://10.0.0.2:8080"}
+    assert opts.interval_s == 1.0 and opts.api_key == "from-env" and opts.backend == "vllm"
+    base = ["--haproxy-socket", "/s", "--map", "/m"]
+    for bad in (
+        ["--server", "gpu1"],
+        ["--server", "gpu 1=http://x"],
+        ["--server", "gpu1=http://a", "--server", "gpu1=http://b"],
+        ["--server", "gpu1=http://a", "--interval-s", "0"],
+        ["--server", "gpu1=10.0.0.1:8080"],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            parse_args(base + bad)
+        assert exit_.value.code == 2, bad
+    with pytest.raises(SystemExit):
+        parse_args(["--haproxy-socket", "/s", "--map", "relative.map", "--server", "a=http://a"])
+    assert "absolute path" in capsys.readouterr().err
+
+
+CONFIG = """
+global
+    stats socket {socket} mode 600 level admin
+defaults
+    mode http
+    timeout connect 1s
+    timeout client 5s
+    timeout server 5s
+frontend f
+    bind 127.0.0.1:{port}
+    http-request set-var(txn.model) req.hdr(x-model)
+    default_backend vllm
+backend vllm
+    balance hash var(txn.model)
+    use-server %[var(txn.model),map({map})] if {{ var(txn.model),map({map}) -m found }}
+    server gpu1 127.0.0.1:1 id 1
+    server gpu2 127.0.0.1:2 id 2
+"""
+
+
+class Haproxy:
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.socket = tmp / "haproxy.sock"
+        self.map = tmp / "models.map"
+        self.cfg = tmp / "haproxy.cfg"
+        self.cfg.write_text(CONFIG.format(socket=self.socket, port=free_port(), map=self.map))
+        self.api = RuntimeApi(str(self.socket))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    async def start(self) -> None:
+        if self.socket.exists():
+            self.socket.unlink()
+        with open(self.tmp / "haproxy.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                [HAPROXY, "-db", "-f", str(self.cfg)], stdout=log, stderr=subprocess.STDOUT
+            )
+
+        async def up() -> bool:
+            assert self.proc is not None and self.proc.poll() is None, self.log()
+            try:
+                await self.api.command("show info")
+            except HaproxyError:
+                return False
+            return True
+
+        await wait_for(up, timeout=30, what="HAProxy's runtime API")
+
+    def log(self) -> str:
+        return (self.tmp / "haproxy.log").read_text(errors="replace")[-3000:]
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.wait, 10)
+
+
+@pytest.fixture
+async def haproxy(tmp_path: Path) -> AsyncIterator[Haproxy]:
+    if not os.access(HAPROXY, os.X_OK):
+        pytest.fail(f"{HAPROXY} missing: run scripts/system-deps.sh (make test does)")
+    h = Haproxy(tmp_path)
+    h.map.write_text("")
+    await h.start()
+    try:
+        yield h
+    finally:
+        await h.stop()
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(120)
+async def test_the_runtime_api_holds_exactly_the_wanted_map(haproxy: Haproxy) -> None:
+    api, path = haproxy.api, str(haproxy.map)
+    assert await api.server_status("vllm") == {"gpu1": "no check", "gpu2": "no check"}
+    assert await api.apply(path, {"a": "gpu1", "b": "gpu2"}) == ["add a gpu1", "add b gpu2"]
+    assert await api.show_map(path) == {"a": ["gpu1"], "b": ["gpu2"]}
+    assert await api.apply(path, {"a": "gpu1", "b": "gpu2"}) == [], "nothing to change"
+    assert await api.apply(path, {"a": "gpu2", "c": "gpu1"}) == ["del b", "set a gpu2",
+                                                                 "add c gpu1"]  # fmt: skip
+    assert await api.show_map(path) == {"a": ["gpu2"], "c": ["gpu1"]}
+    # A duplicated key (someone's `add map`): one entry again.
+    assert (await api.command(f"add map {path} a gpu1")).strip() == ""
+    await api.apply(path, {"a": "gpu2", "c": "gpu1"})
+    assert await api.show_map(path) == {"a": ["gpu2"], "c": ["gpu1"]}
+    with pytest.raises(HaproxyError, match="refused"):
+        await api._change("set map /no/such.map a gpu1")
+
+    # Written to the file, the same map is HAProxy's after a restart.
+    write_map(haproxy.map, {"a": "gpu2", "c": "gpu1"})
+    await haproxy.stop()
+    await haproxy.start()
+    assert await api.show_map(path) == {"a": ["gpu2"], "c": ["gpu1"]}
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(60)
+def test_haproxy_refuses_to_start_without_the_map_file(tmp_path: Path) -> None:
+    """Why the recipe ships a tmpfiles.d entry that creates it empty (docs/cluster.md)."""
+    h = Haproxy(tmp_path)
+    done = subprocess.run([HAPROXY, "-c", "-f", str(h.cfg)], capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    assert done.returncode != 0 and "models.map" in done.stdout + done.stderr
+    h.map.write_text("")
+    done = subprocess.run([HAPROXY, "-c", "-f", str(h.cfg)], capture_output=True, text=True,
+                          timeout=30)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
