@@ -961,7 +961,7 @@ async def test_a_realtime_client_gone_while_its_engine_starts_or_mid_session_lea
     await wait_for(lambda: model.serving() is not None and model.serving().leases == 1)  # type: ignore[union-attr]
     ws._response.connection.transport.abort()  # type: ignore[union-attr]
     await left_nothing(proxy)
-    sessions = proxy.server.runtime.proxy.sessions
+    sessions = proxy.server.runtime.realtime.sessions
     await wait_for(lambda: not sessions._closing, what="the engine's socket closed")
 
 
@@ -1153,7 +1153,7 @@ async def test_an_api_key_may_have_at_most_its_max_realtime_sessions(
         assert refused.value.headers is not None and refused.value.headers["Retry-After"]
         async with proxy.http.ws_connect(url, headers=bearer("other")) as other:
             assert (await receive(other))["type"] == "session.created"
-    sessions = proxy.server.runtime.proxy.sessions
+    sessions = proxy.server.runtime.realtime.sessions
     await wait_for(lambda: not sessions.by_key, what="the key's session counted out")
     async with proxy.http.ws_connect(url, headers=bearer("kiosk")) as again:  # room again
         assert (await receive(again))["type"] == "session.created"

@@ -32,6 +32,7 @@ from .frontend.admin import Admin, add_admin_routes
 from .frontend.connection import Listener, Runner, Site, listen
 from .frontend.placement import Holdings, add_placement_routes
 from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
+from .frontend.realtime_route import RealtimeRoute, add_realtime_routes
 from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
 from .planning.memory import Memory, make_source
@@ -48,6 +49,7 @@ class Runtime:
     manager: Manager
     metrics: Metrics
     proxy: Proxy
+    realtime: RealtimeRoute
     gate: Gate
     admin: Admin
     config_path: str | None = None
@@ -76,6 +78,7 @@ class Runtime:
         self.manager.queue.rules = admission_rules(new.admission)
         report: dict[str, Any] = self.manager.reload(specs, new.server.drain_timeout_s)
         self.proxy.configure(new.server)
+        self.realtime.configure(new.server)
         self.gate.configure(new.server, hosts)
         self.admin.configure(new.server)
         self.proxy.upstream.set_shares(specs)
@@ -299,12 +302,15 @@ async def create_app(
         client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware, gate.middleware]
     )
     admin = Admin(manager, session, config.server)
+    realtime = RealtimeRoute(proxy, config.server)
     runtime = Runtime(
-        config, session, manager, metrics, proxy, gate, admin, config_path, overrides or {}
-    )
+        config, session, manager, metrics, proxy, realtime, gate, admin, config_path,
+        overrides or {},
+    )  # fmt: skip
     admin.reload_config = runtime.reload
     app[RUNTIME] = runtime
     add_routes(app, proxy)
+    add_realtime_routes(app, realtime)
     add_admin_routes(app, admin)
     add_placement_routes(app, Holdings(manager, admin))
     app.on_cleanup.append(_cleanup)
@@ -416,7 +422,7 @@ class Server:
             self._unclaim()
             return
         manager = self.runtime.manager
-        self.runtime.proxy.sessions.end_all()  # realtime sessions never end by themselves
+        self.runtime.realtime.sessions.end_all()  # realtime sessions never end by themselves
         drained = await manager.drain(self.config.server.drain_timeout_s)
         if not drained:
             log.warning("drain timeout: %d request(s) still in flight", manager.active_leases())

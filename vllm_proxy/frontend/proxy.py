@@ -16,7 +16,6 @@ import re
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any
 from urllib.parse import urlencode
 
 import aiohttp
@@ -32,7 +31,6 @@ from ..engines.model import Model
 from ..errors import (
     RETRY_AFTER_S,
     BadRequest,
-    EngineFailed,
     EngineTimeout,
     Forbidden,
     MethodNotAllowed,
@@ -49,9 +47,8 @@ from . import heap, realtime
 from .body import Body, bulk, model_of
 from .catalogue import Catalogue
 from .form import MISSING
-from .intake import MIB, Bodies, Hold, read_body, too_large
+from .intake import MIB, Bodies, read_body, too_large
 from .keys import KeyLimits, KeyRing, Scope, bearer
-from .realtime import ClientSocket
 from .upload import open_upload
 from .upstream import (
     BodySource,
@@ -243,7 +240,7 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 TAP = web.RequestKey("tap", Tap)
-#: The scope of the request's API key (`Proxy._key_use`; `_narrowed` for its models).
+#: The scope of the request's API key (`Proxy.key_use`; `_narrowed` for its models).
 SCOPE = web.RequestKey("key_scope", Scope)
 #: Why a model route refused a request's key.
 KEY_REFUSAL = "missing or invalid API key (expected 'Authorization: Bearer KEY')"
@@ -255,7 +252,7 @@ def _narrowed(request: web.Request) -> Scope | None:
     return None if scope is None or scope.everything else scope
 
 
-def _priority(request: web.Request) -> int:
+def key_priority(request: web.Request) -> int:
     """The ``priority`` of the request's API key (0 without one)."""
     scope = request.get(SCOPE)
     return 0 if scope is None else scope.priority
@@ -339,8 +336,6 @@ class Proxy:
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
         self._rid_seq = 0
-        #: The realtime WebSocket sessions (closed with 1001 when the proxy shuts down).
-        self.sessions = realtime.Sessions()
 
     def configure(self, server: ServerConfig) -> None:
         """Apply the keys of a (re)loaded config."""
@@ -353,8 +348,6 @@ class Proxy:
         self.access_log = server.access_log
         self.body_timeout_s = server.body_timeout_s
         self.send_timeout_s = server.send_timeout_s
-        self.max_realtime_sessions = server.max_realtime_sessions
-        self.realtime_idle_timeout_s = server.realtime_idle_timeout_s
         self.bodies.limit = int(server.max_bodies_mb * MIB)
         self.spools.limit = int(server.max_spool_mb * MIB)
 
@@ -432,7 +425,7 @@ class Proxy:
 
     def _check_api_key(self, request: web.Request) -> None:
         """401 unless the request carries a key of ``server.api_keys``; the key's scope is
-        left on the request, for `_resolve` and `_key_use`."""
+        left on the request, for `resolve` and `key_use`."""
         token = bearer(request.headers.get("Authorization", ""))
         scope = self.api_keys.find(token) if token is not None else None
         if scope is None:
@@ -440,7 +433,7 @@ class Proxy:
         request[SCOPE] = scope
 
     @contextlib.contextmanager
-    def _key_use(self, request: web.Request) -> Iterator[None]:
+    def key_use(self, request: web.Request) -> Iterator[None]:
         """The request counted for its API key while in the block: in the key's series, and
         against its ``max_concurrent_requests`` and ``max_requests_per_minute`` (past one,
         `TooManyRequests` and a count of the refusal). Held for the whole request: its
@@ -472,9 +465,9 @@ class Proxy:
         found = self.manager.find_adapter(requested, visible)
         if found is not None:
             return found
-        return self._resolve(request, requested, observe=True), None
+        return self.resolve(request, requested, observe=True), None
 
-    def _resolve(self, request: web.Request, requested: str, observe: bool = False) -> Model:
+    def resolve(self, request: web.Request, requested: str, observe: bool = False) -> Model:
         """The model `requested` names, if the request's key may use it. A model outside the
         key's scope is answered as one that does not exist, listing only the key's models, so
         a key learns nothing of the others; with `observe` that refusal is counted as a 404
@@ -494,7 +487,7 @@ class Proxy:
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         """Route a JSON POST to the engine of the model named in its body."""
-        with self._key_use(request):
+        with self.key_use(request):
             return await self._forward(request, request.raw_path, None)
 
     async def forward_prefixed(self, request: web.Request) -> web.StreamResponse:
@@ -509,7 +502,7 @@ class Proxy:
         path = "/v1/" + tail
         if request.query:
             path += "?" + urlencode(list(request.query.items()))  # re-encoded, not raw
-        with self._key_use(request):
+        with self.key_use(request):
             if tail in UPLOAD_TAILS:
                 return await self._forward_upload(request, path, request.match_info["model"])
             return await self._forward(request, path, request.match_info["model"])
@@ -554,11 +547,12 @@ class Proxy:
         if stream and (model.serving() is None or self.manager.queue.tickets):
             return await self._forward_loading(request, path, body, model, session, tap, adapter)
         if adapter is not None:
-            lease = self.manager.lease(model, session, adapter.name, _priority(request))
+            lease = self.manager.lease(model, session, adapter.name, key_priority(request))
             async with lease as (i, e):
                 tap.instance = i.id
                 return await self._relay_adapter(request, path, body, i, e, tap, adapter)
-        async with self.manager.lease(model, session, None, _priority(request)) as (inst, engine):
+        lease = self.manager.lease(model, session, None, key_priority(request))
+        async with lease as (inst, engine):
             tap.instance = inst.id
             return await self._relay(request, path, body, inst, engine, tap)
 
@@ -579,11 +573,11 @@ class Proxy:
             status = CLIENT_CLOSED
             raise
         finally:
-            self._observe(model, status, tap.started, tap)
+            self.observe(model, status, tap.started, tap)
 
     async def forward_upload(self, request: web.Request) -> web.StreamResponse:
         """Route a form upload (vLLM's speech-to-text routes) by its ``model`` field."""
-        with self._key_use(request):
+        with self.key_use(request):
             return await self._forward_upload(request, request.raw_path, None)
 
     async def _forward_upload(
@@ -596,7 +590,7 @@ class Proxy:
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
         # A model in the path is known before anything is read.
-        model = None if forced is None else self._resolve(request, forced, observe=True)
+        model = None if forced is None else self.resolve(request, forced, observe=True)
         hold = self.bodies.hold()  # what is kept in memory before the model is known
         spooled = self.spools.hold()  # ... and on disk
         upload = open_upload(request, self.max_body_bytes, self.body_timeout_s, hold, spooled)
@@ -605,7 +599,7 @@ class Proxy:
             if model is None:
                 if not named:
                     raise BadRequest(MISSING, param="model")
-                model = self._resolve(request, named, observe=True)
+                model = self.resolve(request, named, observe=True)
             upload.rename_to(model.name, forced is not None)
             tap.model = model.name
             affinity = model.spec.affinity_header
@@ -616,163 +610,6 @@ class Proxy:
             upload.close()
             spooled.release()
             hold.release()
-
-    async def realtime(self, request: web.Request) -> web.StreamResponse:
-        """vLLM's realtime WebSocket (``GET /v1/realtime``, ``/serve/{model}/v1/realtime``),
-        relayed both ways under a lease held for the connection's lifetime; see `realtime`."""
-        tap = request[TAP]
-        if self.manager.closing:
-            raise Unavailable("the proxy is shutting down", code="shutting_down")
-        hold = self.bodies.hold()  # what the client sends, until it has gone on
-        try:
-            with self._key_use(request):  # before the upgrade: past a limit, an HTTP 429
-                return await self._realtime(request, tap, hold)
-        finally:
-            hold.release()
-
-    async def _realtime(self, request: web.Request, tap: Tap, hold: Hold) -> web.StreamResponse:
-        # Pinged after send_timeout_s of silence and dropped without a pong: a client whose
-        # host vanished would otherwise hold its lease (and the engine) for good. What it
-        # sends is counted in the bodies' budget as it arrives (`realtime.Meter`).
-        client = realtime.ClientSocket(
-            realtime.Meter(hold),
-            max_msg_size=self.max_body_bytes,
-            compress=False,
-            heartbeat=self.send_timeout_s,
-            timeout=CLOSE_TIMEOUT_S,
-        )
-        if not client.can_prepare(request).ok:
-            raise BadRequest(
-                f"GET {request.path} takes a WebSocket (Upgrade: websocket)",
-                code="websocket_required",
-            )
-        named = request.match_info.get("model") or request.query.get("model")
-        first: dict[str, Any] | None = None
-        if named:
-            model = self._resolve(request, named, observe=True)
-        else:  # the model comes in the client's first event
-            await client.prepare(request)
-            await client.send_str(realtime.session_created())
-            try:
-                first = await realtime.first_update(
-                    client, self.body_timeout_s, self.sessions.going_away
-                )
-                client.meter.passed(client.meter.fed)
-                model = self._resolve(request, first["model"], observe=True)
-            except ProxyError as err:
-                await realtime.refuse(client, err)
-                return client
-        tap.model = model.name
-        status = "error"
-        affinity = model.spec.affinity_header
-        session = request.headers.get(affinity) if affinity else None
-        try:
-            # Counted before the lease: a session refused starts no engine.
-            scope = request.get(SCOPE)
-            key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
-            with self.sessions.open(model.name, self.max_realtime_sessions, key):
-                lease = self.manager.lease(model, session, None, _priority(request))
-                async with lease as (inst, engine):
-                    tap.instance = inst.id
-                    slot = await self._realtime_slot(inst)
-                    try:
-                        await self._realtime_relay(request, client, model, first, inst, engine, tap)
-                    finally:
-                        slot.release()
-            status = str(client.status)
-        except ProxyError as err:
-            status = str(err.status)
-            if isinstance(err, TooManyRequests) and tap.key is not None:
-                tap.key[1].reject(err.reason)  # the key's max_realtime_sessions
-            if not client.prepared:
-                raise
-            await realtime.refuse(client, err)
-        except asyncio.CancelledError:
-            status = str(tap.ended) if tap.ended else CLIENT_CLOSED
-            raise
-        finally:
-            self._observe(model.name, status, tap.started, tap)
-        return client
-
-    async def _realtime_slot(self, inst: Instance) -> asyncio.Semaphore:
-        """A connection of the model's share (``max_upstream_connections``), held for the
-        session's lifetime: a session holds an engine connection as a request does."""
-        try:
-            return await self.upstream.take_slot(inst.name)
-        except NoSlot as err:
-            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
-
-    async def _realtime_relay(
-        self,
-        request: web.Request,
-        client: ClientSocket,
-        model: Model,
-        first: dict[str, Any] | None,
-        inst: Instance,
-        engine: EngineProcess,
-        tap: Tap,
-    ) -> None:
-        """Connect to the engine's realtime socket, accept the client's, and relay."""
-        headers = {"X-Request-ID": request[ENGINE_ID]}
-        if inst.spec.api_key:
-            headers["Authorization"] = f"Bearer {inst.spec.api_key}"
-        url = engine.base_url + realtime.PATH
-        wait = self.upstream.connect_timeout_s
-        try:
-            session, up = await realtime.connect(
-                engine.socket_path, url, headers, self.max_body_bytes, wait
-            )
-        except TimeoutError:
-            raise self._read_timeout(inst) from None
-        except aiohttp.WSServerHandshakeError as err:
-            if err.status == 404:
-                raise NotFound(
-                    f"model '{inst.name}' does not serve {realtime.PATH} (vLLM serves it for "
-                    "realtime models only)",
-                    code="unknown_endpoint",
-                ) from None
-            raise EngineFailed(
-                f"model '{inst.name}': the engine refused the WebSocket ({err.status})"
-            ) from None
-        except (aiohttp.ClientError, OSError) as err:
-            raise await inst.upstream_failure_after_exit(engine, UpstreamError(str(err))) from None
-
-        async def inbound(text: str) -> str | None:
-            """A ``session.update`` for an alias gets the canonical name; one for another
-            model is refused."""
-            event = realtime.update_of(text)
-            wanted = event.get("model") if event is not None else None
-            if event is None or not isinstance(wanted, str) or wanted == model.name:
-                return text
-            try:
-                target = self._resolve(request, wanted)
-            except NotFound as err:
-                await client.send_str(realtime.error_event(err.message, "model_not_found"))
-                return None
-            if target is not model:
-                message = f"this session is bound to model '{model.name}'; open another one"
-                await client.send_str(realtime.error_event(message, "model_mismatch"))
-                return None
-            event["model"] = model.name
-            return json.dumps(event)
-
-        counts = realtime.Counts()
-        try:
-            if not client.prepared:
-                await client.prepare(request)
-            if first is not None:
-                first["model"] = model.name
-                await up.send_str(json.dumps(first))
-            going_away = self.sessions.going_away
-            await realtime.relay(
-                client, up, inbound, first is not None, counts, going_away,
-                self.body_timeout_s, self.realtime_idle_timeout_s,
-            )  # fmt: skip
-        finally:
-            self.sessions.close_later(up, session, client)
-            tap.bytes, tap.first_byte = counts.bytes, counts.first_at
-            if client.closed:  # the close handshake is done: the session ended as it should
-                tap.ended = client.status
 
     async def _forward_loading(
         self,
@@ -793,7 +630,7 @@ class Proxy:
         follows byte for byte; a failure after the 200 is an SSE error event and
         ``data: [DONE]``."""
         lease = self.manager.lease(
-            model, session, adapter.name if adapter else None, _priority(request)
+            model, session, adapter.name if adapter else None, key_priority(request)
         )
         acquiring = asyncio.ensure_future(lease.__aenter__())
         spec = model.spec
@@ -862,7 +699,7 @@ class Proxy:
         finally:
             inst.adapters.done(slot)
 
-    def _observe(self, model: str, status: str, started: float, tap: Tap) -> None:
+    def observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self.metrics.series(model)
         series.count(status)
         series.duration.observe(time.monotonic() - started)
@@ -901,7 +738,7 @@ class Proxy:
                 inst.name,
             )
         except TimeoutError:
-            raise self._read_timeout(inst) from None
+            raise self.read_timeout(inst) from None
         except NoSlot as err:
             raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
         except UpstreamError as err:
@@ -923,7 +760,7 @@ class Proxy:
                     tap.bytes = len(payload)
                     return web.Response(status=up.status, body=payload, headers=headers)
             except TimeoutError:
-                raise self._read_timeout(inst) from None
+                raise self.read_timeout(inst) from None
             except UpstreamError as err:
                 raise await inst.upstream_failure_after_exit(engine, err) from None
             return await self._body(request, up, headers, first, inst, tap)
@@ -1002,7 +839,7 @@ class Proxy:
             raise ClientTooSlow from None
 
     @staticmethod
-    def _read_timeout(inst: Instance) -> EngineTimeout:
+    def read_timeout(inst: Instance) -> EngineTimeout:
         return EngineTimeout(
             f"model '{inst.name}': no data from the engine for {inst.spec.read_timeout_s:g}s",
             code="engine_read_timeout",
@@ -1083,11 +920,11 @@ class Proxy:
         card = await self.catalogue.card(_narrowed(request), wanted)
         if card is not None:
             return web.json_response(card)
-        self._resolve(request, wanted)  # raises NotFound with the list of valid names
+        self.resolve(request, wanted)  # raises NotFound with the list of valid names
         raise NotFound(f"The model '{wanted}' does not exist.")  # pragma: no cover
 
     async def prefixed_models(self, request: web.Request) -> web.Response:
-        name = self._resolve(request, request.match_info["model"]).name
+        name = self.resolve(request, request.match_info["model"]).name
         card = await self.catalogue.card(_narrowed(request), name)
         return web.json_response({"object": "list", "data": [] if card is None else [card]})
 
@@ -1211,8 +1048,6 @@ def add_routes(app: web.Application, proxy: Proxy) -> None:
         app.router.add_post(path, proxy.forward)
     for path in UPLOAD_ROUTES:
         app.router.add_post(path, proxy.forward_upload)
-    app.router.add_get(realtime.PATH, proxy.realtime)
-    app.router.add_get("/serve/{model}" + realtime.PATH, proxy.realtime)
     app.router.add_post("/serve/{model}/v1/{tail:.+}", proxy.forward_prefixed)
     app.router.add_get("/serve/{model}/v1/models", proxy.prefixed_models)
     app.router.add_get("/v1/models", proxy.models)
