@@ -116,13 +116,16 @@ class Owner:
         self.waiting = waiting
         self.closed = self.removed = self.draining = False
         self.grown: list[int] = []
+        #: Whether each growth may wake asleep replicas.
+        self.waking: list[bool] = []
 
     def serving(self) -> Any:
         running = [i for i in self.instances if i.routable]
         return running[0] if running else None
 
-    def grow(self, count: int) -> None:
+    def grow(self, count: int, wake: bool = True) -> None:
         self.grown.append(count)
+        self.waking.append(wake)
 
 
 def scaler(owner: Owner) -> Autoscaler:
@@ -152,6 +155,33 @@ def test_missing_replicas_are_added_at_once_without_an_upscale_delay() -> None:
     owner.instances += [Replica(state=State.STARTING), Replica(state=State.WAKING)]
     a.check_load()
     assert owner.grown == [2], "starting and waking replicas count"
+
+
+def test_idle_fixed_replicas_asleep_are_not_woken_by_a_replica_coming_up() -> None:
+    """Fixed replicas, no request anywhere: a replica that comes up (a wake just done) finds
+    the other asleep and leaves it so; woken, it would fall asleep again and wake this one in
+    turn, for ever."""
+    owner = Owner(FIXED, Replica(), Replica(state=State.SLEEPING), Replica(state=State.SLEEPING))
+    scaler(owner).check_load()
+    assert owner.grown == []
+
+
+def test_fixed_replicas_asleep_are_woken_while_requests_wait_or_run() -> None:
+    waiting = Owner(FIXED, Replica(), Replica(state=State.SLEEPING), Replica(state=State.SLEEPING),
+                    waiting=1)  # fmt: skip
+    scaler(waiting).check_load()
+    assert (waiting.grown, waiting.waking) == ([2], [True])
+    busy = Owner(FIXED, Replica(leases=1), Replica(state=State.SLEEPING))
+    scaler(busy).check_load()
+    assert (busy.grown, busy.waking) == ([2], [True])
+
+
+def test_a_missing_replica_of_an_idle_model_is_started_not_woken() -> None:
+    """The count of fixed replicas (or the floor) still holds when idle: a replica that is gone
+    is started again; the asleep ones stay asleep."""
+    owner = Owner(FIXED, Replica(), Replica(state=State.SLEEPING))
+    scaler(owner).check_load()
+    assert (owner.grown, owner.waking) == ([1], [False])
 
 
 @pytest.mark.parametrize("why", ["closed", "removed", "draining"])

@@ -11,7 +11,8 @@ too. The one thing it does itself is ask an idle replica to leave (`downscale`):
   target_ongoing_requests)`` within ``[max(min_replicas, 1), max_replicas]``.
 * **Up** (`check_load`, on every lease and every replica that comes up): the replicas missing
   (starting, running and waking ones count) are added at once, or after ``upscale_delay_s`` if
-  the load still asks for them then.
+  the load still asks for them then. With no request in flight or waiting, an asleep replica
+  counts too: only a missing one is started, none is woken.
 * **Down** (`downscale`): an autoscaled replica idle for ``downscale_delay_s`` leaves while more
   replicas are awake than ``min_replicas`` and than desired, one at a time. ``idle_timeout_s``
   stops idle instances down to ``min_replicas`` (`may_idle_stop`); fixed replicas stop together.
@@ -83,8 +84,8 @@ class Replicas(Protocol):
 
     def serving(self) -> Instance | None: ...
 
-    def grow(self, count: int) -> None:
-        """Add `count` replicas in the background."""
+    def grow(self, count: int, wake: bool = True) -> None:
+        """Add `count` replicas in the background (waking asleep ones first, with `wake`)."""
         ...
 
 
@@ -116,6 +117,15 @@ class Autoscaler:
         running = [i for i in m.instances if i.routable]
         return desired(m.spec, sum(i.leases for i in running) + m.waiting)
 
+    def kept(self) -> list[Instance]:
+        """Live replicas the model keeps, asleep ones included."""
+        return [i for i in self._model.instances if i.state in KEPT and not i.retired]
+
+    def _idle(self) -> bool:
+        """No request in flight on a replica and none waiting for one."""
+        m = self._model
+        return m.waiting == 0 and all(i.leases == 0 for i in m.instances if i.routable)
+
     def _may_grow(self) -> bool:
         m = self._model
         return not (m.closed or m.removed or m.draining)
@@ -127,6 +137,14 @@ class Autoscaler:
             return
         missing = self.desired() - len(self.replicas())
         if missing <= 0 or not self._may_grow():
+            return
+        if self._idle():
+            # No request in flight or waiting: a replica asleep keeps its place in the count
+            # (woken, it would only fall asleep again, and wake the other as it does: replicas
+            # that wake each other in turn for ever). Only a replica that is missing starts.
+            missing = self.desired() - len(self.kept())
+            if missing > 0:
+                self._model.grow(missing, wake=False)
             return
         scale = self._model.spec.autoscale
         delay = scale.upscale_delay_s if scale else 0.0

@@ -287,13 +287,14 @@ class Model:
 
     # -- replicas ------------------------------------------------------------------------
 
-    def grow(self, count: int) -> None:
+    def grow(self, count: int, wake: bool = True) -> None:
         """Add `count` replicas in the background (the autoscaler asks): wake sleeping ones
-        first, then start new ones (each placed by the memory rules, on devices of its own
-        where it can). Not while a crash loop backs off."""
+        first (with `wake`), then start new ones (each placed by the memory rules, on devices
+        of its own where it can). Not while a crash loop backs off."""
         if self.backoff_s() > 0:
             return
         sleepers = [i for i in self.instances if i.state in ASLEEP_OR_FALLING and not i.retired]
+        sleepers = sleepers if wake else []
         for _ in range(count):
             if sleepers:
                 inst = sleepers.pop()
