@@ -163,10 +163,11 @@ async def test_the_instances_gauge_stays_true_across_remove_add_remove(
     """m is removed while a stream drains on m#1, added back (m#2 serves) and removed again.
     While m#1 still streams it is a live RUNNING instance of m and must be counted, and no
     state's count may go below zero while it stops."""
-    proxy = await start_proxy(config(tmp_path, {"env": LONG}))
+    endless = FakeEngine(tokens=2000, token_delay=0.05).env()  # outlasts the steps; closed below
+    proxy = await start_proxy(config(tmp_path, {"env": endless}))
     memory = proxy.manager.memory
     assert memory is not None
-    with_m = config(tmp_path, {"env": LONG}).specs()
+    with_m = config(tmp_path, {"env": endless}).specs()
     without_m = make_config(tmp_path, {"other": {"model": "x", "memory_mb": 600}}).specs()
 
     def reload(specs: dict[str, Any]) -> None:
@@ -198,7 +199,7 @@ async def test_the_instances_gauge_stays_true_across_remove_add_remove(
         await wait_for(lambda: new.state is State.STOPPED, what="the idle m#2 stopped")
         await wait_for(lambda: len(proxy.manager.removed) == 1, what="m#2's removal over")
         assert old.state is State.DRAINING and counts().get("running") == 1, counts()
-        await stream.read()
+        stream.close()  # the client goes: m#1's lease ends, and m#1 with it
         await wait_for(lambda: not proxy.manager.removed, what="both removals over")
     assert problems == []
 
