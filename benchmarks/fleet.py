@@ -160,9 +160,10 @@ empty); with it, by the map the loop keeps (docs/cluster.md).
 
 {text}
 
-The hash knows nothing of memory: it gives some servers four or five models, which evict each
-other on every switch (and the requests that wait for those starts are fewer and slower). The
-map puts three on each server, each started once.
+The hash knows nothing of memory: it gives some servers more models than fit (the starts per
+server above), which evict each other on every switch while another server may sit with room
+to spare (and the requests that wait for those starts are fewer and slower). The map puts three
+on each server, each started once.
 
 The requests not answered on the hash are the proxies' own answer to that thrash, not lost
 ones: the recipe's proxies run with `admission.queue_timeout_s: 0` (docs/cluster.md), so a proxy
