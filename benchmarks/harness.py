@@ -1,5 +1,6 @@
 """The plumbing every benchmark script runs on: a run's temp dir and process groups, free
-ports, waits for a port or a health check, vllm-proxy from a config, and a revision's tree.
+ports, waits for a port, a health check or any condition, vllm-proxy from a config, and a
+revision's tree.
 
 Everything started here goes through `Procs`, which starts each program in a new session (its
 own process group) and, on `stop_all()`, SIGTERMs every group, waits a bounded time, SIGKILLs
@@ -11,7 +12,9 @@ the temp dir removed (or kept, to read its configs and logs).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import inspect
 import json
 import os
 import platform
@@ -27,7 +30,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -101,6 +104,23 @@ def wait_port(port: int, timeout: float, proc: subprocess.Popen[bytes] | None = 
                 return
         time.sleep(0.05)
     raise RuntimeError(f"nothing listening on 127.0.0.1:{port} after {timeout:g}s")
+
+
+async def until(
+    predicate: Callable[[], bool | Awaitable[bool]], timeout: float = 15.0, what: str = ""
+) -> None:
+    """Poll `predicate` (plain or async) every 20 ms until true; AssertionError after
+    `timeout` seconds (the test tier's `wait_for`, for code that both share)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        await asyncio.sleep(0.02)
 
 
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
