@@ -400,6 +400,10 @@ class EngineKeys(_Strict):
     #: After a start or a wake the engine is not put to sleep or stopped for another model for
     #: this long while it is in use (see `admission`), unless a waiter's reorder window ends.
     min_resident_s: float = Field(30, ge=0)
+    #: How long a start or wake of this model waits for GPU memory before 503 (None:
+    #: ``admission.queue_timeout_s``): a large model whose cold start misses every latency
+    #: target anyway gives up sooner instead of holding engines that serve.
+    queue_timeout_s: float | None = Field(None, ge=0)
     #: uds: the engine serves on ``<state_dir>/sockets/<model>.<n>.sock`` (``--uds``) in a
     #: directory of mode 0700, so no other user of the host can reach it; tcp: on a loopback
     #: port from `port_range` (``--host 127.0.0.1 --port N``), for engines without ``--uds``.
@@ -713,6 +717,7 @@ class ModelSpec:
     stop_timeout_s: float
     idle_timeout_s: float
     min_resident_s: float
+    queue_timeout_s: float | None
     #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
     transport: Transport
     port_range: tuple[int, int]
