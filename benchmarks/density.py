@@ -89,29 +89,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import docs_writer  # noqa: E402
+import vproxy  # noqa: E402
 
-from vllm_proxy.planning.queueing import (  # noqa: E402
-    GO,
-    IF_FIRST_STILL_FITS,
-    Rules,
-    Waiter,
-    holds,
-    in_use,
-    may_hold,
-    next_deadline,
-    order,
-    overdue,
-    protected,
-    turn,
-)
 from vllm_proxy.planning.scheduler import (  # noqa: E402
-    Demand,
-    DeviceView,
-    InstanceView,
-    NoFit,
     Phase,
-    Plan,
-    plan,
 )
 
 PROFILE = Path(__file__).resolve().parent / "density_profile.yaml"
@@ -503,6 +484,12 @@ class Settings:
     #: Caps the reorder window at half of it, and a hold at all of it (the sim has no other
     #: time-outs: a request waits until served).
     queue_timeout_s: float = 30.0
+    #: A client hangs up after waiting this long for its first token (None: never).
+    give_up_s: float | None = None
+    #: Host RAM for level-1 sleeps (the proxy falls back to level 2 where it is short).
+    host_ram_gib: float = 1024.0
+    #: The shipped idle timers (engine.idle_timeout_s, sleep.after_idle_s) run.
+    idle_timers: bool = True
 
 
 @dataclass
@@ -883,299 +870,6 @@ class SwapSim(Sim):
             self.start(t)
 
 
-class PlanSim(Sim):
-    """Models share the GPU by memory through `plan()`: the ``planner`` as the proxy was, or
-    the ``scheduler`` with the admission rules as `vllm_proxy.pool.admission` applies them."""
-
-    def __init__(self, scheduler: bool, *args: Any) -> None:
-        self.policy = "scheduler" if scheduler else "planner"
-        super().__init__(*args)
-        self.sched = scheduler
-        self.rules = Rules(max_reorder_s=self.st.max_reorder_s, idle_grace_s=self.st.idle_grace_s,
-                           queue_timeout_s=self.st.queue_timeout_s)  # fmt: skip
-        self.pending: list[Engine] = []  # committed bring-ups, in the order they were planned
-        self.ticks: set[float] = set()
-        self._drain: dict[str, tuple[str, ...] | None] = {}
-        self.device = DeviceView(0, self.prof.total_mib, 0)
-
-    # -- snapshots for plan()
-
-    def views(
-        self, protect_for: Waiter | None = None, drained: bool = False, extra: Engine | None = None
-    ) -> tuple[list[DeviceView], list[InstanceView]]:
-        """The device and the models as plan() sees them now. `drained`: as if every request
-        in flight had ended; `extra`: a cold or asleep engine as if its bring-up had claimed
-        its memory."""
-        now, st = self.now, self.st
-        used = pending = 0
-        views = []
-        for e in self.engines:
-            state, held = e.state, e.held
-            committed = e.committed or e is extra
-            used += held
-            if committed:
-                pending += e.size.footprint_mib - held
-            if state == COLD and not committed:
-                continue
-            leases = 0 if drained else e.leases
-            prot = False
-            if protect_for is not None and not drained and state == AWAKE and st.min_resident_s:
-                busy = in_use(e.leases, 0, e.last_used, now, self.rules)
-                prot = protected(e.resident_since, st.min_resident_s, busy, now, protect_for,
-                                 self.rules)  # fmt: skip
-            phase = PHASES[state]
-            if state == ASLEEP and committed:  # its wake has claimed its memory
-                phase = Phase.WAKING
-            views.append(
-                InstanceView(e.name, held or e.size.footprint_mib, (0,), phase, leases,
-                             now if e.leases else e.last_used, False,
-                             sleep_mb=e.size.residue_mib if state == AWAKE else None,
-                             protected=prot, start_s=e.start_s, wake_s=e.wake_s)
-            )  # fmt: skip
-        return [replace(self.device, used_mb=used, pending_mb=pending)], views
-
-    def demand(self, e: Engine) -> Demand:
-        if e.state == ASLEEP:  # what a wake adds, on its own device
-            need = e.size.footprint_mib - e.size.residue_mib
-            return Demand(e.name, need, 1, (0,), self.prof.reserve_mib)
-        return Demand(e.name, e.size.footprint_mib, 1, None, self.prof.reserve_mib)
-
-    def plan_for(self, e: Engine, w: Waiter | None) -> Any:
-        """`Admission.plan_for`: with minimum residencies weighed against `w`; a plan that
-        went around protected engines waits for them when the plan without the protection
-        would be another one."""
-        devices, views = self.views(protect_for=w)
-        now = self.now if self.sched else None
-        decision = plan(self.demand(e), devices, views, now=now)
-        kept = tuple(v.name for v in views if v.protected)
-        if kept and isinstance(decision, Plan):
-            bare = plan(self.demand(e), devices, self.views()[1], now=now)
-            if bare != decision:
-                return NoFit(f"waits for {', '.join(kept)}", kept)
-        return decision
-
-    def drained(self, e: Engine, extra: Engine | None = None) -> Plan | None:
-        """`e`'s plan once every request in flight has ended (None: it does not fit even
-        then); `extra`: with that bring-up's memory claimed first."""
-        devices, views = self.views(drained=True, extra=extra)
-        p = plan(self.demand(e), devices, views, now=self.now)
-        return p if isinstance(p, Plan) else None
-
-    def drained_victims(self, e: Engine) -> tuple[str, ...] | None:
-        if e.name not in self._drain:
-            p = self.drained(e)
-            self._drain[e.name] = None if p is None else (*p.evict, *p.sleep)
-        return self._drain[e.name]
-
-    # -- the queue
-
-    def waiting_for_memory(self, e: Engine) -> bool:
-        """Requests of `e` wait for a bring-up that has not claimed memory yet."""
-        return bool(e.waiting) and not e.committed and e.state in (COLD, ASLEEP, FALLING, STOPPING)
-
-    def turns(self) -> list[tuple[Waiter, Engine]]:
-        """Starts and wakes waiting for memory, in the queue's order (`admission._turns`): a
-        model whose engine is still falling asleep joins once its sleep has ended (its wake
-        waits for it); one whose engine is stopping joins at once (a new start)."""
-        ws = {}
-        for e in self.engines:
-            if self.waiting_for_memory(e) and e.state != FALLING:
-                first = e.waiting[0]
-                ws[e.name] = (Waiter(e.name, (0, 0), first.time, first.id), e)
-        return [ws[w.model] for w in order(w for w, _ in ws.values())]
-
-    def holding(self, e: Engine, arrived: float, turns: list[tuple[Waiter, Engine]]) -> bool:
-        """`Admission.holds`: whether a request for the awake `e` that arrived at `arrived`
-        queues behind a waiter that may hold (`may_hold`), ahead of it, whose window has run
-        out and whose drained plan takes `e`. A hold runs out after the queue timeout."""
-        if not turns or self.now - arrived >= self.rules.queue_timeout_s:
-            return False
-        first, head = turns[0]
-        placeable = self.drained_victims(head) is not None
-        for w, we in turns:
-            if we is e or not overdue(w, self.now, self.rules):
-                continue
-            if not may_hold(w, first, self.rules, first_placeable=placeable):
-                continue
-            if (w.rank, w.since) > ((0, 0), arrived):
-                continue
-            victims = self.drained_victims(we)
-            if victims is not None and holds(w, (0, 0), arrived, victims, e.name, self.now,
-                                             self.rules):  # fmt: skip
-                return True
-        return False
-
-    def arrive(self, r: Req, e: Engine) -> None:
-        self._drain.clear()
-        if e.state != AWAKE:
-            if not e.waiting and not e.committed:
-                e.attempt = self.now  # a new bring-up: its queue time-out runs from now
-            e.waiting.append(r)
-        elif self.sched and self.holding(e, r.time, self.turns()):
-            e.held_reqs.append(r)
-            self.tick(r.time + self.rules.queue_timeout_s)
-        else:
-            self.admit(r, e)
-
-    def decide(self) -> None:
-        self._drain.clear()
-        self.begin_pending()
-        self.time_out()
-        while True:
-            turns = self.turns()
-            if self.sched and self.release(turns):
-                continue
-            if not turns or not self.step(turns):
-                break
-            self._drain.clear()
-        self.begin_pending()
-        self.schedule_deadline()
-
-    def step(self, turns: list[tuple[Waiter, Engine]]) -> bool:
-        """Commit one bring-up if the policy lets one go now."""
-        if not self.sched:
-            for _, e in turns:  # first come first served, any of them may evict
-                if e.state == STOPPING:
-                    continue
-                p = self.plan_for(e, None)
-                if isinstance(p, Plan):
-                    self.commit(e, p)
-                    return True
-            return False
-        # `Admission._take`: `queueing.turn` decides for each waiter behind the first.
-        first, head = turns[0]
-        placeable = self.drained_victims(head) is not None
-        for w, e in turns:
-            if e.state == STOPPING:
-                continue  # its new start waits for the old engine's memory
-            p = self.plan_for(e, w)
-            if not isinstance(p, Plan):
-                continue
-            answer = turn(w, first, self.rules, first_placeable=placeable,
-                          reclaims=bool(p.sleep or p.evict))  # fmt: skip
-            if answer == GO or (answer == IF_FIRST_STILL_FITS
-                                and self.drained(head, extra=e) is not None):  # fmt: skip
-                self.commit(e, p)
-                return True
-        return False
-
-    def release(self, turns: list[tuple[Waiter, Engine]]) -> bool:
-        """Serve held requests that no waiter holds any more (each by its own arrival)."""
-        released = False
-        for e in self.engines:
-            if not e.held_reqs or e.state != AWAKE:
-                continue
-            keep: deque[Req] = deque()
-            for r in e.held_reqs:
-                if self.holding(e, r.time, turns):
-                    keep.append(r)
-                else:
-                    self.overtakes(r.time, e, turns)
-                    self.admit(r, e)
-                    released = True
-            e.held_reqs = keep
-        if released:
-            self._drain.clear()
-        return released
-
-    def commit(self, e: Engine, p: Plan) -> None:
-        self.overtakes(e.waiting[0].time, e)
-        for name in p.sleep:
-            self.sleep(self.by_name[name])
-        for name in p.evict:
-            self.stop(self.by_name[name])
-        if (p.sleep or p.evict) and self._counted():
-            self.res.swaps += 1
-        e.committed = True
-        e.need = e.size.footprint_mib - e.held
-        self.pending.append(e)
-        self.begin_pending()
-
-    def begin_pending(self) -> None:
-        for e in list(self.pending):
-            if self.free() >= e.need:
-                self.pending.remove(e)
-                if e.state == ASLEEP:
-                    self.wake(e)
-                else:
-                    self.start(e)
-
-    def done(self, e: Engine) -> None:
-        kind = e.state
-        super().done(e)
-        if kind == FALLING and e.waiting and not e.committed:
-            e.attempt = self.now  # its wake begins to wait for memory now
-        # `admission.timed`: the planner's price is the mean of the last and the one before.
-        if kind == STARTING and e.start_s is not None:
-            e.start_s = e.start_s if e.start_mean is None else (e.start_mean + e.start_s) / 2
-            e.start_mean = e.start_s
-        elif kind == WAKING and e.wake_s is not None:
-            e.wake_s = e.wake_s if e.wake_mean is None else (e.wake_mean + e.wake_s) / 2
-            e.wake_mean = e.wake_s
-
-    def overtakes(
-        self, arrived: float, e: Engine, released: list[tuple[Waiter, Engine]] | None = None
-    ) -> None:
-        """Note, for every request still waiting for a bring-up that has not claimed memory
-        (or held) and that arrived more than max_reorder_s before `arrived`, that something
-        went ahead of it now: a bring-up of `e` (its group counts by its oldest request), or,
-        with `released` (the turns), a held request sent to `e`, which counts against the
-        waiters whose drained plan takes `e`'s memory (a request sent at once to an engine
-        that no waiter needs goes ahead of no one)."""
-        limit = arrived - self.rules.window_s
-        needs_e: set[str] | None = None
-        if released is not None:
-            needs_e = set()
-            for w, we in released:
-                victims = self.drained_victims(we) if w.since < limit else None
-                if victims is not None and e.name in victims:
-                    needs_e.add(we.name)
-        for o in self.engines:
-            if o is e or (needs_e is not None and o.name not in needs_e):
-                continue
-            lines: list[deque[Req]] = [] if needs_e is not None else [o.held_reqs]
-            if self.waiting_for_memory(o):
-                lines.append(o.waiting)
-            for line in lines:
-                for r in line:
-                    if r.time >= limit:
-                        break
-                    if r.overtaken is None:
-                        r.overtaken = self.now
-
-    def time_out(self) -> None:
-        """A bring-up that has not claimed memory within the queue timeout fails: every
-        request waiting on it is answered 503 (`Admission._take_turn`)."""
-        limit = self.st.queue_timeout_s
-        if limit <= 0:
-            return
-        for e in self.engines:
-            if self.waiting_for_memory(e) and e.state != FALLING:
-                if self.now >= e.attempt + limit:
-                    for r in e.waiting:
-                        r.failed = self.now
-                        self.answered(r)
-                    e.waiting.clear()
-                else:
-                    self.tick(e.attempt + limit)
-
-    def tick(self, t: float) -> None:
-        if t > self.now and t not in self.ticks:
-            self.ticks.add(t)
-            self.push(t, TICK, None)
-
-    def schedule_deadline(self) -> None:
-        if not self.sched:
-            return
-        waiters = [Waiter(e.name, (0, 0), e.waiting[0].time, e.waiting[0].id)
-                   for e in self.engines if self.waiting_for_memory(e)]  # fmt: skip
-        residents = [(e.resident_since, self.st.min_resident_s, e.last_used)
-                     for e in self.engines if e.state == AWAKE]  # fmt: skip
-        t = next_deadline(waiters, residents, self.now, self.rules)
-        if t is not None:
-            self.tick(t)
-
-
 def simulate(
     policy: str,
     arrivals: Sequence[Arrival],
@@ -1191,8 +885,95 @@ def simulate(
     if policy in ("stop-on-swap", "sleep-on-swap"):
         return SwapSim(policy.split("-")[0], *args).run()
     if policy in ("planner", "scheduler"):
-        return PlanSim(policy == "scheduler", *args).run()
+        return proxy_run(policy == "scheduler", *args)
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def proxy_run(
+    scheduler: bool,
+    arrivals: Sequence[Arrival],
+    names: Sequence[str],
+    sizes: Sequence[Size],
+    prof: Profile,
+    st: Settings,
+    warmup_s: float,
+    measured_s: float,
+    clients: Sequence[Client] = (),
+) -> Result:
+    """The planner or the scheduler: the proxy's own `Manager` and `Admission` in virtual
+    time (`vproxy`), with the engines' times from the profile."""
+    end = warmup_s + measured_s
+    timing = {}
+    models: dict[str, dict[str, Any]] = {}
+    for n, s in zip(names, sizes, strict=True):
+        timing[n] = vproxy.Timing(
+            start_s=prof.start_s(s), stop_s=prof.stop_s,
+            wake_s=lambda level, s=s: prof.wake_s(s, level),  # type: ignore[misc]
+            sleep_s=lambda level, first, s=s: prof.sleep_s(s, level, first),  # type: ignore[misc]
+            weights_mib=round(s.weights_gib * MIB_PER_GIB),
+            footprint_mib=s.footprint_mib, residue_mib=s.residue_mib,
+        )  # fmt: skip
+        models[n] = {"model": "x", "memory_mb": s.footprint_mib, "params_b": s.params_b,
+                     "sleep": {"level": st.sleep_level, "memory_mb": s.residue_mib,
+                               "verify_wake": False}}  # fmt: skip
+        if not st.idle_timers:
+            models[n]["idle_timeout_s"] = 0
+            models[n]["sleep"]["after_idle_s"] = 0
+    world = vproxy.World(timing, round(st.host_ram_gib * MIB_PER_GIB),
+                         capacity_mib=prof.total_mib - prof.reserve_mib)  # fmt: skip
+    engine = {"min_resident_s": st.min_resident_s if scheduler else 0.0}
+    admission = {"queue_timeout_s": st.queue_timeout_s, "max_reorder_s": st.max_reorder_s,
+                 "idle_grace_s": st.idle_grace_s}  # fmt: skip
+    cfg = vproxy.config(models, prof.total_mib, prof.reserve_mib, vproxy.state_dir(),
+                        admission, engine)  # fmt: skip
+    cfg = cfg.model_copy(update={"gpu": cfg.gpu.model_copy(update={"context_mb": 0})})
+
+    def request(a: Arrival, client: int | None = None) -> vproxy.Request:
+        s = sizes[a.model]
+        return vproxy.Request(a.time, names[a.model], a.prompt / s.prefill_tok_s,
+                              a.output / s.decode_tok_s, client)  # fmt: skip
+
+    def next_of(k: int, now: float) -> vproxy.Request | None:
+        c = clients[k]
+        return request(Arrival(now + c.think_s, c.model, c.prompt, c.output), k)
+
+    first = [request(Arrival(c.first_s, c.model, c.prompt, c.output), k)
+             for k, c in enumerate(clients)]  # fmt: skip
+    outcomes = vproxy.run(
+        cfg, world, [*(request(a) for a in arrivals), *first], planner=not scheduler,
+        count=lambda t: warmup_s <= t < end, give_up_s=st.give_up_s, until=end,
+        client_requests=next_of,
+    )  # fmt: skip
+    res = Result("scheduler" if scheduler else "planner", list(names),
+                 [s.name for s in sizes], measured_s)  # fmt: skip
+    res.generated = len(outcomes)
+    index = {n: i for i, n in enumerate(names)}
+    for o in sorted(outcomes, key=lambda o: o.request.time):
+        if o.failed:
+            res.timed_out += 1
+        elif o.gave_up:
+            res.unserved += 1
+        else:
+            res.served += 1
+        if not warmup_s <= o.request.time < end:
+            continue
+        res.ttft.append(o.ttft)
+        res.cold.append(o.cold)
+        res.ok.append(o.ttft <= (st.slo_cold_s if o.cold else st.slo_warm_s))
+        res.model_of.append(index[o.request.model])
+    for key in (
+        "swaps",
+        "cold_starts",
+        "wakes",
+        "start_gpu_s",
+        "wake_gpu_s",
+        "late_overtakes",
+        "max_used_mib",
+        "over_commits",
+        "busy_evictions",
+    ):
+        setattr(res, key, getattr(world, key))
+    return res
 
 
 def workload(m: int, prof: Profile, t: Traffic) -> tuple[list[Arrival], list[str], list[Size]]:

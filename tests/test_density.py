@@ -72,23 +72,24 @@ def test_every_policy_on_the_small_workload(small: dict[str, Any]) -> None:
     assert small["scheduler"].max_beyond_turn_s == 0
 
 
-def test_two_back_to_back_clients_take_turns_instead_of_swapping_after_every_answer() -> None:
-    """The issue's two users: one model each, a GPU that holds one awake. Without a minimum
-    residency every answer is followed by a swap; the scheduler keeps each engine for its turn."""
+def test_two_back_to_back_clients_take_turns_instead_of_one_starving() -> None:
+    """The issue's two users: one model each, a GPU that holds one awake. The planner (no
+    queue rules) never takes the GPU from the client that keeps it busy: the other one's
+    requests time out. The scheduler serves both, in turns."""
     prof = density.load_profile(density.PROFILE, density.PAIR_GPU_MIB)
     size = prof.sizes[density.PAIR_SIZE]
     clients = [density.Client(0), density.Client(1, first_s=0.5)]
-    got = {}
+    least = {}
     for policy in ("planner", "scheduler"):
         res = density.simulate(policy, [], ["a", "b"], [size, size], prof, density.Settings(),
                                60.0, 600.0, clients)  # fmt: skip
-        got[policy] = s = res.summary()
+        s = res.summary()
         assert res.over_commits == 0 and res.busy_evictions == 0, policy
-        print(f"two clients, {policy}: {s['served_counted']} answers, swaps/min "
+        answers = Counter(m for m, t in zip(res.model_of, res.ttft, strict=True) if t < 1e9)
+        least[policy] = min(answers[0], answers[1])
+        print(f"two clients, {policy}: answers {dict(answers)}, swaps/min "
               f"{s['swaps_per_min']:.2f}, attainment {100 * s['attainment']:.1f} %")  # fmt: skip
-    assert got["scheduler"]["served_counted"] >= 2 * got["planner"]["served_counted"]
-    assert got["scheduler"]["swaps_per_min"] <= got["planner"]["swaps_per_min"] / 2
-    assert got["scheduler"]["attainment"] > got["planner"]["attainment"]
+    assert least["scheduler"] >= 10 * max(least["planner"], 1), least
 
 
 def test_invariants_hold_and_every_request_is_accounted_for(small: dict[str, Any]) -> None:
@@ -216,14 +217,11 @@ def test_a_request_queues_behind_an_overdue_waiter_that_needs_its_engine() -> No
     st = density.Settings(max_reorder_s=10.0, queue_timeout_s=1000.0)
     runs = {}
     for policy in ("planner", "scheduler"):
-        sim = density.PlanSim(policy == "scheduler", arrivals, ["a", "b"], [size, size], prof,
-                              st, 0.0, 1000.0)  # fmt: skip
-        sim.run()
-        runs[policy] = sim.reqs
-    first_token = start + 10 / size.prefill_tok_s
-    assert runs["planner"][2].admit == pytest.approx(start + 20.0)  # sent at once
-    held, b = runs["scheduler"][2], runs["scheduler"][1]
-    assert b.admit is not None and held.admit is not None
-    assert b.admit < held.admit  # b went first, then a was woken for the held request
-    assert b.admit == pytest.approx(first_token + 100.0 + prof.sleep_s(size, 1, True)
-                                    + prof.start_s(size), rel=1e-3)  # fmt: skip
+        res = density.simulate(policy, arrivals, ["a", "b"], [size, size], prof, st, 0.0, 1000.0)
+        runs[policy] = [a.time + t for a, t in zip(arrivals, res.ttft, strict=True)]
+    prefill = 10 / size.prefill_tok_s
+    assert runs["planner"][2] == pytest.approx(start + 20.0 + prefill)  # sent at once
+    first_token = runs["scheduler"]
+    assert first_token[1] < first_token[2] < 1000.0  # b went first, then a came back for it
+    assert first_token[1] == pytest.approx(start + prefill + 100.0 + prof.sleep_s(size, 1, True)
+                                           + prof.start_s(size) + prefill, rel=1e-2)  # fmt: skip

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import time
 from typing import Protocol
 
 from ..config import ModelSpec
@@ -173,7 +174,7 @@ class Autoscaler:
         spec = self._model.spec
         floor, _ = spec.replica_bounds()
         if spec.replicas is not None:
-            cutoff = inst.ctx.queue.clock() - spec.idle_timeout_s
+            cutoff = time.monotonic() - spec.idle_timeout_s
             return all(i.leases == 0 and i.last_used <= cutoff for i in self.replicas())
         others = [i for i in self._model.instances
                   if i is not inst and i.state in KEPT and not i.retired]  # fmt: skip
