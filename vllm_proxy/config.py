@@ -758,6 +758,9 @@ class ModelSpec:
     #: ``--max-lora-rank``: args' value, else the largest adapter rank known at load (vLLM's
     #: allowed values), else vLLM's default.
     max_lora_rank: int = 0
+    #: ``<state_dir>/vllm-cache/<model>`` (absolute): the engine's ``VLLM_CACHE_ROOT`` unless
+    #: the operator sets one, so its torch.compile caches outlive each start ("" : vLLM's own).
+    cache_dir: str = ""
 
     @property
     def log_max_bytes(self) -> int:
@@ -913,7 +916,10 @@ class ModelSpec:
         dev = {"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}
         if self.lora:
             dev["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        return {**os.environ, **dev, **dict(self.env), **(extra or {})}
+        # One compile cache per model, kept across restarts (a second cold start reuses the
+        # torch.compile artifacts); one the operator sets (environment or `env`) wins.
+        cache = {"VLLM_CACHE_ROOT": self.cache_dir} if self.cache_dir else {}
+        return {**cache, **os.environ, **dev, **dict(self.env), **(extra or {})}
 
 
 def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | None) -> list[str]:
@@ -1015,6 +1021,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         **keys,
         memory_mb=m.memory_mb,
         socket_dir=os.path.abspath(state / "sockets"),
+        cache_dir=os.path.abspath(state / "vllm-cache" / name),
         pinned=m.pinned,
         priority=m.priority,
         devices=tuple(m.devices) if m.devices is not None else None,
