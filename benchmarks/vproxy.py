@@ -13,7 +13,9 @@ What is observed, never decided, here: every memory claim is checked against the
 (`over_commits`), a sleep or stop of an engine with a request in flight is counted
 (`busy_evictions`), and a claim that puts engines to sleep or stops them for a model whose
 oldest request came more than the reorder window after another model's oldest waiting one
-counts as a late overtake of that model's waiting requests.
+counts as a reorder of that model; it is a late overtake only when the memory it took was memory
+that model's plan needed: once the claim has been carried out, its plan (busy engines drained)
+can no longer be placed, or waits for an engine busy now that it did not wait for before.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from vllm_proxy.metrics import Metrics
 from vllm_proxy.planning.hostmem import HostRam
 from vllm_proxy.planning.memory import Memory, Placement
 from vllm_proxy.planning.queueing import Queue
-from vllm_proxy.planning.scheduler import Plan
+from vllm_proxy.planning.scheduler import Plan, after, plan
 from vllm_proxy.pool.admission import Admission
 from vllm_proxy.pool.manager import Manager
 
@@ -109,7 +111,11 @@ class World:
     busy_evictions: int = 0
     over_commits: int = 0
     max_used_mib: int = 0
+    #: Claims that left an earlier waiter (by more than the reorder window) unable to place
+    #: its plan without waiting for more (see `ObservedAdmission._harmed`).
     late_overtakes: int = 0
+    #: Claims that took memory while such an earlier waiter waited, whatever they took.
+    reorders: int = 0
     swaps: int = 0
     cold_starts: int = 0
     wakes: int = 0
@@ -237,17 +243,55 @@ class ObservedAdmission(Admission):
     world: World
 
     def _take(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
-        placement = super()._take(inst, decision, claim, unclaim)
-        if placement is None or not self.world.counting:
+        if not self.world.counting:
+            return self._claim(inst, decision, claim, unclaim)
+        harmed = self._harmed(inst, decision)
+        placement = self._claim(inst, decision, claim, unclaim)
+        if placement is None:
             return placement
         if decision.sleep or decision.evict:
             self.world.swaps += 1
-            window = self.queue.rules.window_s
-            mine = self._waiter(inst.name)
-            for w in self.queue.waiters():
-                if mine is not None and w.model != inst.name and mine.since - w.since > window:
-                    self.world.late_overtakes += 1
+        self.world.late_overtakes += harmed[0]
+        self.world.reorders += harmed[1]
         return placement
+
+    def _claim(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
+        return super()._take(inst, decision, claim, unclaim)
+
+    def _harmed(self, inst: Any, decision: Plan) -> tuple[int, int]:
+        """What `inst` carrying out `decision` would do to the models that began waiting more
+        than the reorder window before it: how many of them it would leave unable to place
+        their plan (busy engines drained) without waiting for more than they already did (late
+        overtakes), and how many of them there are at all if the claim takes memory (reorders).
+        """
+        mine = self._waiter(inst.name)
+        if mine is None:
+            return 0, 0
+        window = self.queue.rules.window_s
+        waiting = {i.name: i for i in self._reclaiming.values()}
+        older = [
+            waiting[w.model]
+            for w in self.queue.waiters()
+            if w.model != inst.name and w.model in waiting and mine.since - w.since > window
+        ]
+        if not older:
+            return 0, 0
+        reorders = len(older) if decision.sleep or decision.evict else 0
+        now = self.queue.clock()
+        busy = {v.name for v in self._views(protect=False)[0] if v.leases > 0}
+        own, _, _ = self._inputs(inst)
+        late = 0
+        for other in older:
+            demand, devices, views = self._inputs(other, drained=True)
+            before = plan(demand, devices, views, now)
+            if not isinstance(before, Plan):
+                continue  # it could not be placed anyway: nothing it needed was taken
+            devices, views = after(own, decision, devices, views)
+            later = plan(demand, devices, views, now)
+            waited = busy & {*before.evict, *before.sleep}
+            if not isinstance(later, Plan) or not busy & {*later.evict, *later.sleep} <= waited:
+                late += 1
+        return late, reorders
 
 
 class PlannerAdmission(ObservedAdmission):
@@ -260,13 +304,13 @@ class PlannerAdmission(ObservedAdmission):
     def holds(self, inst: Any, rank: Any, arrived: float) -> bool:
         return False
 
-    def _take(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
-        self._reclaiming_backup = dict(self._reclaiming)
+    def _claim(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
+        backup = dict(self._reclaiming)
         self._reclaiming.clear()  # nobody's turn: every waiter goes
         try:
-            return super()._take(inst, decision, claim, unclaim)
+            return super()._claim(inst, decision, claim, unclaim)
         finally:
-            self._reclaiming.update(self._reclaiming_backup)
+            self._reclaiming.update(backup)
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ def test_every_policy_on_the_small_workload(small: dict[str, Any]) -> None:
         print(
             f"{policy}: attainment {100 * s['attainment']:.1f} %, TTFT p50 {s['ttft_p50']:.2f} s,"
             f" swaps/min {s['swaps_per_min']:.2f}, late overtakes {s['late_overtakes']}"
+            f" (all reorders {s['reorders']})"
         )
     planner = small["planner"].summary()["attainment"]
     scheduler = small["scheduler"].summary()["attainment"]
@@ -68,8 +69,8 @@ def test_every_policy_on_the_small_workload(small: dict[str, Any]) -> None:
     print(f"scheduler without a minimum residency: attainment {100 * bare:.1f} %")
     assert bare >= planner, (bare, planner)
     assert scheduler >= planner - 0.02, (scheduler, planner)
+    # No model took memory that a model waiting more than the reorder window longer needed.
     assert small["scheduler"].late_overtakes == 0
-    assert small["scheduler"].max_beyond_turn_s == 0
 
 
 def test_two_back_to_back_clients_take_turns_instead_of_one_starving() -> None:
