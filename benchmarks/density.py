@@ -28,6 +28,14 @@ The policies, side by side on the same requests:
 * ``sleep-on-swap`` (llmsnap): the same, but the current model is put to sleep (level 1) and a
   sleeping one is woken; sleepers keep their residue, and when the GPU is full the least
   recently used sleeper is stopped.
+* ``swap-groups`` (llama-swap with ``groups``): the most requested models per GiB form one
+  persistent group whose members stay resident together once started (``swap: false``), as
+  long as the room left still holds the largest other model; the others form one swap group:
+  one at a time in that room, in one FIFO, swapped by stop as ``stop-on-swap`` does. The
+  run's grouping is printed under the tables.
+
+The one-model policies and the groups serve a request in order; with ``--give-up-s`` a request
+that has waited that long is dropped when its turn comes (its client has hung up).
 * ``planner`` (the proxy before admission): models share the GPU by memory through
   ``vllm_proxy.planning.scheduler.plan(..., now=None)`` (victims least recently used first); waiting
   bring-ups re-plan in the order they began waiting on every change, any of them may evict;
@@ -76,7 +84,7 @@ import os
 import random
 import re
 import sys
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -101,7 +109,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "density.json"
 DOCS = docs_writer.DOCS
 PLOT = ROOT / "docs" / "benchmarks" / "density.svg"
 SECTION = "## Density: many models on one GPU"
-POLICIES = ("stop-on-swap", "sleep-on-swap", "planner", "scheduler")
+POLICIES = ("stop-on-swap", "sleep-on-swap", "swap-groups", "planner", "scheduler")
+#: The policies that run one model (or one group) at a time, without the proxy's admission.
+SWAPPERS = ("stop-on-swap", "sleep-on-swap", "swap-groups")
 MIB_PER_GIB = 1024
 TARGET = 0.95
 #: TTFT targets (seconds) every policy is judged on alike, whatever it did to the model.
@@ -519,6 +529,8 @@ class Result:
     wake_gpu_s: float = 0.0
     late_overtakes: int = 0
     reorders: int = 0
+    #: swap-groups: the models of the resident group.
+    resident: list[str] = field(default_factory=list)
     max_beyond_turn_s: float = 0.0
     max_used_mib: int = 0
     over_commits: int = 0
@@ -549,6 +561,7 @@ class Result:
             "wake_gpu_s": self.wake_gpu_s,
             "late_overtakes": self.late_overtakes,
             "reorders": self.reorders,
+            "resident": self.resident,
             "max_beyond_turn_s": self.max_beyond_turn_s,
             "max_used_mib": self.max_used_mib,
             "over_commits": self.over_commits,
@@ -712,6 +725,14 @@ class Sim:
         self.reqs.append(r)
         self.push(at, ARRIVE, r)
 
+    def gave_up(self, r: Req) -> bool:
+        """Whether `r`'s client hung up before it was served (``--give-up-s``): it is not
+        served, and its client sends the next one."""
+        if self.st.give_up_s is None or self.now - r.time <= self.st.give_up_s:
+            return False
+        self.answered(r)
+        return True
+
     def answered(self, r: Req) -> None:
         """`r` has its whole answer (or its error): its client sends the next one."""
         if r.client is not None:
@@ -819,6 +840,9 @@ class SwapSim(Sim):
         self.advance()
         while self.queue:
             head = self.queue[0]
+            if self.gave_up(head):
+                self.queue.popleft()
+                continue
             e = self.engines[head.model]
             if self.target is None and e is self.current and e.state == AWAKE:
                 self.admit(self.queue.popleft(), e)
@@ -877,6 +901,54 @@ class SwapSim(Sim):
             self.start(t)
 
 
+class GroupSim(SwapSim):
+    """llama-swap with groups: a persistent group of models resident together, and a swap group
+    whose members take turns, by stop, in the room the first leaves (see the module
+    docstring)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__("stop", *args)
+        self.policy = self.res.policy = "swap-groups"
+        self.resident = resident_group(self.engines, self.reqs, self.clients, self.cap)
+        self.res.resident = [e.name for e in self.engines if e.idx in self.resident]
+
+    def arrive(self, r: Req, e: Engine) -> None:
+        if e.idx not in self.resident:
+            super().arrive(r, e)
+            return
+        e.waiting.append(r)
+        if e.state == COLD:
+            self.start(e)  # its room is kept: the group fits beside any other model
+        elif e.state == AWAKE:
+            self.awake(e)
+
+    def awake(self, e: Engine) -> None:
+        if e.idx not in self.resident:
+            return  # the swap group's FIFO is served by decide()
+        while e.waiting:
+            r = e.waiting.popleft()
+            if not self.gave_up(r):
+                self.admit(r, e)
+
+
+def resident_group(
+    engines: Sequence[Engine], reqs: Sequence[Req], clients: Sequence[Client], cap: int
+) -> set[int]:
+    """The persistent group: models by requests per GiB awake, most first, while the group and
+    the largest model left out still fit together (by index)."""
+    count = Counter(r.model for r in reqs) + Counter(c.model for c in clients)
+    order = sorted(engines, key=lambda e: (-count[e.idx] / e.size.footprint_mib, e.idx))
+    group: set[int] = set()
+    used = 0
+    for e in order:
+        rest = [o.size.footprint_mib for o in engines if o.idx not in group and o is not e]
+        if used + e.size.footprint_mib + max(rest, default=0) > cap:
+            continue
+        group.add(e.idx)
+        used += e.size.footprint_mib
+    return group
+
+
 def simulate(
     policy: str,
     arrivals: Sequence[Arrival],
@@ -891,6 +963,8 @@ def simulate(
     args = (arrivals, names, sizes, prof, st, warmup_s, measured_s, clients)
     if policy in ("stop-on-swap", "sleep-on-swap"):
         return SwapSim(policy.split("-")[0], *args).run()
+    if policy == "swap-groups":
+        return GroupSim(*args).run()
     if policy in ("planner", "scheduler"):
         return proxy_run(policy == "scheduler", *args)
     raise ValueError(f"unknown policy {policy!r}")
@@ -1035,6 +1109,16 @@ def targets_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     return out
 
 
+def groups_note(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The grouping swap-groups ran with (nothing when it did not run)."""
+    out = []
+    for r in rows:
+        if r["policy"] == "swap-groups":
+            group = ", ".join(r["resident"]) or "none"
+            out += ["", f"swap-groups: resident together: {group}; the others swap by stop."]
+    return out
+
+
 def summary_table(rows: Sequence[dict[str, Any]]) -> list[str]:
     out = [
         "| policy | requests (served) | **SLO attainment** | warm / cold requests met | "
@@ -1043,7 +1127,7 @@ def summary_table(rows: Sequence[dict[str, Any]]) -> list[str]:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        late = "-" if r["policy"] in ("stop-on-swap", "sleep-on-swap") else (
+        late = "-" if r["policy"] in SWAPPERS else (
             f"{r['late_overtakes']} ({r.get('reorders', 0)})")  # fmt: skip
         out.append(
             f"| {r['policy']} | {r['requests']} ({r['served_counted']}) | "
@@ -1121,8 +1205,8 @@ def goals(rows: Sequence[dict[str, Any]], sweep: Sequence[dict[str, Any]]) -> li
 
 # --------------------------------------------------------------------------- the plot
 
-COLORS = {"stop-on-swap": "#d62728", "sleep-on-swap": "#ff7f0e", "planner": "#1f77b4",
-          "scheduler": "#2ca02c"}  # fmt: skip
+COLORS = {"stop-on-swap": "#d62728", "sleep-on-swap": "#ff7f0e", "swap-groups": "#9467bd",
+          "planner": "#1f77b4", "scheduler": "#2ca02c"}  # fmt: skip
 DASHED: set[str] = set()
 
 
@@ -1328,7 +1412,8 @@ def main(argv: list[str] | None = None) -> int:
         shares = [c / len(arrivals) for c in counts]
         lines += [f"Replay of {args.replay} ({len(arrivals)} requests over {span:,.0f} s, "
                   f"{len(names)} models) on one {prof.gpu_name} ({gib:.1f} GiB).", ""]  # fmt: skip
-        lines += [*summary_table(rows), "", *targets_table(rows), "", *model_table(rows, shares)]
+        lines += [*summary_table(rows), "", *targets_table(rows), *groups_note(rows), "",
+                  *model_table(rows, shares)]  # fmt: skip
         res.update(replay=str(args.replay), main=rows)
         _print(lines, command)
         _save(args.out, res)
@@ -1356,7 +1441,8 @@ def main(argv: list[str] | None = None) -> int:
             f"scheduler: max_reorder_s {st.max_reorder_s:g}, min_resident_s "
             f"{st.min_resident_s:g}, idle_grace_s {st.idle_grace_s:g}; queue_timeout_s "
             f"{st.queue_timeout_s:g}.")  # fmt: skip
-    lines += [head, "", *summary_table(main_rows), "", *targets_table(main_rows)]
+    lines += [head, "", *summary_table(main_rows), "", *targets_table(main_rows),
+              *groups_note(main_rows)]  # fmt: skip
     if args.per_model or args.docs:
         lines += ["", "Per model (share of requests; met = within the SLO; TTFT p50 / p99 s):", ""]
         lines += model_table(main_rows, shares)

@@ -226,3 +226,15 @@ def test_a_request_queues_behind_an_overdue_waiter_that_needs_its_engine() -> No
     assert first_token[1] < first_token[2] < 1000.0  # b went first, then a came back for it
     assert first_token[1] == pytest.approx(start + prefill + 100.0 + prof.sleep_s(size, 1, True)
                                            + prof.start_s(size) + prefill, rel=1e-2)  # fmt: skip
+
+
+def test_swap_groups_keeps_room_for_the_largest_model_outside_its_group(
+    small: dict[str, Any],
+) -> None:
+    prof = density.load_profile(density.PROFILE)
+    _, names, sizes = density.workload(6, prof, SMALL)
+    resident = small["swap-groups"].resident
+    assert resident and len(resident) < len(names)
+    mib = {n: s.footprint_mib for n, s in zip(names, sizes, strict=True)}
+    outside = max(mib[n] for n in names if n not in resident)
+    assert sum(mib[n] for n in resident) + outside <= small["cap"]
