@@ -155,8 +155,13 @@ class Profile:
     models: dict[str, str] = field(default_factory=dict)
 
     def start_s(self, s: Size) -> float:
+        """A cold start: the fixed parts and the weights read at the disk rate (an older
+        profile's ``start_base_s`` + ``start_s_per_gib`` x weights still reads)."""
         t = self.timing
-        return t["start_base_s"] + t["start_s_per_gib"] * s.weights_gib
+        if "start_base_s" in t:
+            return t["start_base_s"] + t["start_s_per_gib"] * s.weights_gib
+        fixed = t["start_proc_s"] + t["compile_s"] + t["graphs_s"]
+        return fixed + s.weights_gib / t["disk_gib_s"]
 
     def wake_s(self, s: Size, level: int) -> float:
         t = self.timing
@@ -1633,7 +1638,11 @@ def docs_section(
         " level-2 sleep 0.3 s, wake 6.5 s), a vLLM log of a first level-1 sleep (42 s for 75 "
         "GiB, 5.8 GiB left on the GPU), a sleep-and-wake swap of ~17 GiB in 3 s once pinned "
         "buffers exist, and NVIDIA's H100 figures (3.35 TB/s, 989 TFLOPS BF16) for the prefill "
-        "and decode rates. The stop time is an estimate (no published figure).",
+        "and decode rates. A cold start is the engine's fixed set-up, the weights read at the "
+        "level-2 reload rate, the compile from the cache the proxy keeps per model and the "
+        "CUDA-graph capture; only its total for a 0.6B model is sourced (the blog's 37.6 s; "
+        "Baseten's torch-compile-cache doc gives 5-20 s for a cached compile), the split is an "
+        "estimate. The stop time is an estimate (no published figure).",
         "",
         f"Workload: the models take the sizes 7B, 3B, 14B, 1.5B, 8B, 0.5B in turn, the most "
         f"popular first ({m} models hold {awake:g} GiB awake, against {prof.total_mib / 1024:.1f}"
