@@ -376,10 +376,13 @@ def run(
         )
     finally:
         logging.getLogger("vllm_proxy").setLevel(previous)
-        for task in asyncio.all_tasks(loop):
+        # What engines still do (idle timers, sleeps) is cancelled and awaited, so that nothing
+        # is left unretrieved.
+        left = asyncio.all_tasks(loop)
+        for task in left:
             task.cancel()
         with contextlib.suppress(RuntimeError):
-            loop.run_until_complete(asyncio.sleep(0))
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         loop.close()
 
 
