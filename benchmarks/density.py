@@ -1718,12 +1718,34 @@ def reading(res: dict[str, Any]) -> list[str]:
             if "planner" in at and "scheduler" in at:
                 by_rate.append(f"{float(q):g}: {100 * (at['scheduler'] - at['planner']):+.1f}")
         out.append(
-            "* Sharing the GPU by memory is what moves the numbers: several models stay awake "
-            f"and the others wake in seconds. Scheduler {pc(sched['attainment'])}, planner "
-            f"{pc(plan_['attainment'])} ({diff:+.1f} points)"
+            f"* The scheduler against the planner: {pc(sched['attainment'])} and "
+            f"{pc(plan_['attainment'])} in the headline column ({diff:+.1f} points)"
             + (f"; by request rate, in points: {', '.join(by_rate)}" if by_rate else "")
             + "."
         )
+        if snap is not None:
+            ahead = [t for t in sched["at_target"]
+                     if snap["at_target"][t] > max(sched["at_target"][t],
+                                                   plan_["at_target"][t])]  # fmt: skip
+            text = (
+                f"* The proxy against one model at a time with sleeps (llmsnap), within 10 s: "
+                f"scheduler {pc(sched['at_target']['10'])}, planner "
+                f"{pc(plan_['at_target']['10'])}, sleep-on-swap {pc(snap['at_target']['10'])};"
+                f" answered at all: {pc(sched['answered'])}, {pc(plan_['answered'])} and "
+                f"{pc(snap['answered'])}; cold starts a minute: "
+                f"{sched['cold_starts_per_min']:.2f}, {plan_['cold_starts_per_min']:.2f} and "
+                f"{snap['cold_starts_per_min']:.2f}."
+            )
+            if ahead:
+                text += (
+                    f" At this load sleep-on-swap is ahead of both at {', '.join(ahead)} s: the "
+                    "proxy keeps several models awake, stops engines to make room for them "
+                    "(each later costs a cold start) and answers 503 when a bring-up finds no "
+                    "memory within queue_timeout_s, while sleep-on-swap keeps every model "
+                    "asleep on the GPU and serves its one FIFO without a time-out (host RAM "
+                    "and device locks are not modelled for it)."
+                )
+            out.append(text)
         out.append(
             f"* Bounded reordering: {sched['late_overtakes']} late overtakes for the scheduler "
             "(a model that began waiting more than the reorder window after another took "
