@@ -515,7 +515,15 @@ class Admission:
 
 
 async def _settled(tasks: list[asyncio.Task[None]]) -> bool:
-    """True once `tasks` have ended; a caller that gives up does not cancel them."""
+    """True once `tasks` have ended; a caller that gives up does not cancel them (and what
+    they end with is still retrieved: each task reports its own failure)."""
     if tasks:
-        await asyncio.shield(asyncio.gather(*tasks))
+        together = asyncio.gather(*tasks)
+        together.add_done_callback(_retrieved)
+        await asyncio.shield(together)
     return True
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
