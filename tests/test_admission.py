@@ -18,6 +18,9 @@ from vllm_proxy.config import GpuDevice
 from vllm_proxy.engines.states import State
 from vllm_proxy.frontend.body import model_of
 from vllm_proxy.planning.queueing import (
+    GO,
+    IF_FIRST_STILL_FITS,
+    WAIT,
     Queue,
     Rules,
     Waiter,
@@ -27,6 +30,7 @@ from vllm_proxy.planning.queueing import (
     order,
     overdue,
     protected,
+    turn,
 )
 from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
 
@@ -84,6 +88,25 @@ def test_holds_needs_an_overdue_waiter_before_the_request_that_takes_the_engine(
     assert holds(w, (1, 0), 80.0, ["a#1"], "a#1", 100.0, RULES)  # ... but ranks lower
     young = Waiter("b", (0, 0), since=97.0)
     assert not holds(young, (0, 0), 99.0, ["a#1"], "a#1", 100.0, RULES)  # window still open
+
+
+@pytest.mark.parametrize(
+    ("since", "placeable", "reclaims", "quick", "expected"),
+    [
+        (200.0, True, False, False, IF_FIRST_STILL_FITS),  # free memory: whenever it came
+        (200.0, True, True, True, IF_FIRST_STILL_FITS),  # a quick wake: idle engines too
+        (101.0, True, True, False, WAIT),  # a slow start waits behind a head that waits
+        (101.0, False, True, False, GO),  # the head waits for something else: within the window
+        (200.0, False, True, True, WAIT),  # ... never after it
+        (200.0, False, False, False, GO),
+    ],
+)
+def test_turn(since: float, placeable: bool, reclaims: bool, quick: bool, expected: str) -> None:
+    first = Waiter("a", (0, 0), since=100.0)
+    me = Waiter("b", (0, 0), since=since)
+    answer = turn(me, first, RULES, first_placeable=placeable, reclaims=reclaims, quick=quick)
+    assert answer == expected
+    assert turn(first, first, RULES, first_placeable=True, reclaims=True) == GO
 
 
 def test_next_deadline_is_the_earliest_future_change() -> None:
@@ -381,30 +404,30 @@ async def test_a_stuck_queue_is_bounded_by_its_timeout(
     await stream.read()
 
 
-async def test_a_head_that_waits_for_something_else_blocks_nobody_within_its_window(
+async def test_a_start_that_only_pinned_engines_keep_out_gets_503_at_once(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:
-    """big needs what the pinned model holds, so it cannot be placed however long it waits;
-    small, behind it, may still stop the idle x and start."""
+    """big needs what the pinned model holds, so it cannot be placed however long it waits:
+    503 at once (not after the queue timeout), naming the pinned engine; small, after it,
+    stops the idle x and starts."""
     models = {
         "pinned": {"memory_mb": 500, "pinned": True},
         "x": {"memory_mb": 300},
         "big": {"memory_mb": 800},
         "small": {"memory_mb": 400},
     }
-    cfg = one_slot(tmp_path, models, {"queue_timeout_s": 4}, min_resident_s=0)
+    cfg = one_slot(tmp_path, models, {"queue_timeout_s": 20}, min_resident_s=0)
     proxy = await start_proxy(cfg)
     for name in ("pinned", "x"):
         assert (await proxy.chat(name, max_tokens=1)).status == 200
-    big = asyncio.ensure_future(proxy.chat("big", max_tokens=1))
-    await wait_for(lambda: proxy.manager.queue.waiting("big") > 0, what="big queued")
     sent = time.monotonic()
-    assert (await proxy.chat("small", max_tokens=1)).status == 200
-    assert time.monotonic() - sent < 3, "small waited for big's turn"
-    assert proxy.instance("x").state in (State.STOPPED, State.STOPPING)
-    resp = await big
+    resp = await proxy.chat("big", max_tokens=1)
     assert resp.status == 503
-    assert "'pinned#1'" in (await resp.json())["error"]["message"]
+    assert time.monotonic() - sent < 3, "big waited for memory it can never get"
+    message = (await resp.json())["error"]["message"]
+    assert "'pinned#1'" in message and "waiting cannot help" in message, message
+    assert (await proxy.chat("small", max_tokens=1)).status == 200
+    assert proxy.instance("x").state in (State.STOPPED, State.STOPPING)
 
 
 @pytest.mark.parametrize(
@@ -457,3 +480,85 @@ async def test_a_stuck_head_does_not_hold_back_a_start_that_fits_at_once(
     assert not b.done(), "b still waits for a's stream"
     await stream.read()
     assert (await b).status == 200
+
+
+async def test_a_quick_wake_behind_a_head_that_waits_for_a_stream_puts_an_idle_engine_to_sleep(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """a streams; b (600 MiB), first in the queue, waits for a's memory. w, asleep, wakes
+    behind it by putting the idle i to sleep: b's plan still fits once a drains and waits
+    for nothing more, so w is served at once instead of after the stream (and b after it)."""
+    long = FakeEngine(tokens=200, token_delay=0.03).env()
+    nap = {"level": 1, "after_idle_s": 60, "memory_mb": 50}
+    models = {
+        "a": {"memory_mb": 500, "env": long},
+        "i": {"memory_mb": 300, "sleep": nap},
+        "w": {"memory_mb": 300, "sleep": nap},
+        "b": {},
+    }
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 6, "queue_timeout_s": 30},
+                   min_resident_s=0)  # fmt: skip
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("w", max_tokens=1)).status == 200
+    nap_task = proxy.instance("w").sleep("test")
+    assert nap_task is not None
+    await nap_task
+    assert (await proxy.chat("i", max_tokens=1)).status == 200
+    stream = await proxy.chat("a", max_tokens=200, stream=True)  # 6 s
+    await stream.content.readany()
+    b = asyncio.ensure_future(proxy.chat("b", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("b") > 0, what="b queued")
+    sent = time.monotonic()
+    assert (await proxy.chat("w", max_tokens=1)).status == 200
+    assert time.monotonic() - sent < 3.0, "w waited for the stream that b waits for"
+    assert proxy.instance("i").asleep
+    assert not b.done(), "b still waits for a's stream"
+    await stream.read()
+    assert (await b).status == 200
+
+
+async def test_a_model_s_own_queue_timeout_bounds_its_wait_for_memory(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """b's queue_timeout_s (1 s) ends its wait for a's stream long before the admission
+    section's 30 s: 503 naming the busy engine."""
+    long = FakeEngine(tokens=200, token_delay=0.03).env()
+    models = {"a": {"env": long}, "b": {"queue_timeout_s": 1}}
+    cfg = one_slot(tmp_path, models, {"queue_timeout_s": 30}, min_resident_s=0)
+    proxy = await start_proxy(cfg)
+    stream = await proxy.chat("a", max_tokens=200, stream=True)
+    await stream.content.readany()
+    sent = time.monotonic()
+    resp = await proxy.chat("b", max_tokens=1)
+    assert resp.status == 503
+    assert time.monotonic() - sent < 3.0
+    message = (await resp.json())["error"]["message"]
+    assert "'a#1'" in message and "in flight" in message, message
+    await stream.read()
+
+
+async def test_a_hold_ends_exactly_at_its_deadline(tmp_path: Path) -> None:
+    """Regression: a held request whose deadline rounding puts a hair after the time its
+    wait ends (0.1 + 0.2 > 0.3) waited again and again without the clock moving (a virtual
+    clock hung there). The hold is over once its wait has timed out."""
+    from unittest.mock import MagicMock
+
+    from vllm_proxy.config import parse_config
+    from vllm_proxy.engines.instance import EngineContext
+    from vllm_proxy.engines.model import Model
+    from vllm_proxy.metrics import Metrics
+
+    readings = iter([0.1])
+    clock = lambda: next(readings, 0.3)  # noqa: E731  arrived at 0.1, then 0.3 for good
+    queue = Queue(Rules(queue_timeout_s=0.2), clock=clock)
+    cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
+    ctx = EngineContext(session=MagicMock(), ports=MagicMock(), registry=MagicMock(),
+                        metrics=Metrics(), queue=queue, hold=lambda *_: True)  # fmt: skip
+    model = Model(cfg.specs()["m"], ctx, lambda name: f"{name}#1")
+    inst = model._new_instance()
+    inst.state = State.RUNNING
+    inst.engine = MagicMock()
+    async with asyncio.timeout(5):
+        got, _ = await model.acquire()
+    assert got is inst and inst.leases == 1
+    assert not queue.tickets

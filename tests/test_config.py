@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -360,3 +361,19 @@ def test_the_changelog_names_every_removed_key_with_its_new_name() -> None:
                 "loading_keepalive_interval_s", "max_backoff_s", "max_log_mb",
                 "sleep.memory_mb", "sleep.timeout_s", "sleep.wake_timeout_s"):  # fmt: skip
         assert new in notes, new
+
+
+def test_each_model_keeps_its_compile_cache_under_the_state_dir(tmp_path: Path) -> None:
+    """VLLM_CACHE_ROOT is <state_dir>/vllm-cache/<model>, stable across starts, unless the
+    operator sets one (the model's env here)."""
+    cfg = parse_config({
+        "server": {"state_dir": str(tmp_path)},
+        "models": {"a": {"model": "x"}, "b": {"model": "x", "env": {"VLLM_CACHE_ROOT": "/c"}}},
+    })  # fmt: skip
+    specs = cfg.specs()
+    env = specs["a"].engine_env()
+    assert (
+        env["VLLM_CACHE_ROOT"] == str(tmp_path / "vllm-cache" / "a")
+        or "VLLM_CACHE_ROOT" in os.environ
+    )
+    assert specs["b"].engine_env()["VLLM_CACHE_ROOT"] == "/c"

@@ -11,6 +11,7 @@ from vllm_proxy.planning.scheduler import (
     NoFit,
     Phase,
     Plan,
+    after,
     never_fits,
     plan,
 )
@@ -366,3 +367,32 @@ def test_a_replica_prefers_a_device_of_its_own_even_at_the_cost_of_an_idle_model
     # A busy model on the other device: sharing is better than waiting.
     busy = [models[0], InstanceView("other", 700, (1,), Phase.RUNNING, 2, 1.0, False, sleep_mb=100)]
     assert plan(demand, devices, busy) == Plan((0,), ())
+
+
+# -- after: the snapshot once a plan has been carried out ------------------------------------
+
+
+def test_after_puts_the_sleepers_to_sleep_drops_the_stopped_and_adds_the_demand() -> None:
+    devices = [dev(0, 1000, used=900)]
+    views = [
+        sleepable("i#1", 300, 50, last=1.0),
+        mdl("x#1", 200, last=2.0),
+        mdl("a#1", 400, last=3.0, leases=1),
+    ]
+    after_devices, after_views = after(want(450), Plan((0,), ("x#1",), ("i#1",)), devices, views)
+    assert after_devices == [dev(0, 1000, used=900 - 250 - 200 + 450)]
+    by_name = {v.name: v for v in after_views}
+    assert set(by_name) == {"i#1", "a#1", "new"}
+    assert (by_name["i#1"].phase, by_name["i#1"].footprint_mb) == (Phase.ASLEEP, 50)
+    assert by_name["a#1"] == views[2]  # untouched, busy as before
+    assert (by_name["new"].phase, by_name["new"].footprint_mb) == (Phase.STARTING, 450)
+
+
+def test_after_a_wake_adds_what_it_takes_to_what_the_sleeper_holds() -> None:
+    devices = [dev(0, 1000, used=700)]
+    views = [sleeper("w#1", 50), sleepable("i#1", 300, 50)]
+    demand = Demand("w#1", 250, 1, (0,), 0)
+    after_devices, after_views = after(demand, Plan((0,), (), ("i#1",)), devices, views)
+    assert after_devices[0].used_mb == 700
+    (woken,) = [v for v in after_views if v.name == "w#1"]
+    assert (woken.phase, woken.footprint_mb) == (Phase.STARTING, 300)

@@ -400,6 +400,10 @@ class EngineKeys(_Strict):
     #: After a start or a wake the engine is not put to sleep or stopped for another model for
     #: this long while it is in use (see `admission`), unless a waiter's reorder window ends.
     min_resident_s: float = Field(30, ge=0)
+    #: How long a start or wake of this model waits for GPU memory before 503 (None:
+    #: ``admission.queue_timeout_s``): a large model whose cold start misses every latency
+    #: target anyway gives up sooner instead of holding engines that serve.
+    queue_timeout_s: float | None = Field(None, ge=0)
     #: uds: the engine serves on ``<state_dir>/sockets/<model>.<n>.sock`` (``--uds``) in a
     #: directory of mode 0700, so no other user of the host can reach it; tcp: on a loopback
     #: port from `port_range` (``--host 127.0.0.1 --port N``), for engines without ``--uds``.
@@ -713,6 +717,7 @@ class ModelSpec:
     stop_timeout_s: float
     idle_timeout_s: float
     min_resident_s: float
+    queue_timeout_s: float | None
     #: uds (a socket in `socket_dir`) or tcp (a port from `port_range`).
     transport: Transport
     port_range: tuple[int, int]
@@ -753,6 +758,9 @@ class ModelSpec:
     #: ``--max-lora-rank``: args' value, else the largest adapter rank known at load (vLLM's
     #: allowed values), else vLLM's default.
     max_lora_rank: int = 0
+    #: ``<state_dir>/vllm-cache/<model>`` (absolute): the engine's ``VLLM_CACHE_ROOT`` unless
+    #: the operator sets one, so its torch.compile caches outlive each start ("" : vLLM's own).
+    cache_dir: str = ""
 
     @property
     def log_max_bytes(self) -> int:
@@ -908,7 +916,10 @@ class ModelSpec:
         dev = {"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}
         if self.lora:
             dev["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-        return {**os.environ, **dev, **dict(self.env), **(extra or {})}
+        # One compile cache per model, kept across restarts (a second cold start reuses the
+        # torch.compile artifacts); one the operator sets (environment or `env`) wins.
+        cache = {"VLLM_CACHE_ROOT": self.cache_dir} if self.cache_dir else {}
+        return {**cache, **os.environ, **dev, **dict(self.env), **(extra or {})}
 
 
 def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | None) -> list[str]:
@@ -1010,6 +1021,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         **keys,
         memory_mb=m.memory_mb,
         socket_dir=os.path.abspath(state / "sockets"),
+        cache_dir=os.path.abspath(state / "vllm-cache" / name),
         pinned=m.pinned,
         priority=m.priority,
         devices=tuple(m.devices) if m.devices is not None else None,

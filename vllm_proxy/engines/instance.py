@@ -168,6 +168,8 @@ class EngineContext:
     #: Seconds a start or a wake ("start", "wake") of a model took: the planner's price of
     #: putting it to sleep or stopping it.
     timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
+    #: The engine process class (the density benchmark's runs in virtual time).
+    engine_factory: type[EngineProcess] = EngineProcess
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -305,7 +307,7 @@ class Instance:
         """`last_used` as a Unix timestamp, for display (None: never used)."""
         if not self.last_used:
             return None
-        return time.time() - (time.monotonic() - self.last_used)
+        return time.time() - (self.ctx.queue.clock() - self.last_used)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -314,7 +316,7 @@ class Instance:
         if new not in TRANSITIONS[old]:
             raise InvalidTransition(f"{self.id}: {old.name} -> {new.name} is not allowed")
         if new in AWAKE and old not in AWAKE:
-            self.running_since = self.last_used = time.monotonic()
+            self.running_since = self.last_used = self.ctx.queue.clock()
         self.state = new
         log.info("%s: %s -> %s", self.id, old.name, new.name)
         metrics = self.ctx.metrics
@@ -349,7 +351,7 @@ class Instance:
     def release(self) -> None:
         """Give a lease back; arms the idle timer at zero."""
         self.leases -= 1
-        self.last_used = time.monotonic()
+        self.last_used = self.ctx.queue.clock()
         if self._released is not None:
             self._released.set()
             self._released = None
@@ -493,16 +495,16 @@ class Instance:
         if self.spec.warmup:
             await self._warm_up(engine, self.spec.startup_timeout_s)
             self._raise_if_stopped()
-            seconds = time.monotonic() - engine.started_at
+            seconds = self.ctx.queue.clock() - engine.started_at
         if self.spec.verify_wake:
             await self._record_oracle(engine, self.spec.startup_timeout_s)
             self._raise_if_stopped()
-            seconds = time.monotonic() - engine.started_at
+            seconds = self.ctx.queue.clock() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
         self.ctx.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
-        self.ready_at = time.monotonic()
+        self.ready_at = self.ctx.queue.clock()
         self._set_state(self._awake_state())
         if engine.exit_code is not None:  # died in the moment after its healthy answer
             self.ctx.metrics.restarts.labels(self.name, "crash").inc()
@@ -557,7 +559,7 @@ class Instance:
     async def _spawn(self) -> EngineProcess:
         address = self._address()
         p = self.placement
-        engine = EngineProcess(
+        engine = self.ctx.engine_factory(
             self.spec,
             address,
             self.log_path,
@@ -817,7 +819,7 @@ class Instance:
         failed = False
         try:
             async with self._devices_held():
-                started = time.monotonic()
+                started = self.ctx.queue.clock()
                 try:
                     before = await self.ctx.usage(engine.pid, self.devices)
                     host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
@@ -836,7 +838,7 @@ class Instance:
             return
         if self.state is not State.FALLING_ASLEEP or self.engine is not engine:
             return  # stopped meanwhile
-        seconds = time.monotonic() - started
+        seconds = self.ctx.queue.clock() - started
         self.sleep_level = level
         grown = None if host_before is None or host_after is None else host_after - host_before
         self.ctx.host.slept(self.id, self.host_key, level, grown)
@@ -925,7 +927,7 @@ class Instance:
         if self.state is not State.WAKE_WAITING:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         self._set_state(State.WAKING)
-        started = time.monotonic()
+        started = self.ctx.queue.clock()
         level = self.sleep_level
         failure: str | None = None
         # Not while another engine starts on these devices (its memory profiling would count
@@ -960,7 +962,7 @@ class Instance:
             return await self._wake_failed(failure)
         if self.state is not State.WAKING or self.engine is not engine:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
-        seconds = time.monotonic() - started
+        seconds = self.ctx.queue.clock() - started
         self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
         self.ctx.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
@@ -976,9 +978,9 @@ class Instance:
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
     ) -> None:
         """Ask the woken engine the check request; `WrongAnswer` when it answers otherwise."""
-        began = time.monotonic()
+        began = self.ctx.queue.clock()
         why = mismatch(oracle, await take(engine, client))
-        self.ctx.metrics.wake_verify.labels(self.name).observe(time.monotonic() - began)
+        self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
         if why is not None:
             raise WrongAnswer(why)
 
@@ -1014,9 +1016,9 @@ class Instance:
 
     async def drained(self, timeout: float) -> bool:
         """Wait up to `timeout` for the leases to run out; True when none is left."""
-        deadline = time.monotonic() + timeout
+        deadline = self.ctx.queue.clock() + timeout
         while self.leases > 0 and self.state in AWAKE:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - self.ctx.queue.clock()
             if remaining <= 0:
                 return False
             if self._released is None:  # one event for every waiter
@@ -1099,7 +1101,7 @@ class Instance:
             "devices": list(self.devices) if self.state not in DOWN else [],
             "leases": self.leases,
             "last_used": self.last_used_wall,
-            "uptime_s": round(time.monotonic() - self.ready_at, 3) if up else None,
+            "uptime_s": round(self.ctx.queue.clock() - self.ready_at, 3) if up else None,
             "retired": self.retired,
             "last_error": self.last_error,
             "log": str(self.log_path),

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -206,10 +205,12 @@ class Model:
         the admission queue holds it behind a waiter that needs that instance's memory.
         """
         starts = 0
-        arrived = time.monotonic()
+        arrived = self.ctx.queue.clock()
         # Brought up for this request: its lease is not held behind another waiter (the
         # engine was started or woken for it; held, it could be taken before serving anyone).
         brought = False
+        # Held until the queue's timeout at most: then sent whatever waits before it.
+        hold_over = False
         while True:
             rank = self.rank(priority)  # the model's priority as reloaded
             if self.closed:
@@ -223,12 +224,8 @@ class Model:
                 )
             inst = self.route(session, adapter)
             if inst is not None and not self.draining:
-                if (
-                    not brought
-                    and self.ctx.hold(inst, rank, arrived)
-                    and not self._hold_ran_out(arrived)
-                ):
-                    await self._held(rank, arrived)
+                if not (brought or hold_over) and self.ctx.hold(inst, rank, arrived):
+                    hold_over = await self._held(rank, arrived)
                     continue
                 # No await between finding it RUNNING and the lease.
                 engine = inst.acquire()
@@ -343,25 +340,34 @@ class Model:
             self.waiting -= 1
             self._queue_gauge.set(self.waiting)
 
-    def _hold_ran_out(self, arrived: float) -> bool:
-        """A held request is sent anyway once it has waited the queue's timeout (the waiter it
-        let pass has given up by then, or is stuck behind requests that do not end)."""
-        return time.monotonic() - arrived >= self.ctx.queue.timeout_s
+    def _hold_ends(self, arrived: float) -> float:
+        """When a request that arrived at `arrived` is sent anyway, held or not: once it has
+        waited the queue's timeout (the waiter it let pass has given up by then, or is stuck
+        behind requests that do not end)."""
+        return arrived + self.ctx.queue.timeout_s
 
-    async def _held(self, rank: Rank, arrived: float) -> None:
+    async def _held(self, rank: Rank, arrived: float) -> bool:
         """Wait, queued behind the waiter that takes this model's engine, until something in
-        the queue changes (the caller looks again), the model changes, or the hold runs out."""
+        the queue changes (the caller looks again), the model changes, or the hold runs out
+        (True). The hold is over once its wait has timed out, whatever the clock reads then:
+        a deadline that rounding puts a hair after the timer would otherwise be waited for
+        again and again without the clock moving."""
         queue = self.ctx.queue
+        remaining = self._hold_ends(arrived) - queue.clock()
+        if remaining <= 0:
+            return True
         ticket = queue.enter(self.name, rank, arrived, held=True)
-        remaining = arrived + queue.timeout_s - time.monotonic()
-        waits = [asyncio.ensure_future(queue.wait(remaining)),
+        waits = [asyncio.ensure_future(queue.changes()),
                  asyncio.ensure_future(self._changed.wait())]  # fmt: skip
         try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+            )
         finally:
             for w in waits:
                 w.cancel()
             queue.leave(ticket)
+        return not done
 
     def sleeper(self) -> Instance | None:
         """The newest sleeping (or waking) instance that is not retired: woken before any

@@ -27,13 +27,16 @@ rules:
   in use (a request in flight or queued for it, or one ended within ``idle_grace_s``) is not
   put to sleep or stopped for a waiter whose window is still open: the gaps between a client's
   back-to-back requests do not hand the GPU to another model after each answer.
-* **Turns** (`turn`). Among starts and wakes waiting for memory, only the first in order may
-  put engines to sleep or stop them; one behind it may start meanwhile where the memory it
-  takes leaves the first one's plan intact (it fits without touching anyone, and the first
-  still fits once the busy engines drain), whenever it came: it delays no one. One whose plan
-  would put engines to sleep or stop them may go where the first cannot be placed even with
-  busy engines drained, but never if it began waiting more than the reorder window after the
-  first. Only a waiter that may go holds requests (`may_hold`).
+* **Turns** (`turn`). Among starts and wakes waiting for memory, the first in order goes as
+  soon as its plan fits. One behind it may go meanwhile where what it takes leaves the first
+  one's plan intact: once its own plan has been carried out, the first still fits with busy
+  engines drained and waits for no engine busy now that it did not wait for already. It may
+  take free memory, and, when its bring-up is quick (no longer than the reorder window, so
+  its turn on the device delays the first by no more), idle engines the first does not need;
+  it delays no one, whenever it came. Where the first cannot be placed even with busy engines
+  drained, one behind may put engines to sleep or stop them, but never if it began waiting
+  more than the reorder window after the first. Only a waiter that may go holds requests
+  (`may_hold`).
 
 The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
@@ -45,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field, replace
 
 #: A ticket's rank: (model priority, API key priority); lower goes first. Only what the
@@ -134,25 +137,28 @@ GO, WAIT, IF_FIRST_STILL_FITS = "go", "wait", "if_first_still_fits"
 
 
 def turn(me: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool,
-         reclaims: bool) -> str:  # fmt: skip
+         reclaims: bool, quick: bool = False) -> str:  # fmt: skip
     """Whether `me`, waiting for memory behind `first` (the first in order), may act now on its
-    plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (claim, then check that `first`'s plan with
-    busy engines drained still fits; else give the claim back and wait).
+    plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (go only where, once its plan has been carried
+    out, `first`'s plan with busy engines drained still fits and waits for no engine busy now
+    that it did not wait for already: see `scheduler.after`).
 
-    The first always goes. A plan that touches nobody (`reclaims` False: it takes only free
-    memory) goes whenever it came, as long as it leaves the first's plan intact: it delays no
-    one, so a head stuck behind a long stream does not hold back starts that fit at once.
-    Otherwise no one that began waiting more than the reorder window after the first goes
-    ahead of it (the bound on reordering); within that, one behind may go when the first
-    cannot be placed even with busy engines drained (`first_placeable` False: it waits for
-    something else)."""
+    The first always goes. Where the first can be placed once busy engines drain
+    (`first_placeable`), it waits for them; meanwhile one behind it may use what the first's
+    plan leaves: memory that is free, or (`quick`: its wake or start takes no longer than the
+    reorder window, so its turn on the device delays the first by no more than that) idle
+    engines the first does not need. That delays no one, so it goes whenever it came: a head
+    stuck behind a long stream does not hold back a wake that could put an idle engine to
+    sleep. Otherwise no one that began waiting more than the reorder window after the first
+    goes ahead of it (the bound on reordering); within that, one behind may go when the first
+    cannot be placed even with busy engines drained (it waits for something else)."""
     if me.model == first.model:
         return GO
+    if first_placeable:
+        return IF_FIRST_STILL_FITS if (not reclaims or quick) else WAIT
     if not reclaims:
-        return IF_FIRST_STILL_FITS if first_placeable else GO
-    if me.since - first.since > rules.window_s:
-        return WAIT
-    return WAIT if first_placeable else GO
+        return GO
+    return WAIT if me.since - first.since > rules.window_s else GO
 
 
 def may_hold(waiter: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool) -> bool:
@@ -196,8 +202,12 @@ class Queue:
     block in `wait()` until then or until the next deadline.
     """
 
-    def __init__(self, rules: Rules | None = None) -> None:
+    def __init__(self, rules: Rules | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self.rules = rules or Rules()
+        #: The one clock of admission, holds and instance timestamps (monotonic seconds); the
+        #: density benchmark replaces it with its event loop's virtual time.
+        self.clock = clock
         self.tickets: dict[int, Ticket] = {}
         self._seq = itertools.count(1)
         self._event = asyncio.Event()
@@ -211,7 +221,7 @@ class Queue:
               instance: str | None = None) -> Ticket:  # fmt: skip
         """A ticket for a request of `model` that arrived at `since` (monotonic; now if None)."""
         seq = next(self._seq)
-        when = time.monotonic() if since is None else since
+        when = self.clock() if since is None else since
         ticket = Ticket(model, rank, when, seq, held, instance)
         self.tickets[seq] = ticket
         if not held:  # held tickets change no decision
@@ -260,6 +270,10 @@ class Queue:
     def changed(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
+
+    def changes(self) -> Awaitable[bool]:
+        """Until the next change after this call (bound now, as in `wait`), unbounded."""
+        return self._event.wait()
 
     def wait(self, timeout: float) -> Awaitable[None]:
         """Until the next change after this call, at most `timeout` seconds (the change is

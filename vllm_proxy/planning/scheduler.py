@@ -51,7 +51,7 @@ from __future__ import annotations
 import enum
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import combinations
 
 
@@ -231,6 +231,44 @@ def plan(
     if best is not None:
         return best[1]
     return _no_fit(demand, _allowed(demand, by_id), free, instances, evictable)
+
+
+def after(
+    demand: Demand,
+    decision: Plan,
+    devices: Sequence[DeviceView],
+    instances: Sequence[InstanceView],
+) -> tuple[list[DeviceView], list[InstanceView]]:
+    """The snapshot once `decision` for `demand` has been carried out: the instances it puts
+    to sleep are asleep at their ``sleep_mb``, those it stops are gone, and the demand holds
+    its footprint on ``decision.devices``, starting (a wake's demand, whose instance is in the
+    snapshot already, adds its footprint to what that instance holds). What a waiter behind
+    the first one leaves to the first is judged on this (see `queueing.turn`)."""
+    used = {d.id: d.used_mb for d in devices}
+    out: list[InstanceView] = []
+    own: InstanceView | None = None
+    for m in instances:
+        if m.name in decision.evict:
+            for i in m.devices:
+                used[i] = used.get(i, 0) - m.footprint_mb
+            continue
+        if m.name in decision.sleep and m.sleep_mb is not None:
+            for i in m.devices:
+                used[i] = used.get(i, 0) - (m.footprint_mb - m.sleep_mb)
+            m = replace(m, footprint_mb=m.sleep_mb, phase=Phase.ASLEEP, leases=0)
+        if m.name == demand.name:
+            own = m
+            continue
+        out.append(m)
+    for i in decision.devices:
+        used[i] = used.get(i, 0) + demand.footprint_mb
+    held = own.footprint_mb if own is not None else 0
+    out.append(
+        InstanceView(demand.name, held + demand.footprint_mb, decision.devices, Phase.STARTING,
+                     0, own.last_used if own is not None else 0.0,
+                     own.pinned if own is not None else False)
+    )  # fmt: skip
+    return [replace(d, used_mb=used[d.id]) for d in devices], out
 
 
 def _allowed(demand: Demand, present: Iterable[int]) -> list[int]:

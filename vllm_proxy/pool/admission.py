@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -31,7 +30,18 @@ from ..errors import Unavailable
 from ..planning import queueing
 from ..planning.memory import Memory, Placement
 from ..planning.queueing import Queue, Rank, Waiter
-from ..planning.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
+from ..planning.scheduler import (
+    DEFAULT_START_S,
+    DEFAULT_WAKE_S,
+    Demand,
+    DeviceView,
+    InstanceView,
+    NoFit,
+    Phase,
+    Plan,
+    after,
+    plan,
+)
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +107,7 @@ class Admission:
         pending: dict[int, int] = {}
         pinned = {m.name: m.pinned for m in self._models().values()}
         rules = self.queue.rules
-        now = time.monotonic()
+        now = self.queue.clock()
         for i in self._all():
             claim = memory.claims.get(i.id)
             phase = PHASES.get(i.state)
@@ -142,10 +152,10 @@ class Admission:
                     pending[d] = pending.get(d, 0) + rest
         return views, pending
 
-    def plan_for(self, inst: Instance, drained: bool = False, protect: bool = True) -> Plan | NoFit:
-        """The scheduler's decision for starting (or waking) `inst` now (pure; no effects);
-        `drained`: as if every request in flight had ended; `protect`: minimum residencies
-        count."""
+    def _inputs(
+        self, inst: Instance, drained: bool = False, protect: bool = True
+    ) -> tuple[Demand, list[DeviceView], list[InstanceView]]:
+        """The planner's input for starting (or waking) `inst` now (see `plan_for`)."""
         memory = self.memory
         assert memory is not None
         views, pending = self._views(self._waiter(inst.name), drained, protect)
@@ -159,14 +169,20 @@ class Admission:
             demand = memory.demand(inst.spec, inst.id, avoid)
         # Its own model's other replicas are never its victims.
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in self._siblings(inst)))
-        now = time.monotonic()
-        decision = plan(demand, memory.device_views(pending), views, now)
+        return demand, list(memory.device_views(pending)), views
+
+    def plan_for(self, inst: Instance, drained: bool = False, protect: bool = True) -> Plan | NoFit:
+        """The scheduler's decision for starting (or waking) `inst` now (pure; no effects);
+        `drained`: as if every request in flight had ended; `protect`: minimum residencies
+        count."""
+        demand, devices, views = self._inputs(inst, drained, protect)
+        now = self.queue.clock()
+        decision = plan(demand, devices, views, now)
         if protect and isinstance(decision, Plan):
             # A plan that went around protected engines: wait for them (until they are idle
             # or the waiter's window ends) when without the protection it would be another,
             # cheaper one (it would have taken them), rather than stop what is at hand.
-            bare = plan(demand, memory.device_views(pending), self._views(None, drained,
-                        protect=False)[0], now)  # fmt: skip
+            bare = plan(demand, devices, self._views(None, drained, protect=False)[0], now)
             kept = tuple(v.name for v in views if v.protected)
             if bare != decision and kept:
                 return NoFit(
@@ -195,7 +211,38 @@ class Admission:
         avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
         demand = memory.demand(spec, f"{spec.name}#fit", avoid)
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
-        return plan(demand, memory.device_views(pending), views, time.monotonic())
+        return plan(demand, memory.device_views(pending), views, self.queue.clock())
+
+    def _leaves_first(self, head: Instance, inst: Instance, decision: Plan) -> bool:
+        """Whether `inst` carrying out `decision` leaves `head` (the first in order) as well
+        off: once it has, `head`'s plan with busy engines drained still fits and waits for
+        no engine busy now that its plan did not wait for already (`scheduler.after`)."""
+        now = self.queue.clock()
+        busy = {v.name for v in self._views(protect=False)[0] if v.leases > 0}
+        first, devices, views = self._inputs(head, drained=True)
+        before = plan(first, devices, views, now)
+        if not isinstance(before, Plan):
+            return False
+        mine, _, _ = self._inputs(inst)
+        devices, views = after(mine, decision, devices, views)
+        later = plan(first, devices, views, now)
+        if not isinstance(later, Plan):
+            return False
+        waited = busy & {*before.evict, *before.sleep}
+        return busy & {*later.evict, *later.sleep} <= waited
+
+    def _restore_s(self, inst: Instance) -> float:
+        """How long `inst`'s bring-up is expected to take (measured, else the planner's
+        stand-ins): a wake's for a sleeping instance, else a cold start's."""
+        if inst.state is State.WAKE_WAITING:
+            return self._timing(inst.spec, "wake") or DEFAULT_WAKE_S
+        return self._timing(inst.spec, "start") or DEFAULT_START_S
+
+    def queue_timeout_for(self, spec: ModelSpec) -> float:
+        """How long a start or wake of `spec` waits for memory: the model's own
+        ``queue_timeout_s``, else ``admission.queue_timeout_s``."""
+        own = spec.queue_timeout_s
+        return self.queue_timeout_s if own is None else own
 
     def _waiter(self, model: str) -> Waiter | None:
         """`model` as the queue sees it (None: nothing of it waits)."""
@@ -216,7 +263,7 @@ class Admission:
         (`queueing.holds`)."""
         if not self._reclaiming:
             return False
-        now = time.monotonic()
+        now = self.queue.clock()
         rules = self.queue.rules
         turns = self._turns()
         first, head = turns[0]
@@ -250,24 +297,22 @@ class Admission:
         me = next((w for w, i in turns if i.name == inst.name), None)
         if me is None or me.model == first.model:
             return claim(decision)
+        reclaims = bool(decision.sleep or decision.evict)
         answer = queueing.turn(
             me, first, self.queue.rules,
             first_placeable=isinstance(self.plan_for(head, drained=True), Plan),
-            reclaims=bool(decision.sleep or decision.evict),
+            reclaims=reclaims,
+            quick=reclaims and self._restore_s(inst) <= self.queue.rules.window_s,
         )  # fmt: skip
         if answer == queueing.GO:
             return claim(decision)
-        if answer == queueing.WAIT:
+        if answer == queueing.WAIT or not self._leaves_first(head, inst, decision):
             return None
-        placement = claim(decision)
-        if isinstance(self.plan_for(head, drained=True), Plan):
-            return placement
-        unclaim()
-        return None
+        return claim(decision)
 
     def _next_change(self) -> float | None:
         """Seconds until a window, residency or idle grace runs out (None: none pending)."""
-        now = time.monotonic()
+        now = self.queue.clock()
         residents = [
             (i.running_since, i.spec.min_resident_s, i.last_used)
             for i in self._all()
@@ -349,7 +394,8 @@ class Admission:
                     f"model '{inst.name}': no request waits for it any more", code="abandoned"
                 )
             # The timeout in force now: a reload that shortens it bounds this wait too.
-            deadline = started + self.queue_timeout_s
+            timeout_s = self.queue_timeout_for(inst.spec)
+            deadline = started + timeout_s
             decision = self.plan_for(inst)
             need = self._need(inst)  # taken before the claim (a wake's)
             placement = None
@@ -388,22 +434,34 @@ class Admission:
                 wait_metric.observe(loop.time() - started)
                 return placement
             remaining = deadline - loop.time()
-            if remaining <= 0 or (isinstance(decision, NoFit) and not decision.blockers):
+            hopeless = isinstance(decision, NoFit) and self._hopeless(decision)
+            if remaining <= 0 or hopeless:
                 wait_metric.observe(loop.time() - started)
                 what = "wake" if state is State.WAKE_WAITING else "start"
                 why = (
                     f"{what}: not enough GPU memory: {decision.reason}"
                     if isinstance(decision, NoFit)
-                    else f"{what} within {self.queue_timeout_s:g}s: models queued before it"
+                    else f"{what} within {timeout_s:g}s: models queued before it"
                     " still wait for the memory it needs"
                 )
+                if isinstance(decision, NoFit) and decision.blockers and hopeless:
+                    why += " (pinned engines keep it: waiting cannot help)"
                 raise Unavailable(
                     f"model '{inst.name}' cannot {why}",
                     code="insufficient_gpu_memory",
-                    retry_after_s=max(1, int(self.queue_timeout_s) or 5),
+                    retry_after_s=max(1, int(timeout_s) or 5),
                 )
             change = self._next_change()
             await self._wait_capacity(inst, remaining if change is None else min(change, remaining))
+
+    def _hopeless(self, decision: NoFit) -> bool:
+        """Whether waiting cannot make `decision` fit: nothing holds the memory it lacks but
+        pinned engines (or nothing at all: the devices are too small, or others use them)."""
+        pinned = {
+            i.id for m in self._models().values() if m.pinned for i in m.instances
+            if i.state is State.RUNNING or i.state is State.SLEEPING
+        }  # fmt: skip
+        return set(decision.blockers) <= pinned
 
     async def _while_in(self, inst: Instance, state: State, wait: Awaitable[bool]) -> bool:
         """`wait`'s answer, unless `inst` leaves `state` first (stopped, unloaded, shut down):
@@ -478,7 +536,15 @@ class Admission:
 
 
 async def _settled(tasks: list[asyncio.Task[None]]) -> bool:
-    """True once `tasks` have ended; a caller that gives up does not cancel them."""
+    """True once `tasks` have ended; a caller that gives up does not cancel them (and what
+    they end with is still retrieved: each task reports its own failure)."""
     if tasks:
-        await asyncio.shield(asyncio.gather(*tasks))
+        together = asyncio.gather(*tasks)
+        together.add_done_callback(_retrieved)
+        await asyncio.shield(together)
     return True
+
+
+def _retrieved(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
