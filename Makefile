@@ -52,7 +52,7 @@ test: system-deps lint
 
 # The suite with one core kept busy by stress-ng: every bound in a test must hold there too.
 test-busy:
-	sh scripts/test-busy.sh test
+	bash scripts/test-busy.sh test
 
 # On Python 3.12 (a venv without torch or vLLM), the tests of what differs between 3.11 and 3.12
 # or runs on 3.12 elsewhere: asyncio's servers, transports, cancellation and signals (3.12
