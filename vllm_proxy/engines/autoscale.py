@@ -113,18 +113,16 @@ class Autoscaler:
 
     def desired(self) -> int:
         """How many replicas the load asks for now, within the model's bounds."""
+        return desired(self._model.spec, self._ongoing())
+
+    def _ongoing(self) -> int:
+        """Requests in flight on the running replicas plus those waiting for one."""
         m = self._model
-        running = [i for i in m.instances if i.routable]
-        return desired(m.spec, sum(i.leases for i in running) + m.waiting)
+        return sum(i.leases for i in m.instances if i.routable) + m.waiting
 
     def kept(self) -> list[Instance]:
         """Live replicas the model keeps, asleep ones included."""
         return [i for i in self._model.instances if i.state in KEPT and not i.retired]
-
-    def _idle(self) -> bool:
-        """No request in flight on a replica and none waiting for one."""
-        m = self._model
-        return m.waiting == 0 and all(i.leases == 0 for i in m.instances if i.routable)
 
     def _may_grow(self) -> bool:
         m = self._model
@@ -138,7 +136,7 @@ class Autoscaler:
         missing = self.desired() - len(self.replicas())
         if missing <= 0 or not self._may_grow():
             return
-        if self._idle():
+        if self._ongoing() == 0:
             # No request in flight or waiting: a replica asleep keeps its place in the count
             # (woken, it would only fall asleep again, and wake the other as it does: replicas
             # that wake each other in turn for ever). Only a replica that is missing starts.
