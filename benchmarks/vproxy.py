@@ -304,6 +304,9 @@ class PlannerAdmission(ObservedAdmission):
     def holds(self, inst: Any, rank: Any, arrived: float) -> bool:
         return False
 
+    def _spare_stops(self, inst: Any, decision: Plan, *args: Any) -> Plan:
+        return decision
+
     def _claim(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
         backup = dict(self._reclaiming)
         self._reclaiming.clear()  # nobody's turn: every waiter goes

@@ -30,6 +30,7 @@ from vllm_proxy.planning.queueing import (
     order,
     overdue,
     protected,
+    spare_s,
     turn,
 )
 from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
@@ -53,6 +54,12 @@ def test_window_is_capped_by_half_the_queue_timeout() -> None:
     short = Rules(max_reorder_s=5.0, queue_timeout_s=4.0)
     assert short.window_s == 2.0 and overdue(w, 102.0, short)
     assert overdue(w, 100.0, Rules(max_reorder_s=0.0))  # strict FIFO: no window
+
+
+def test_a_waiter_spares_stops_for_its_queue_timeout_less_one_window() -> None:
+    assert spare_s(30.0, RULES) == 25.0
+    assert spare_s(30.0, Rules(max_reorder_s=20.0, queue_timeout_s=30.0)) == 15.0
+    assert spare_s(0.0, Rules(queue_timeout_s=0.0)) == 0.0
 
 
 def test_in_use_counts_the_idle_grace() -> None:
@@ -562,3 +569,47 @@ async def test_a_hold_ends_exactly_at_its_deadline(tmp_path: Path) -> None:
         got, _ = await model.acquire()
     assert got is inst and inst.leases == 1
     assert not queue.tickets
+
+
+@pytest.mark.parametrize("queue_timeout_s", [30.0, 8.0])
+async def test_a_wake_waits_for_a_busy_engine_rather_than_stop_asleep_ones(
+    tmp_path: Path, start_proxy: StartProxy, queue_timeout_s: float
+) -> None:
+    """w (asleep) needs 400 MiB more: stopping the asleep x and y gives it now, putting a to
+    sleep once its stream ends gives it later. Two cold starts later cost more than a wait,
+    so w waits for the stream while its queue time allows (30 s: x and y stay asleep); with
+    a short queue timeout (8 s: it waits 4 s) it stops them rather than answer 503."""
+    long = FakeEngine(tokens=200, token_delay=0.03).env()  # 6 s
+    nap = {"level": 1, "after_idle_s": 600, "memory_mb": 100}
+    models = {
+        "a": {"memory_mb": 500, "env": long, "sleep": {**nap, "memory_mb": 50}},
+        "w": {"memory_mb": 500, "sleep": nap},
+        "x": {"memory_mb": 300, "sleep": nap},
+        "y": {"memory_mb": 300, "sleep": nap},
+    }
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 6, "queue_timeout_s": queue_timeout_s},
+                   min_resident_s=0)  # fmt: skip
+    proxy = await start_proxy(cfg)
+    for name in ("w", "x", "y"):
+        assert (await proxy.chat(name, max_tokens=1)).status == 200
+        nap_task = proxy.instance(name).sleep("test")
+        assert nap_task is not None
+        await nap_task
+    stream = await proxy.chat("a", max_tokens=200, stream=True)
+    await stream.content.readany()
+    sent = time.monotonic()
+    woken = asyncio.ensure_future(proxy.chat("w", max_tokens=1))
+    if queue_timeout_s == 30.0:
+        await stream.read()
+        assert (await woken).status == 200
+        assert proxy.instance("a").asleep, "a was put to sleep once its stream ended"
+        for name in ("x", "y"):
+            assert proxy.instance(name).asleep, f"{name} was stopped"
+            assert proxy.engine_starts(name) == 1
+    else:
+        assert (await woken).status == 200
+        assert time.monotonic() - sent < 5.5, "w waited for the whole stream"
+        assert not stream.content.at_eof()
+        for name in ("x", "y"):
+            assert proxy.model(name).sleeper() is None, f"{name} is still asleep"
+        await stream.read()

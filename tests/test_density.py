@@ -58,18 +58,17 @@ def test_every_policy_on_the_small_workload(small: dict[str, Any]) -> None:
         )
     planner = small["planner"].summary()["attainment"]
     scheduler = small["scheduler"].summary()["attainment"]
-    # A guard, not the goal: with or without the minimum residency (which keeps back-to-back
-    # clients from thrashing, the test below), the scheduler stays within two points of the
-    # planner here. Being at or above it on every workload is the benchmark's to show, and at
-    # this size (6 models, cold starts from the profile) the planner is ahead by about a point.
+    # The goal at this size: with or without the minimum residency (which keeps back-to-back
+    # clients from thrashing, the test below), the scheduler is at or above the planner (it
+    # waits for busy engines rather than stop asleep ones, so it pays fewer cold starts).
     prof = density.load_profile(density.PROFILE)
     arrivals, names, sizes = density.workload(6, prof, SMALL)
     bare = density.simulate("scheduler", arrivals, names, sizes, prof,
                             replace(density.Settings(), min_resident_s=0.0), SMALL.warmup_s,
                             SMALL.duration_s).summary()["attainment"]  # fmt: skip
     print(f"scheduler without a minimum residency: attainment {100 * bare:.1f} %")
-    assert bare >= planner - 0.02, (bare, planner)
-    assert scheduler >= planner - 0.02, (scheduler, planner)
+    assert bare >= planner, (bare, planner)
+    assert scheduler >= planner, (scheduler, planner)
     # No model took memory that a model waiting more than the reorder window longer needed.
     assert small["scheduler"].late_overtakes == 0
 

@@ -14,6 +14,7 @@ from vllm_proxy.planning.scheduler import (
     after,
     never_fits,
     plan,
+    settled,
 )
 
 
@@ -396,3 +397,40 @@ def test_after_a_wake_adds_what_it_takes_to_what_the_sleeper_holds() -> None:
     assert after_devices[0].used_mb == 700
     (woken,) = [v for v in after_views if v.name == "w#1"]
     assert (woken.phase, woken.footprint_mb) == (Phase.STARTING, 300)
+
+
+# -- settled: the snapshot once what moves has arrived and requests have ended ----------------
+
+
+def test_settled_lands_every_engine_in_motion_and_drains_the_busy() -> None:
+    """Starts and wakes are awake and idle, a sleep has left its residue, a stop has given
+    its memory back, busy engines have no lease; the demand's own instance is left alone."""
+    devices = [dev(0, 1000, used=950, pending=40)]
+    falling = InstanceView("f#1", 300, (0,), Phase.FALLING_ASLEEP, 0, 1.0, False, sleep_mb=50)
+    views = [
+        mdl("s#1", 100, phase=Phase.STARTING, leases=2),
+        mdl("w#1", 200, phase=Phase.WAKING, leases=1),
+        falling,
+        mdl("x#1", 150, phase=Phase.STOPPING),
+        sleepable("b#1", 100, 20, leases=3),
+        sleeper("new", 30),
+    ]
+    devs, out = settled(Demand("new", 200, 1, (0,), 0), devices, views)
+    assert devs == [dev(0, 1000, used=950 - 250 - 150)]
+    by_name = {v.name: v for v in out}
+    assert set(by_name) == {"s#1", "w#1", "f#1", "b#1", "new"}
+    assert all(by_name[n].phase is Phase.RUNNING and by_name[n].leases == 0
+               for n in ("s#1", "w#1", "b#1"))  # fmt: skip
+    assert (by_name["f#1"].phase, by_name["f#1"].footprint_mb) == (Phase.ASLEEP, 50)
+    assert by_name["new"] == views[-1]
+
+
+def test_settled_lets_a_plan_sleep_the_busy_instead_of_stopping_the_asleep() -> None:
+    """Now, room for the demand takes stopping two asleep engines; once the busy one has
+    drained, putting it to sleep is enough."""
+    devices = [dev(0, 1000, used=1000)]
+    views = [sleepable("busy#1", 600, 50, leases=1), sleeper("a#1", 200, last=1.0),
+             sleeper("b#1", 200, last=2.0)]  # fmt: skip
+    demand = want(400)
+    assert plan(demand, devices, views, now=10.0) == Plan((0,), ("a#1", "b#1"))
+    assert plan(demand, *settled(demand, devices, views), now=10.0) == Plan((0,), (), ("busy#1",))

@@ -95,6 +95,13 @@ def overdue(w: Waiter, now: float, rules: Rules) -> bool:
     return now - w.since >= rules.window_s
 
 
+def spare_s(queue_timeout_s: float, rules: Rules) -> float:
+    """How long a waiter waits for busy and changing engines rather than stop idle ones that
+    waiting would spare (see `Admission._spare_stops`): its queue timeout less one reorder
+    window, so that it still stops what it must in time to be placed (0: it never waits)."""
+    return max(queue_timeout_s - rules.window_s, 0.0)
+
+
 def in_use(leases: int, queued: int, used_at: float, now: float, rules: Rules) -> bool:
     """A request in flight or queued, or one that ended within the idle grace."""
     return leases > 0 or queued > 0 or now - used_at < rules.idle_grace_s

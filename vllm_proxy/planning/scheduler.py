@@ -271,6 +271,33 @@ def after(
     return [replace(d, used_mb=used[d.id]) for d in devices], out
 
 
+def settled(
+    demand: Demand, devices: Sequence[DeviceView], instances: Sequence[InstanceView]
+) -> tuple[list[DeviceView], list[InstanceView]]:
+    """The snapshot once every engine in motion has arrived and every request has ended: a
+    start or wake is awake and idle, a sleep has left its ``sleep_mb``, a stop has given its
+    memory back, and no engine holds a lease (the demand's own instance is left as it is).
+    What `demand` could take by waiting, rather than by stopping engines now."""
+    used = {d.id: d.used_mb for d in devices}
+    out: list[InstanceView] = []
+    for m in instances:
+        if m.name == demand.name:
+            out.append(m)
+            continue
+        if m.phase is Phase.STOPPING:
+            for i in m.devices:
+                used[i] = used.get(i, 0) - m.footprint_mb
+            continue
+        if m.phase is Phase.FALLING_ASLEEP and m.sleep_mb is not None:
+            for i in m.devices:
+                used[i] = used.get(i, 0) - (m.footprint_mb - m.sleep_mb)
+            m = replace(m, footprint_mb=m.sleep_mb, phase=Phase.ASLEEP)
+        elif m.phase in (Phase.STARTING, Phase.WAKING, Phase.FALLING_ASLEEP):
+            m = replace(m, phase=Phase.RUNNING)
+        out.append(replace(m, leases=0, protected=False))
+    return [replace(d, used_mb=used[d.id], pending_mb=0) for d in devices], out
+
+
 def _allowed(demand: Demand, present: Iterable[int]) -> list[int]:
     ids = sorted(present)
     if demand.allowed_devices is None:

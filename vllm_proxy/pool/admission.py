@@ -5,7 +5,8 @@ with the pure `scheduler.plan()` and the pure queue rules of `queueing`:
 
 * a start or a wake (`admit`, `readmit`) waits in the queue for its turn and for memory, then
   claims its placement and asks the victims of its plan to sleep or stop (it never changes
-  their state itself), waits for their memory to come back, and returns;
+  their state itself), waits for their memory to come back, and returns; a plan that stops
+  engines which waiting for busy or moving ones would spare waits first (`_spare_stops`);
 * a request for a serving instance asks `holds` whether a waiter before it needs that
   instance's memory and has used up its reorder window;
 * starts and wakes report their measured seconds (`timed`): the planner's prices.
@@ -33,6 +34,7 @@ from ..planning.queueing import Queue, Rank, Waiter
 from ..planning.scheduler import (
     DEFAULT_START_S,
     DEFAULT_WAKE_S,
+    MOVING,
     Demand,
     DeviceView,
     InstanceView,
@@ -40,6 +42,7 @@ from ..planning.scheduler import (
     Phase,
     Plan,
     after,
+    settled,
     plan,
 )
 
@@ -171,10 +174,12 @@ class Admission:
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in self._siblings(inst)))
         return demand, list(memory.device_views(pending)), views
 
-    def plan_for(self, inst: Instance, drained: bool = False, protect: bool = True) -> Plan | NoFit:
+    def plan_for(
+        self, inst: Instance, drained: bool = False, protect: bool = True, spare: bool = True
+    ) -> Plan | NoFit:
         """The scheduler's decision for starting (or waking) `inst` now (pure; no effects);
         `drained`: as if every request in flight had ended; `protect`: minimum residencies
-        count."""
+        count; `spare`: a plan that stops engines waiting would spare waits (`_spare_stops`)."""
         demand, devices, views = self._inputs(inst, drained, protect)
         now = self.queue.clock()
         decision = plan(demand, devices, views, now)
@@ -190,7 +195,51 @@ class Admission:
                     " residency and in use)",
                     kept,
                 )
+        if spare and protect and not drained and isinstance(decision, Plan) and decision.evict:
+            return self._spare_stops(inst, decision, demand, devices, now)
         return decision
+
+    def _needs(self, waiter: Instance, inst: Instance) -> bool:
+        """Whether `waiter` cannot be placed now without `inst`'s memory, even by stopping
+        every idle or asleep engine it may take (only then do requests for `inst` wait behind
+        it: otherwise it is not starved by them)."""
+        demand, devices, views = self._inputs(waiter, protect=False)
+        kept = [dataclasses.replace(v, pinned=True) if v.name == inst.id else v for v in views]
+        return not isinstance(plan(demand, devices, kept, self.queue.clock()), Plan)
+
+    def _spare_stops(
+        self, inst: Instance, decision: Plan, demand: Demand, devices: list[DeviceView],
+        now: float,
+    ) -> Plan | NoFit:  # fmt: skip
+        """`decision`, or a wait when it stops engines that waiting would spare. A stop costs
+        that model a cold start later (tens of seconds, with its device locked as long for
+        every other start and wake there), while a busy engine is put to sleep in seconds once
+        its requests end, and an engine starting, waking, falling asleep or stopping settles
+        soon. So a plan that stops more engines than the plan on the settled snapshot
+        (`scheduler.settled`) waits for those engines, until the waiter has waited
+        `queueing.spare_s` (then it stops: a 503 at the queue timeout would be worse)."""
+        waiter = self._waiter(inst.name)
+        if waiter is None or now - waiter.since >= queueing.spare_s(
+            self.queue_timeout_for(inst.spec), self.queue.rules
+        ):
+            return decision
+        views = self._views(None, drained=True)[0]
+        later = plan(demand, *settled(demand, devices, views), now)
+        if not isinstance(later, Plan) or len(later.evict) >= len(decision.evict):
+            return decision
+        now_views = {v.name: v for v in self._views(None, protect=False)[0]}
+        waits = tuple(
+            v.name for v in now_views.values()
+            if v.name != demand.name and (v.leases > 0 or v.phase in MOVING)
+        )  # fmt: skip
+        if not waits:
+            return decision
+        spared = ", ".join(n for n in decision.evict if n not in later.evict)
+        return NoFit(
+            f"model '{inst.name}' waits for {', '.join(waits)} (busy or changing state) rather"
+            f" than stop {spared}",
+            waits,
+        )
 
     def devices(self) -> list[DeviceView]:
         """Each device as the planner sees it now (memory promised to starts and wakes
@@ -214,9 +263,10 @@ class Admission:
         return plan(demand, memory.device_views(pending), views, self.queue.clock())
 
     def _leaves_first(self, head: Instance, inst: Instance, decision: Plan) -> bool:
-        """Whether `inst` carrying out `decision` leaves `head` (the first in order) as well
-        off: once it has, `head`'s plan with busy engines drained still fits and waits for
-        no engine busy now that its plan did not wait for already (`scheduler.after`)."""
+        """Whether `inst` carrying out `decision` leaves `head` (the first in order, or a
+        waiter that began waiting more than the reorder window before `inst`) as well off:
+        once it has, `head`'s plan with busy engines drained still fits and waits for no
+        engine busy now that its plan did not wait for already (`scheduler.after`)."""
         now = self.queue.clock()
         busy = {v.name for v in self._views(protect=False)[0] if v.leases > 0}
         first, devices, views = self._inputs(head, drained=True)
@@ -275,6 +325,11 @@ class Admission:
                 continue
             if (waiter.rank, waiter.since) > (rank, arrived):
                 continue
+            if not self._needs(other, inst):
+                # It can be placed without `inst` (by what is free, idle or asleep elsewhere):
+                # holding requests would slow the engine that serves them, not bring a turn
+                # that would otherwise never come.
+                continue
             decision = self.plan_for(other, drained=True)
             if isinstance(decision, Plan) and queueing.holds(
                 waiter, rank, arrived, (*decision.evict, *decision.sleep), inst.id, now, rules
@@ -304,22 +359,40 @@ class Admission:
             reclaims=reclaims,
             quick=reclaims and self._restore_s(inst) <= self.queue.rules.window_s,
         )  # fmt: skip
-        if answer == queueing.GO:
-            return claim(decision)
-        if answer == queueing.WAIT or not self._leaves_first(head, inst, decision):
+        if answer == queueing.WAIT:
             return None
+        if answer == queueing.IF_FIRST_STILL_FITS and not self._leaves_first(head, inst, decision):
+            return None
+        # The bound on reordering, for every waiter (not only the first) that began waiting
+        # more than the window before this one: none of them loses what its plan needs.
+        window = self.queue.rules.window_s
+        for waiter, other in turns[1:]:
+            if me.since - waiter.since <= window or other.name == inst.name:
+                continue
+            if isinstance(self.plan_for(other, drained=True), Plan) and not self._leaves_first(
+                other, inst, decision
+            ):
+                return None
         return claim(decision)
 
     def _next_change(self) -> float | None:
-        """Seconds until a window, residency or idle grace runs out (None: none pending)."""
+        """Seconds until a window, residency, idle grace or wait for spared stops runs out
+        (None: none pending)."""
         now = self.queue.clock()
         residents = [
             (i.running_since, i.spec.min_resident_s, i.last_used)
             for i in self._all()
             if i.state in AWAKE
         ]
-        at = queueing.next_deadline(self.queue.waiters(), residents, now, self.queue.rules)
-        return None if at is None else at - now
+        rules = self.queue.rules
+        at = queueing.next_deadline(self.queue.waiters(), residents, now, rules)
+        # A waiter that spares stops stops waiting for them at its own moment.
+        spares = [
+            w.since + queueing.spare_s(self.queue_timeout_for(i.spec), rules)
+            for w, i in self._turns()
+        ]
+        later = [t for t in (*spares, at) if t is not None and t > now]
+        return min(later) - now if later else None
 
     async def admit(self, inst: Instance) -> Placement | None:
         """Wait until `inst` fits (putting idle instances to sleep or stopping them, LRU
