@@ -23,6 +23,7 @@ from vllm_proxy.planning.footprint import (
     utilization_for,
 )
 from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
+from vllm_proxy.planning.memory import DeviceLock
 
 MIB = 1024 * 1024
 
@@ -828,3 +829,62 @@ def test_a_level_2_policy_whose_reload_cannot_fit_in_its_kv_room_is_refused(
         _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 2}}})
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 1}}})
     assert memory.estimates["m"].detail["kv_cache_mb"] < 8
+
+
+# -- the device lock: starts and sleeps alone, wakes and stops beside each other --------------
+
+
+async def _entered(lock: DeviceLock, shared: bool, log: list[str], name: str) -> None:
+    await lock.acquire(shared)
+    log.append(name)
+
+
+async def test_device_lock_lets_wakes_and_stops_run_together_and_starts_and_sleeps_alone() -> None:
+    lock = DeviceLock()
+    log: list[str] = []
+    await _entered(lock, True, log, "wake")
+    await _entered(lock, True, log, "stop")  # beside the wake
+    assert lock.holders == 2
+    start = asyncio.ensure_future(_entered(lock, False, log, "start"))
+    later_wake = asyncio.ensure_future(_entered(lock, True, log, "later wake"))
+    await asyncio.sleep(0)
+    # The start waits for both; the wake that came after it waits behind it (no starving).
+    assert log == ["wake", "stop"]
+    lock.release()
+    lock.release()
+    await start
+    assert log == ["wake", "stop", "start"] and not later_wake.done()
+    lock.release()
+    await later_wake
+    sleep = asyncio.ensure_future(_entered(lock, False, log, "sleep"))
+    await asyncio.sleep(0)
+    assert not sleep.done(), "a sleep ran beside a wake"
+    lock.release()
+    await sleep
+    lock.release()
+    assert lock.holders == 0
+
+
+async def test_device_lock_forgets_a_waiter_that_gave_up() -> None:
+    lock = DeviceLock()
+    log: list[str] = []
+    await _entered(lock, True, log, "wake")
+    start = asyncio.ensure_future(_entered(lock, False, log, "start"))
+    behind = asyncio.ensure_future(_entered(lock, True, log, "second wake"))
+    await asyncio.sleep(0)
+    assert not behind.done()
+    start.cancel()  # the start was stopped while it waited for the device
+    await asyncio.gather(start, return_exceptions=True)
+    await behind  # nothing exclusive waits before it any more: it runs beside the first wake
+    assert log == ["wake", "second wake"] and lock.holders == 2
+    lock.release()
+    lock.release()
+    # A waiter cancelled in the moment it was granted gives the lock back.
+    await _entered(lock, False, log, "sleep")
+    granted = asyncio.ensure_future(_entered(lock, False, log, "start"))
+    await asyncio.sleep(0)
+    lock.release()  # grants `granted` ...
+    granted.cancel()  # ... which is cancelled before it runs
+    await asyncio.gather(granted, return_exceptions=True)
+    assert lock.holders == 0
+    await asyncio.wait_for(_entered(lock, False, log, "free again"), 1)

@@ -211,7 +211,10 @@ async def test_reclaim_sleeps_first_then_stops_sleepers_never_busy(
     models = {
         "a": {"model": "x", "memory_mb": 300, "sleep": policy},
         "b": {"model": "x", "memory_mb": 300, "sleep": policy},
-        "busy": {"model": "x", "memory_mb": 300, "sleep": policy, "env": long},
+        # No sleep policy: waiting for its stream would only stop it in a sleeper's place, so
+        # e does not wait for it (a busy engine that could sleep instead is waited for:
+        # test_admission.py::test_a_wake_waits_for_a_busy_engine_rather_than_stop_asleep_ones).
+        "busy": {"model": "x", "memory_mb": 300, "env": long},
         "d": {"model": "x", "memory_mb": 400},
         "e": {"model": "x", "memory_mb": 150},
     }

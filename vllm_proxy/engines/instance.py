@@ -137,7 +137,7 @@ class EngineContext:
     #: Serialises starts per device (memory managed only).
     memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
     #: Serialises a wake with starts on the same devices (memory managed only).
-    device_lock: Callable[[tuple[int, ...]], AbstractAsyncContextManager[None]] | None = None
+    device_lock: Callable[..., AbstractAsyncContextManager[None]] | None = None
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
     #: An instance whose /sleep call returned now holds this many MiB per device (None: what
@@ -868,11 +868,16 @@ class Instance:
             self._begin_stop()
 
     @asynccontextmanager
-    async def _devices_held(self) -> AsyncIterator[None]:
-        """Its devices' lock (memory managed only), marked as held by this instance. A stop
-        begun while it is held (its own failed sleep or wake, an unload) runs without the lock
-        and is waited for before the lock goes: the engine's memory is back by then."""
-        lock = self.ctx.device_lock(self.devices) if self.ctx.device_lock and self.devices else None
+    async def _devices_held(self, shared: bool = False) -> AsyncIterator[None]:
+        """Its devices' lock (memory managed only), marked as held by this instance; `shared`
+        for a wake or a stop (`memory.DeviceLock`). A stop begun while it is held (its own
+        failed sleep or wake, an unload) runs without the lock and is waited for before the
+        lock goes: the engine's memory is back by then."""
+        lock = (
+            self.ctx.device_lock(self.devices, shared=shared)
+            if self.ctx.device_lock and self.devices
+            else None
+        )
         async with lock or _nothing():
             self._owns_devices = True
             try:
@@ -931,9 +936,10 @@ class Instance:
         level = self.sleep_level
         failure: str | None = None
         # Not while another engine starts on these devices (its memory profiling would count
-        # the wake's allocations as its own); the wait is bounded by that start. A failed wake
-        # stops the engine before the lock goes: it may still be allocating.
-        async with self._devices_held():
+        # the wake's allocations as its own) or sleeps there (vLLM asserts the device's usage
+        # went down); beside other wakes and stops. The wait is bounded by that start or sleep.
+        # A failed wake stops the engine before the lock goes: it may still be allocating.
+        async with self._devices_held(shared=True):
             try:
                 async with asyncio.timeout(self.spec.wake_timeout_s):
                     if self.state is not State.WAKING:
@@ -1062,8 +1068,8 @@ class Instance:
             else:
                 # Memory given back while a neighbour profiles its start fails that start
                 # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
-                # it until the driver has taken the memory back.
-                async with self._devices_held():
+                # it until the driver has taken the memory back (beside wakes and other stops).
+                async with self._devices_held(shared=True):
                     before = await self.ctx.usage(engine.pid, self.devices)
                     code = await engine.stop(grace)
                     await self.ctx.wait_released(before)

@@ -15,12 +15,14 @@ would grow the budget at every restart.
 vLLM measures memory device-wide while it profiles a start and while it sleeps, and fails when
 another process freed (or, during a sleep, allocated) memory on the device meanwhile. So every
 change an engine makes on its devices that the proxy orders — start, wake, sleep, stop — holds
-that device's lock (`device_lock`) for as long as the change takes.
+that device's lock (`device_lock`) for as long as the change takes: a start or a sleep alone,
+wakes and stops beside each other (`DeviceLock`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -136,6 +138,74 @@ def _nvml_source(ids: list[int] | None) -> NvmlMonitor:
     return monitor
 
 
+
+class DeviceLock:
+    """One device's lock, first come first served, in two modes.
+
+    Exclusive: a start (vLLM profiles its memory device-wide from spawn to ready: "Error in
+    memory profiling" when another process frees memory meanwhile, a KV cache short by what
+    another allocated) and a sleep (vLLM asserts the device's free memory did not drop while
+    it slept, ``v1/worker/gpu_worker.py:318-334``; the proxy may measure the residue as the
+    device's drop). Shared: a wake (``gpu_worker.py`` ``wake_up`` checks nothing device-wide)
+    and a stop (the proxy waits for the engine's own processes to leave NVML's list): they
+    run beside each other, never beside a start or a sleep. A request waits behind every
+    earlier one that it cannot run beside, so a start is not starved by a stream of wakes.
+    Devices are always taken in ascending order, so several engines on several devices
+    cannot wait for each other in a circle."""
+
+    def __init__(self) -> None:
+        self._holders = 0
+        self._exclusive = False
+        self._waiting: collections.deque[tuple[bool, asyncio.Future[None]]] = collections.deque()
+
+    @property
+    def holders(self) -> int:
+        return self._holders
+
+    async def acquire(self, shared: bool) -> None:
+        if not self._waiting and self._free_for(shared):
+            self._take(shared)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (shared, fut)
+        self._waiting.append(entry)
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # granted in the moment it was cancelled
+            else:
+                with contextlib.suppress(ValueError):
+                    self._waiting.remove(entry)
+                self._grant()  # what waited behind it may run now
+            raise
+
+    def release(self) -> None:
+        self._holders -= 1
+        if self._holders == 0:
+            self._exclusive = False
+        self._grant()
+
+    def _free_for(self, shared: bool) -> bool:
+        return not self._exclusive and (shared or self._holders == 0)
+
+    def _take(self, shared: bool) -> None:
+        self._holders += 1
+        self._exclusive = not shared
+
+    def _grant(self) -> None:
+        while self._waiting:
+            shared, fut = self._waiting[0]
+            if fut.done():
+                self._waiting.popleft()
+                continue
+            if not self._free_for(shared):
+                return
+            self._waiting.popleft()
+            self._take(shared)
+            fut.set_result(None)
+
+
 class Memory:
     """Footprints, the GPU source and the device locks; one per proxy."""
 
@@ -158,7 +228,7 @@ class Memory:
         self.free_timeout_s = config.gpu.free_timeout_s
         self.poll_interval_s = config.gpu.poll_interval_s
         self.metrics = metrics
-        self._locks: dict[int, asyncio.Lock] = {}
+        self._locks: dict[int, DeviceLock] = {}
         self.snapshots = source.read()
         self.totals = {s.id: s.total_mb for s in self.snapshots}
         #: Device names where NVML gives them: vLLM's batch defaults depend on the device.
@@ -552,15 +622,19 @@ class Memory:
         }
 
     @contextlib.asynccontextmanager
-    async def device_lock(self, devices: tuple[int, ...]) -> AsyncIterator[None]:
+    async def device_lock(
+        self, devices: tuple[int, ...], shared: bool = False
+    ) -> AsyncIterator[None]:
         """The per-device locks, without a measurement: held by every memory change an engine
         makes there that the proxy orders (a wake reallocates, a sleep or a stop frees), so that
         none overlaps another engine's start (and its memory profiling) on those devices.
-        `starting_on` takes the same locks for a start."""
-        locks = [self._locks.setdefault(d, asyncio.Lock()) for d in sorted(devices)]
+        `starting_on` takes the same locks for a start. `shared`: wakes and stops, which vLLM
+        and the proxy check per engine only, run beside each other (`DeviceLock`)."""
+        locks = [self._locks.setdefault(d, DeviceLock()) for d in sorted(devices)]
         async with contextlib.AsyncExitStack() as stack:
             for lock in locks:
-                await stack.enter_async_context(lock)
+                await lock.acquire(shared)
+                stack.callback(lock.release)
             yield
 
     @contextlib.asynccontextmanager
