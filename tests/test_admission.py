@@ -613,3 +613,45 @@ async def test_a_wake_waits_for_a_busy_engine_rather_than_stop_asleep_ones(
         for name in ("x", "y"):
             assert proxy.model(name).sleeper() is None, f"{name} is still asleep"
         await stream.read()
+
+
+async def test_requests_for_an_engine_are_not_held_behind_a_waiter_that_can_go_without_it(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """w waits to spare the asleep s (a stop) for b's stream; its window runs out. A request
+    for the idle x is not held behind it: w could be placed without x (by stopping s), so
+    holding x's requests would only slow x."""
+    long = FakeEngine(tokens=400, token_delay=0.03).env()  # 12 s
+    nap = {"level": 1, "after_idle_s": 600, "memory_mb": 50}
+    models = {
+        "s": {"memory_mb": 600, "sleep": {**nap, "memory_mb": 300}},
+        "x": {"memory_mb": 300, "sleep": nap},
+        "b": {"memory_mb": 300, "sleep": nap, "env": long},
+        "w": {"memory_mb": 400},
+    }
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 1, "queue_timeout_s": 30},
+                   min_resident_s=0)  # fmt: skip
+    proxy = await start_proxy(cfg)
+    assert (await proxy.chat("s", max_tokens=1)).status == 200
+    nap_task = proxy.instance("s").sleep("test")
+    assert nap_task is not None
+    await nap_task
+    assert (await proxy.chat("x", max_tokens=1)).status == 200
+    stream = await proxy.chat("b", max_tokens=400, stream=True)
+    await stream.content.readany()
+    w = asyncio.ensure_future(proxy.chat("w", max_tokens=1))
+    await wait_for(lambda: proxy.manager.queue.waiting("w") > 0, what="w queued")
+    queue = proxy.manager.queue
+
+    def w_overdue() -> bool:
+        waiter = next((x for x in queue.waiters() if x.model == "w"), None)
+        return waiter is not None and overdue(waiter, queue.clock(), queue.rules)
+
+    await wait_for(w_overdue, what="w's window used up")
+    assert not w.done(), "w did not wait for b's stream"
+    assert (await proxy.chat("x", max_tokens=1)).status == 200
+    assert not stream.content.at_eof(), "x's request was held until b's stream ended"
+    assert not w.done()
+    await stream.read()
+    assert (await w).status == 200
+    assert proxy.instance("s").asleep, "s was stopped although b's stream ended in time"
