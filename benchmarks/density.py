@@ -1168,8 +1168,11 @@ def alt_table(jobs: Sequence[Any], rows: Sequence[dict[str, Any]],
         base = {b["policy"]: b for b in by_rate.get(rate, main_rows)}
         for shown in ([base["sleep-on-swap"]] if "sleep-on-swap" in base and
                       j[0] == "planner" else []) + [r]:  # fmt: skip
-            name = shown["policy"] if shown is not r else f"{r['policy']}, idle_timeout_s " \
-                f"{j[4].idle_timeout_s:g}"
+            name = (
+                shown["policy"]
+                if shown is not r
+                else f"{r['policy']}, idle_timeout_s {j[4].idle_timeout_s:g}"
+            )
             cells = " | ".join(pc(shown["at_target"][f"{t:g}"]) for t in SLO_TARGETS)
             out.append(f"| {rate:g} | {name} | {cells} | {pc(shown['answered'])} | "
                        f"{shown['cold_starts_per_min']:.2f} |")  # fmt: skip
@@ -1371,8 +1374,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--zipf", type=float, default=Traffic.zipf, help="Zipf exponent")
     g.add_argument("--cv", type=float, default=Traffic.cv, help="inter-arrival CV (1 = Poisson)")
     g.add_argument("--seed", type=int, default=Traffic.seed)
-    g.add_argument("--seeds", type=int, default=Traffic.seeds,
-                   help="runs counted together (seeds --seed, --seed + 1, ...)")
+    g.add_argument(
+        "--seeds",
+        type=int,
+        default=Traffic.seeds,
+        help="runs counted together (seeds --seed, --seed + 1, ...)",
+    )
     g.add_argument("--duration-s", type=float, default=Traffic.duration_s, help="counted time")
     g.add_argument(
         "--warmup-s",
@@ -1520,7 +1527,7 @@ def main(argv: list[str] | None = None) -> int:
         for q in [traffic.rate, *[q for q in rates if q != traffic.rate]] for x in proxies
     ]  # fmt: skip
     done_all = run_jobs(jobs + alt_jobs, workers)
-    done, alt_done = done_all[: len(jobs)], done_all[len(jobs):]
+    done, alt_done = done_all[: len(jobs)], done_all[len(jobs) :]
     main_rows = done[: len(pols)]
     sweep = [r for r, j in zip(done, jobs, strict=True) if j[1] in ms and j[3] == traffic]
     by_rate = {q: [r for r, j in zip(done, jobs, strict=True) if j[1] == m and j[3].rate == q]
@@ -1556,9 +1563,14 @@ def main(argv: list[str] | None = None) -> int:
         sweeps[q] = other
         lines += ["", f"The same at {q:g} requests/s:", "", *sweep_table(other, pols)]
     if alt is not None:
-        lines += ["", f"The planner and the scheduler with `idle_timeout_s: {alt.idle_timeout_s:g}`"
-                  " (an idle engine, awake or asleep, is stopped only when its memory is "
-                  f"needed), M = {m}:", "", *alt_table(alt_jobs, alt_done, main_rows, by_rate)]
+        lines += [
+            "",
+            f"The planner and the scheduler with `idle_timeout_s: {alt.idle_timeout_s:g}`"
+            " (an idle engine, awake or asleep, is stopped only when its memory is "
+            f"needed), M = {m}:",
+            "",
+            *alt_table(alt_jobs, alt_done, main_rows, by_rate),
+        ]
         res["also_idle_timeout"] = {"idle_timeout_s": alt.idle_timeout_s, "rows": [
             {**{k: v for k, v in r.items() if k != "per_model"}, "rate": j[3].rate}
             for r, j in zip(alt_done, alt_jobs, strict=True)]}  # fmt: skip

@@ -138,7 +138,6 @@ def _nvml_source(ids: list[int] | None) -> NvmlMonitor:
     return monitor
 
 
-
 class DeviceLock:
     """One device's lock, first come first served, in two modes.
 

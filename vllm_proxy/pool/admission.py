@@ -42,8 +42,8 @@ from ..planning.scheduler import (
     Phase,
     Plan,
     after,
-    settled,
     plan,
+    settled,
 )
 
 log = logging.getLogger(__name__)
@@ -230,7 +230,7 @@ class Admission:
         now_views = {v.name: v for v in self._views(None, protect=False)[0]}
         waits = tuple(
             v.name for v in now_views.values()
-            if v.name != demand.name and (v.leases > 0 or v.phase in MOVING)
+            if v.name != demand.name and not v.pinned and (v.leases > 0 or v.phase in MOVING)
         )  # fmt: skip
         if not waits:
             return decision
