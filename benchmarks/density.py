@@ -37,7 +37,8 @@ The policies, side by side on the same requests:
   simulated by hand: they run the proxy's own ``Manager``, ``Model``, ``Instance``,
   ``Admission``, ``Memory`` (a static budget), admission queue and ``HostRam``, built from a
   parsed config so that the shipped defaults apply (idle timers, the level-2 fallback where
-  host RAM is short, the device locks of starts and wakes); only the engine process is virtual
+  host RAM is short, the device locks: starts and sleeps alone, wakes and stops beside each
+  other); only the engine process is virtual
   and time jumps to the next timer (benchmarks/vproxy.py). The scheduler is ``Admission`` as
   it is; the planner is the same code with no measured prices (victims least recently used
   first), no holds, no turns (any waiting bring-up takes memory as soon as its plan fits) and
@@ -81,6 +82,7 @@ import os
 import random
 import re
 import sys
+import time
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -513,6 +515,8 @@ class Settings:
     #: ``idle_timeout_s`` for every model (None: the shipped default; 0: an idle engine, awake
     #: or asleep, is stopped only when its memory is needed).
     idle_timeout_s: float | None = None
+    #: Scheduler rules left out (vproxy.ABLATIONS: holds, prices, spare), to measure each.
+    without: tuple[str, ...] = ()
 
 
 @dataclass
@@ -1040,6 +1044,7 @@ def proxy_run(
              for k, c in enumerate(clients)]  # fmt: skip
     outcomes = vproxy.run(
         cfg, world, [*(request(a) for a in arrivals), *first], planner=not scheduler,
+        without=frozenset(st.without) if scheduler else frozenset(),
         count=lambda t: warmup_s <= t < end, give_up_s=st.give_up_s, until=end,
         client_requests=next_of,
     )  # fmt: skip
@@ -1439,6 +1444,11 @@ def main(argv: list[str] | None = None) -> int:
         help="also the planner and the scheduler with this idle_timeout_s, at each rate",
     )
     g = p.add_argument_group("the scheduler's settings")
+    g.add_argument(
+        "--without",
+        default="",
+        help="scheduler rules to leave out, to measure each: " + ",".join(vproxy.ABLATIONS),
+    )
     g.add_argument("--max-reorder-s", type=float, default=Settings.max_reorder_s)
     g.add_argument("--min-resident-s", type=float, default=Settings.min_resident_s)
     g.add_argument("--idle-grace-s", type=float, default=Settings.idle_grace_s)
@@ -1475,12 +1485,16 @@ def main(argv: list[str] | None = None) -> int:
     st = Settings(args.slo_warm_s, args.slo_cold_s, args.sleep_level, args.max_reorder_s,
                   args.min_resident_s, args.idle_grace_s, args.queue_timeout_s,
                   args.give_up_s, args.host_ram_gib, not args.no_idle_timers,
-                  args.idle_timeout_s)  # fmt: skip
+                  args.idle_timeout_s, tuple(x for x in args.without.split(",") if x))  # fmt: skip
+    for x in st.without:
+        if x not in vproxy.ABLATIONS:
+            p.error(f"unknown rule {x!r} for --without (known: {', '.join(vproxy.ABLATIONS)})")
     warmup = args.warmup_s if args.warmup_s is not None else (0.0 if args.replay else 600.0)
     traffic = Traffic(args.rate, args.zipf, args.cv, args.seed, args.duration_s, warmup,
                       args.prompt_median, args.prompt_sigma, Traffic.prompt_max,
                       args.output_median, args.output_sigma, Traffic.output_max,
                       max(args.seeds, 1))  # fmt: skip
+    began = time.monotonic()
     command = " ".join(["benchmarks/density.py", *(argv if argv is not None else sys.argv[1:])])
     gib = prof.total_mib / MIB_PER_GIB
     lines: list[str] = []
@@ -1539,8 +1553,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{traffic.duration_s:,.0f} s counted after {warmup:,.0f} s; SLO: TTFT <= "
             f"{st.slo_warm_s:g} s (model awake or asleep) / {st.slo_cold_s:g} s (cold); "
             f"scheduler: max_reorder_s {st.max_reorder_s:g}, min_resident_s "
-            f"{st.min_resident_s:g}, idle_grace_s {st.idle_grace_s:g}; queue_timeout_s "
-            f"{st.queue_timeout_s:g}.")  # fmt: skip
+            f"{st.min_resident_s:g}, idle_grace_s {st.idle_grace_s:g}"
+            + (f", without {', '.join(st.without)}" if st.without else "")
+            + f"; queue_timeout_s {st.queue_timeout_s:g}.")  # fmt: skip
     lines += [head, "", *summary_table(main_rows), "", *targets_table(main_rows),
               *groups_note(main_rows)]  # fmt: skip
     if args.per_model or args.docs:
@@ -1587,6 +1602,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.tune:
         tune_lines, res["tune"] = tune(args, prof, traffic, st, m, workers)
         lines += ["", *tune_lines]
+    res["wall_s"] = time.monotonic() - began
     _print(lines, command)
     _save(args.out, res)
     if args.docs:
@@ -1774,8 +1790,9 @@ def docs_section(
         "",
         "What runs as in the proxy (planner and scheduler): admission, the queue and its "
         "rules, holds, turns, minimum residency, `queue_timeout_s` (503s), the idle timers as "
-        "shipped (`idle_timeout_s`, `sleep.after_idle_s`), the device locks of starts and "
-        "wakes, and the host-RAM check with its level-2 fallback (host RAM "
+        "shipped (`idle_timeout_s`, `sleep.after_idle_s`), the device locks (starts and "
+        "sleeps alone, wakes and stops beside each other), and the host-RAM check with its "
+        "level-2 fallback (host RAM "
         f"{res['settings']['host_ram_gib']:g} GiB; {m} models would pin {pinned:.0f} GiB at "
         "level 1). What is not simulated: vLLM itself (the engine times are the profile's, "
         "fixed per size, with no noise), KV-cache pressure and preemption inside one engine "
@@ -1785,8 +1802,8 @@ def docs_section(
         "GPUs and tensor parallelism, request priorities (every rank is equal). Clients give up "
         "only with `--give-up-s`.",
         "",
-        f"`.venv/bin/python {command}` ({res['when']}, git {res['git']}; a few minutes on "
-        f"{os.cpu_count()} cores)",
+        f"`.venv/bin/python {command}` ({res['when']}, git {res['git']}; "
+        f"{res.get('wall_s', 0) / 60:.0f} minutes on {os.cpu_count()} cores)",
     ]
 
 
@@ -1968,7 +1985,13 @@ def standing(plan_: dict[str, Any], sched: dict[str, Any],
         f"overtakes in one run: {late}; "
     )
     if behind:
-        text += "it is behind the planner at " + "; ".join(behind) + " (points)."
+        text += (
+            "it is behind the planner at " + "; ".join(behind) + " (points). What costs it "
+            "there is the fairness the planner lacks: its holds (requests for an engine wait "
+            "behind a model that needs it and has waited its window) and its measured prices; "
+            "`--without holds,prices` gives it the planner's figures on such a workload, and "
+            "`--pair-s 600 --without holds` shows the two-client case starving without holds."
+        )
     else:
         text += "it is at or above the planner at every target, rate and M run."
     return text + f" The goal is **{'met' if met else 'not met'}**."

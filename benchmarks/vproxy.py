@@ -316,6 +316,29 @@ class PlannerAdmission(ObservedAdmission):
             self._reclaiming.update(backup)
 
 
+def _no_holds(self: Any, inst: Any, rank: Any, arrived: float) -> bool:
+    return False
+
+
+def _no_prices(self: Any, spec: ModelSpec, kind: str, seconds: float) -> None:
+    return None
+
+
+def _no_spare(self: Any, inst: Any, decision: Plan, *args: Any) -> Plan:
+    return decision
+
+
+#: Scheduler rules a run can go without (``density.py --without``), to measure what each is
+#: worth: holds (the reorder bound on requests for serving engines), measured prices (victims
+#: least recently used first instead) and waits that spare stops.
+ABLATIONS: dict[str, Callable[..., Any]] = {
+    "holds": _no_holds,
+    "prices": _no_prices,
+    "spare": _no_spare,
+}
+ABLATIONS_BY_METHOD = {"holds": "holds", "prices": "timed", "spare": "_spare_stops"}
+
+
 @dataclass(frozen=True)
 class Request:
     """One request: when, which model (name), its prefill and decode seconds."""
@@ -362,6 +385,7 @@ def run(
     requests: Sequence[Request],
     *,
     planner: bool = False,
+    without: frozenset[str] = frozenset(),
     count: Callable[[float], bool] = lambda _t: True,
     give_up_s: float | None = None,
     think_s: Sequence[float] = (),
@@ -375,7 +399,7 @@ def run(
     logging.getLogger("vllm_proxy").setLevel(logging.ERROR)
     try:
         return loop.run_until_complete(
-            _serve(cfg, world, requests, planner, count, give_up_s, client_requests, until)
+            _serve(cfg, world, requests, planner, count, give_up_s, client_requests, until, without)
         )
     finally:
         logging.getLogger("vllm_proxy").setLevel(previous)
@@ -392,7 +416,7 @@ def run(
 async def _serve(cfg: Any, world: World, requests: Sequence[Request], planner: bool,
                  count: Callable[[float], bool], give_up_s: float | None,
                  client_requests: Callable[[int, float], Request | None] | None,
-                 until: float) -> list[Outcome]:  # fmt: skip
+                 until: float, without: frozenset[str] = frozenset()) -> list[Outcome]:  # fmt: skip
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     specs = cfg.specs()
@@ -408,7 +432,8 @@ async def _serve(cfg: Any, world: World, requests: Sequence[Request], planner: b
     # The same object, watched (and for the planner, without the queue's rules).
     assert manager.admission is not None
     kind = PlannerAdmission if planner else ObservedAdmission
-    manager.admission.__class__ = type("Watched", (kind,), {"world": world})
+    removed = {ABLATIONS_BY_METHOD[name]: ABLATIONS[name] for name in without}
+    manager.admission.__class__ = type("Watched", (kind,), {"world": world, **removed})
     ctx.hold = manager.admission.holds
     ctx.timed = manager.admission.timed
     outcomes: list[Outcome] = []
