@@ -26,6 +26,7 @@ from aiohttp import web
 from .config import AdmissionConfig, Config, ModelSpec, ServerConfig, load_for_reload, state_dir
 from .engines.engine import PortAllocator
 from .engines.instance import EngineContext
+from .engines.readahead import ReadAhead
 from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .frontend.admin import Admin, add_admin_routes
@@ -288,7 +289,8 @@ async def create_app(
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
     # For health polling, engine metrics and admin calls; requests go through `UpstreamPool`.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
+    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics,
+                        read_ahead=ReadAhead())  # fmt: skip
     adm = config.admission
     manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
     manager.start()
