@@ -117,6 +117,8 @@ Hosts = frozenset[tuple[str, int | None]]
 #: Host header values whose verdict is remembered (a look-up is far cheaper than parsing one);
 #: the memory is emptied when full, so a client sending new values cannot grow it.
 HOST_VERDICTS = 1024
+#: At shutdown, how long read-aheads still in flight may take (a posix_fadvise call each).
+READ_AHEAD_WAIT_S = 2.0
 
 
 class Misdirected(ProxyError):
@@ -323,6 +325,8 @@ async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
     rt.admin.close()
     await rt.manager.shutdown()
+    if rt.manager.ctx.read_ahead is not None:  # a worker thread each: none left at loop close
+        await rt.manager.ctx.read_ahead.wait(READ_AHEAD_WAIT_S)
     rt.proxy.upstream.close()
     await rt.session.close()
 

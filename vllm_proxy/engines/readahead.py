@@ -166,7 +166,7 @@ class ReadAhead:
             return Outcome(skipped=f"failed: {err!r}")
         return outcome
 
-    async def wait(self) -> None:
-        """Until the read-aheads in flight now have ended (tests, shutdown)."""
+    async def wait(self, timeout: float | None = None) -> None:
+        """Until the read-aheads in flight now have ended, or `timeout` (tests, shutdown)."""
         if self._running:
-            await asyncio.wait(list(self._running.values()))
+            await asyncio.wait(list(self._running.values()), timeout=timeout)
