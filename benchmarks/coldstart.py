@@ -63,9 +63,10 @@ whatever the compile cache holds); the read-ahead on a real checkpoint (the tiny
 weights are about 1 MiB, read from disk in milliseconds, so the two read-ahead rows differ by
 noise, not by the read-ahead; on a GPU host with a checkpoint of tens of GiB on a disk that
 reads 0.5-2 GiB/s, the read-ahead saves up to the time it takes to read the files, when the
-start waits or the model stopped long enough before); a start after a level-2 sleep. The host
-is shared with other work: the load average is given, and single rounds vary by several
-seconds."""
+start waits or the model stopped long enough before); a start after a level-2 sleep. The two
+rows with the page cache dropped run last in each round, after three starts: compare them with
+each other, not with *cache kept*. The host is shared with other work: the load average is
+given, and single rounds vary by several seconds."""
 CASES = (
     "first start",
     "cache kept",
@@ -176,12 +177,21 @@ def table(rounds: list[dict[str, float]], meta: dict[str, Any]) -> str:
             rows.append(f"| {name} | {statistics.median(xs):.1f} | {min(xs):.1f}-{max(xs):.1f} "
                         f"| {len(xs)} |")  # fmt: skip
     rows.append("")
+    rows.append(f"Median of the per-round differences: compile cache kept - removed "
+                f"{paired(rounds, 'cache kept', 'cache removed')}; read-ahead on - off "
+                f"{paired(rounds, CASES[3], CASES[4])}.")  # fmt: skip
+    rows.append("")
     rows.append(f"Weights: {meta['weights_bytes'] / 2**20:.1f} MiB; {meta['machine']}; load "
                 f"average {meta['load_before']} before, {meta['load_after']} after; "
                 f"git {meta['rev']}, {meta['date']}.")  # fmt: skip
     rows.append("")
     rows.append(f"    {meta['command']}")
     return "\n".join(rows)
+
+
+def paired(rounds: list[dict[str, float]], a: str, b: str) -> str:
+    diffs = [r[a] - r[b] for r in rounds if a in r and b in r]
+    return f"{statistics.median(diffs):+.1f} s" if diffs else "n/a"
 
 
 def vllm_version() -> str:
