@@ -22,6 +22,7 @@ OTHER_SECTIONS = {
     "## Large request bodies": "streams.py",
     "## Density: many models on one GPU": "density.py",
     "## LoRA adapter switch": "lora_switch.py",
+    "## Cold start": "coldstart.py",
     "## Several servers: placement across a fleet": "fleet.py",
     SIDE_BY_SIDE: "compare_revisions.py",
 }

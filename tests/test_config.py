@@ -245,6 +245,24 @@ def test_a_model_reloads_its_weights_unless_its_load_format_cannot() -> None:
     assert specs["auto"].reloadable and not specs["t"].reloadable
 
 
+@pytest.mark.parametrize(
+    "fmt", ["runai_streamer", "fastsafetensors", "sharded_state", "tensorizer"]
+)
+def test_load_format_and_its_strategy_reach_the_engine_as_they_are(fmt: str) -> None:
+    args = {"load_format": fmt, "safetensors_load_strategy": "prefetch"}
+    argv = parse_config({"models": {"m": {"model": "x", "args": args}}}).specs()["m"].engine_argv(1)
+    assert argv[argv.index("--load-format") + 1] == fmt
+    assert argv[argv.index("--safetensors-load-strategy") + 1] == "prefetch"
+
+
+def test_read_ahead_is_on_unless_a_model_or_the_engine_turns_it_off() -> None:
+    models = {"on": {"model": "x"}, "off": {"model": "x", "read_ahead": False}}
+    specs = parse_config({"models": models}).specs()
+    assert specs["on"].read_ahead and not specs["off"].read_ahead
+    engine_off = parse_config({"engine": {"read_ahead": False}, "models": models}).specs()
+    assert not engine_off["on"].read_ahead
+
+
 def test_pooling_models_are_recognised(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["BertModel"]}')
     models = {

@@ -26,6 +26,7 @@ from aiohttp import web
 from .config import AdmissionConfig, Config, ModelSpec, ServerConfig, load_for_reload, state_dir
 from .engines.engine import PortAllocator
 from .engines.instance import EngineContext
+from .engines.readahead import ReadAhead
 from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .frontend.admin import Admin, add_admin_routes
@@ -116,6 +117,8 @@ Hosts = frozenset[tuple[str, int | None]]
 #: Host header values whose verdict is remembered (a look-up is far cheaper than parsing one);
 #: the memory is emptied when full, so a client sending new values cannot grow it.
 HOST_VERDICTS = 1024
+#: At shutdown, how long read-aheads still in flight may take (a posix_fadvise call each).
+READ_AHEAD_WAIT_S = 2.0
 
 
 class Misdirected(ProxyError):
@@ -288,7 +291,8 @@ async def create_app(
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
     # For health polling, engine metrics and admin calls; requests go through `UpstreamPool`.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics)
+    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics,
+                        read_ahead=ReadAhead())  # fmt: skip
     adm = config.admission
     manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
     manager.start()
@@ -321,6 +325,8 @@ async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
     rt.admin.close()
     await rt.manager.shutdown()
+    if rt.manager.ctx.read_ahead is not None:  # a worker thread each: none left at loop close
+        await rt.manager.ctx.read_ahead.wait(READ_AHEAD_WAIT_S)
     rt.proxy.upstream.close()
     await rt.session.close()
 

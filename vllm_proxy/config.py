@@ -433,6 +433,9 @@ class EngineKeys(_Strict):
     loading_keepalive_interval_s: float = Field(10, gt=0)
     #: ... or, with this, visible progress chunks (for chat UIs) instead of comments.
     loading_progress: bool = False
+    #: Read the weight files ahead into the page cache (where host RAM has room for them) when
+    #: an engine stops, sleeps at level 2 or its start waits (see `engines.readahead`).
+    read_ahead: bool = True
     #: Merged key by key over the engine's (a model's entries win) ...
     env: dict[str, str] = {}
     args: dict[str, ArgValue] = {}
@@ -735,6 +738,7 @@ class ModelSpec:
     warmup: bool
     loading_keepalive_interval_s: float
     loading_progress: bool
+    read_ahead: bool
     env: tuple[tuple[str, str], ...]
     args: tuple[tuple[str, ArgValue], ...]
     extra_args: tuple[str, ...]

@@ -256,6 +256,18 @@ class Metrics:
             registry=r,
         )
 
+        self.read_ahead_bytes = Counter(
+            "vllm_proxy_read_ahead_bytes_total",
+            "Bytes of weight files the proxy asked the kernel to read ahead into the page cache",
+            ["model_id"],
+            registry=r,
+        )
+        self.read_ahead_files = Counter(
+            "vllm_proxy_read_ahead_files_total",
+            "Weight files the proxy asked the kernel to read ahead into the page cache",
+            ["model_id"],
+            registry=r,
+        )
         self.evictions = Counter(
             "vllm_proxy_evictions_total",
             "Engines stopped to free memory or because they sat idle",

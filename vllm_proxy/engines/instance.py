@@ -54,6 +54,7 @@ from .engine import (
 )
 from .lora import Registrations
 from .oracle import Oracle, mismatch, take
+from .readahead import Outcome, ReadAhead
 from .registry import EngineRegistry
 from .states import (
     ASLEEP_OR_FALLING,
@@ -170,6 +171,8 @@ class EngineContext:
     timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
     #: The engine process class (the density benchmark's runs in virtual time).
     engine_factory: type[EngineProcess] = EngineProcess
+    #: Weights read ahead into the page cache (None: never).
+    read_ahead: ReadAhead | None = None
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -451,6 +454,7 @@ class Instance:
             ) from err
 
     async def _start_steps(self) -> None:
+        self.read_ahead("start")  # while it waits for memory, its devices and vLLM's imports
         try:
             self.placement = await self.ctx.admit(self)
         except ProxyError:
@@ -736,7 +740,33 @@ class Instance:
         if self.state not in (*AWAKE, *ASLEEP_OR_FALLING) or self.leases > 0:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
-        return self._begin_stop()
+        task = self._begin_stop()
+        task.add_done_callback(lambda _t: self.read_ahead("stopped"))
+        return task
+
+    def read_ahead(self, why: str) -> asyncio.Task[Outcome] | None:
+        """Ask the kernel to read the model's weight files into the page cache, off the loop,
+        where host RAM has room for them (``read_ahead``): its next start or level-2 wake reads
+        them from RAM. Never fails; None when nothing was begun."""
+        ahead = self.ctx.read_ahead
+        if ahead is None or not self.spec.read_ahead:
+            return None
+        name, metrics = self.name, self.ctx.metrics
+
+        def done(outcome: Outcome) -> None:
+            if outcome.skipped:
+                log.debug("%s: no read-ahead (%s): %s", self.id, why, outcome.skipped)
+                return
+            metrics.read_ahead_bytes.labels(name).inc(outcome.bytes)
+            metrics.read_ahead_files.labels(name).inc(outcome.files)
+            log.debug("%s: read ahead %d files, %d MiB (%s)", self.id, outcome.files,
+                      outcome.bytes >> 20, why)  # fmt: skip
+
+        try:
+            return ahead.start(self.spec.model, self.spec.engine_env(), self.ctx.host.room_mb, done)
+        except Exception as err:  # a hint only
+            log.debug("%s: read-ahead not begun: %r", self.id, err)
+            return None
 
     # -- sleep and wake ------------------------------------------------------------------
 
@@ -850,6 +880,8 @@ class Instance:
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
         self.ctx.sleep_claim(self.id, residue, level)
+        if level >= 2:  # its wake reads the weights from disk again
+            self.read_ahead("asleep at level 2")
         self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
         self.ctx.on_capacity()
         idle = self.leases == 0 and not self.retired and not self.wake_asked
