@@ -152,6 +152,22 @@ async def test_an_idle_stop_reads_the_weights_ahead(
     await wait_for(lambda: len(advised) == 2, what="read-ahead after the stop")
 
 
+async def test_an_engine_stopped_to_make_room_is_not_read_ahead(
+    tmp_path: Path, start_proxy: StartProxy, advised: list[str]
+) -> None:
+    """Its reads would compete with the load of the model it made room for."""
+    folder = checkpoint(tmp_path / "m")
+    _, inst = await start_proxy.serving(make_config(tmp_path, {"m": {"model": str(folder)}}), "m")
+    await settled(inst)
+    advised.clear()
+    task = inst.evict("memory")
+    assert task is not None
+    await task
+    assert inst.state is State.STOPPED
+    await settled(inst)
+    assert advised == []
+
+
 async def test_a_level_2_sleep_reads_the_weights_ahead_and_level_1_does_not(
     tmp_path: Path, start_proxy: StartProxy, advised: list[str]
 ) -> None:

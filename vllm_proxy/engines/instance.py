@@ -741,7 +741,10 @@ class Instance:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
         task = self._begin_stop()
-        task.add_done_callback(lambda _t: self.read_ahead("stopped"))
+        if reason == "idle":
+            # Stopped for idleness, it may be asked for again; one stopped to make room for
+            # another model is not read back beside that model's own load.
+            task.add_done_callback(lambda _t: self.read_ahead("stopped"))
         return task
 
     def read_ahead(self, why: str) -> asyncio.Task[Outcome] | None:
