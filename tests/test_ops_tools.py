@@ -66,6 +66,8 @@ EXPORTED: dict[str, Series] = {
     "vllm_proxy_wake_verify_failures_total": Series("counter", ("model_id", "level")),
     "vllm_proxy_wake_verify_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_evictions_total": Series("counter", ("model_id", "reason")),
+    "vllm_proxy_read_ahead_bytes_total": Series("counter", ("model_id",)),
+    "vllm_proxy_read_ahead_files_total": Series("counter", ("model_id",)),
     "vllm_proxy_admission_queue_depth": Series("gauge", ("model_id",)),
     "vllm_proxy_admission_wait_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_model_memory_estimate_mb": Series("gauge", ("model_id",)),
