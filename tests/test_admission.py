@@ -192,6 +192,14 @@ def busy(proxy: RunningProxy, name: str) -> bool:
     return inst is not None and inst.leases > 0
 
 
+async def served_then_asleep(proxy: RunningProxy, name: str) -> None:
+    """One answer from `name`, then its engine put to sleep."""
+    assert (await proxy.chat(name, max_tokens=1)).status == 200
+    nap_task = proxy.instance(name).sleep("test")
+    assert nap_task is not None
+    await nap_task
+
+
 class Served:
     """Requests sent in the background, and the order their answers arrived in."""
 
@@ -506,10 +514,7 @@ async def test_a_quick_wake_behind_a_head_that_waits_for_a_stream_puts_an_idle_e
     cfg = one_slot(tmp_path, models, {"max_reorder_s": 6, "queue_timeout_s": 30},
                    min_resident_s=0)  # fmt: skip
     proxy = await start_proxy(cfg)
-    assert (await proxy.chat("w", max_tokens=1)).status == 200
-    nap_task = proxy.instance("w").sleep("test")
-    assert nap_task is not None
-    await nap_task
+    await served_then_asleep(proxy, "w")
     assert (await proxy.chat("i", max_tokens=1)).status == 200
     stream = await proxy.chat("a", max_tokens=200, stream=True)  # 6 s
     await stream.content.readany()
@@ -591,10 +596,7 @@ async def test_a_wake_waits_for_a_busy_engine_rather_than_stop_asleep_ones(
                    min_resident_s=0)  # fmt: skip
     proxy = await start_proxy(cfg)
     for name in ("w", "x", "y"):
-        assert (await proxy.chat(name, max_tokens=1)).status == 200
-        nap_task = proxy.instance(name).sleep("test")
-        assert nap_task is not None
-        await nap_task
+        await served_then_asleep(proxy, name)
     stream = await proxy.chat("a", max_tokens=200, stream=True)
     await stream.content.readany()
     sent = time.monotonic()
@@ -632,10 +634,7 @@ async def test_requests_for_an_engine_are_not_held_behind_a_waiter_that_can_go_w
     cfg = one_slot(tmp_path, models, {"max_reorder_s": 1, "queue_timeout_s": 30},
                    min_resident_s=0)  # fmt: skip
     proxy = await start_proxy(cfg)
-    assert (await proxy.chat("s", max_tokens=1)).status == 200
-    nap_task = proxy.instance("s").sleep("test")
-    assert nap_task is not None
-    await nap_task
+    await served_then_asleep(proxy, "s")
     assert (await proxy.chat("x", max_tokens=1)).status == 200
     stream = await proxy.chat("b", max_tokens=400, stream=True)
     await stream.content.readany()

@@ -249,13 +249,10 @@ def after(
     own: InstanceView | None = None
     for m in instances:
         if m.name in decision.evict:
-            for i in m.devices:
-                used[i] = used.get(i, 0) - m.footprint_mb
+            _release(used, m, m.footprint_mb)
             continue
         if m.name in decision.sleep and m.sleep_mb is not None:
-            for i in m.devices:
-                used[i] = used.get(i, 0) - (m.footprint_mb - m.sleep_mb)
-            m = replace(m, footprint_mb=m.sleep_mb, phase=Phase.ASLEEP, leases=0)
+            m = _asleep(used, m)
         if m.name == demand.name:
             own = m
             continue
@@ -285,17 +282,27 @@ def settled(
             out.append(m)
             continue
         if m.phase is Phase.STOPPING:
-            for i in m.devices:
-                used[i] = used.get(i, 0) - m.footprint_mb
+            _release(used, m, m.footprint_mb)
             continue
         if m.phase is Phase.FALLING_ASLEEP and m.sleep_mb is not None:
-            for i in m.devices:
-                used[i] = used.get(i, 0) - (m.footprint_mb - m.sleep_mb)
-            m = replace(m, footprint_mb=m.sleep_mb, phase=Phase.ASLEEP)
+            m = _asleep(used, m)
         elif m.phase in (Phase.STARTING, Phase.WAKING, Phase.FALLING_ASLEEP):
             m = replace(m, phase=Phase.RUNNING)
         out.append(replace(m, leases=0, protected=False))
     return [replace(d, used_mb=used[d.id], pending_mb=0) for d in devices], out
+
+
+def _release(used: dict[int, int], m: InstanceView, mb: int) -> None:
+    """`used` once `m` has given back `mb` on each of its devices."""
+    for i in m.devices:
+        used[i] = used.get(i, 0) - mb
+
+
+def _asleep(used: dict[int, int], m: InstanceView) -> InstanceView:
+    """`m` asleep at its ``sleep_mb`` (with no lease), `used` updated for what it gave back."""
+    assert m.sleep_mb is not None
+    _release(used, m, m.footprint_mb - m.sleep_mb)
+    return replace(m, footprint_mb=m.sleep_mb, phase=Phase.ASLEEP, leases=0)
 
 
 def _allowed(demand: Demand, present: Iterable[int]) -> list[int]:
