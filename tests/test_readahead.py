@@ -177,22 +177,23 @@ async def test_a_level_2_sleep_reads_the_weights_ahead_and_level_1_does_not(
         "one": sleepy(sleep={"level": 1, "after_idle_s": 60}, model=str(folder)),
     }
     proxy, inst = await start_proxy.serving(config(tmp_path, models), "m")
+    await asleep_after_read_ahead(inst, advised)
+    assert inst.sleep_level == 2 and len(advised) == 2
+    assert (await proxy.reply("one", max_tokens=2))[0] == 200
+    one = proxy.instance("one")
+    await asleep_after_read_ahead(one, advised)
+    assert one.sleep_level == 1 and not advised
+
+
+async def asleep_after_read_ahead(inst: Instance, advised: list[str]) -> None:
+    """`inst` put to sleep, with what its start read ahead done and forgotten, and what its
+    sleep read ahead (if anything) done."""
     await settled(inst)
     advised.clear()
     task = inst.sleep("test")
     assert task is not None
     await task
     await settled(inst)
-    assert inst.sleep_level == 2 and len(advised) == 2
-    assert (await proxy.reply("one", max_tokens=2))[0] == 200
-    one = proxy.instance("one")
-    await settled(one)
-    advised.clear()
-    task = one.sleep("test")
-    assert task is not None
-    await task
-    await settled(one)
-    assert one.sleep_level == 1 and not advised
 
 
 async def test_read_ahead_false_turns_it_off(
