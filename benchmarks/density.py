@@ -1111,13 +1111,10 @@ def _seeds(t: Traffic) -> str:
 def merged(runs: Sequence[Result]) -> Result:
     """Several runs of one policy (one per seed) as one: their requests together, their
     counters summed over their summed time, the largest of their maxima."""
-    out = replace(runs[0], ttft=[], ok=[], cold=[], model_of=[], measured_s=0.0)
+    out = replace(runs[0], ttft=[], ok=[], cold=[], model_of=[])
     for r in runs:
         for name in ("ttft", "ok", "cold", "model_of"):
             getattr(out, name).extend(getattr(r, name))
-    if len(runs) == 1:
-        out.measured_s = runs[0].measured_s
-        return out
     for name in ("measured_s", "generated", "served", "timed_out", "gave_up", "unserved",
                  "counted", "swaps", "cold_starts", "wakes", "start_gpu_s", "wake_gpu_s",
                  "late_overtakes", "reorders", "over_commits", "busy_evictions"):  # fmt: skip

@@ -237,6 +237,18 @@ class VirtualEngine(EngineProcess):
         return self.exit_code
 
 
+def _no_holds(self: Any, inst: Any, rank: Any, arrived: float) -> bool:
+    return False
+
+
+def _no_prices(self: Any, spec: ModelSpec, kind: str, seconds: float) -> None:
+    return None
+
+
+def _no_spare(self: Any, inst: Any, decision: Plan, *args: Any) -> Plan:
+    return decision
+
+
 class ObservedAdmission(Admission):
     """`Admission`, with the claims it makes watched (see the module docstring)."""
 
@@ -298,14 +310,9 @@ class PlannerAdmission(ObservedAdmission):
     """The proxy before admission: no prices (least recently used first), no holds, no turns:
     any waiting bring-up may take memory as soon as its plan fits."""
 
-    def timed(self, spec: ModelSpec, kind: str, seconds: float) -> None:
-        return None
-
-    def holds(self, inst: Any, rank: Any, arrived: float) -> bool:
-        return False
-
-    def _spare_stops(self, inst: Any, decision: Plan, *args: Any) -> Plan:
-        return decision
+    timed = _no_prices
+    holds = _no_holds
+    _spare_stops = _no_spare
 
     def _claim(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
         backup = dict(self._reclaiming)
@@ -316,27 +323,15 @@ class PlannerAdmission(ObservedAdmission):
             self._reclaiming.update(backup)
 
 
-def _no_holds(self: Any, inst: Any, rank: Any, arrived: float) -> bool:
-    return False
-
-
-def _no_prices(self: Any, spec: ModelSpec, kind: str, seconds: float) -> None:
-    return None
-
-
-def _no_spare(self: Any, inst: Any, decision: Plan, *args: Any) -> Plan:
-    return decision
-
-
 #: Scheduler rules a run can go without (``density.py --without``), to measure what each is
 #: worth: holds (the reorder bound on requests for serving engines), measured prices (victims
-#: least recently used first instead) and waits that spare stops.
-ABLATIONS: dict[str, Callable[..., Any]] = {
-    "holds": _no_holds,
-    "prices": _no_prices,
-    "spare": _no_spare,
+#: least recently used first instead) and waits that spare stops; each the `Admission` method
+#: replaced and what replaces it.
+ABLATIONS: dict[str, tuple[str, Callable[..., Any]]] = {
+    "holds": ("holds", _no_holds),
+    "prices": ("timed", _no_prices),
+    "spare": ("_spare_stops", _no_spare),
 }
-ABLATIONS_BY_METHOD = {"holds": "holds", "prices": "timed", "spare": "_spare_stops"}
 
 
 @dataclass(frozen=True)
@@ -432,7 +427,7 @@ async def _serve(cfg: Any, world: World, requests: Sequence[Request], planner: b
     # The same object, watched (and for the planner, without the queue's rules).
     assert manager.admission is not None
     kind = PlannerAdmission if planner else ObservedAdmission
-    removed = {ABLATIONS_BY_METHOD[name]: ABLATIONS[name] for name in without}
+    removed = dict(ABLATIONS[name] for name in without)
     manager.admission.__class__ = type("Watched", (kind,), {"world": world, **removed})
     ctx.hold = manager.admission.holds
     ctx.timed = manager.admission.timed

@@ -434,7 +434,8 @@ class EngineKeys(_Strict):
     #: ... or, with this, visible progress chunks (for chat UIs) instead of comments.
     loading_progress: bool = False
     #: Read the weight files ahead into the page cache (where host RAM has room for them) when
-    #: an engine stops, sleeps at level 2 or its start waits (see `engines.readahead`).
+    #: an engine stops for idleness, sleeps at level 2 or its start waits (see
+    #: `engines.readahead`).
     read_ahead: bool = True
     #: Merged key by key over the engine's (a model's entries win) ...
     env: dict[str, str] = {}

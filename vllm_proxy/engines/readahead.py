@@ -1,11 +1,11 @@
 """Weights read ahead into the page cache, so that the next start (or level-2 wake) of a model
 reads them from RAM instead of disk.
 
-When an engine of a model stops, is put to sleep at level 2 (its wake reads the weights again)
-or its start waits in admission, the proxy asks the kernel to read the model's weight files
-ahead (``posix_fadvise(WILLNEED)``; the kernel reads them in the background and may drop them
-again under memory pressure). Only when host RAM has room for the files and a margin: a read
-ahead must never push out what engines asleep at level 1 keep in host memory.
+When an engine of a model stops for idleness, is put to sleep at level 2 (its wake reads the
+weights again) or its start waits in admission, the proxy asks the kernel to read the model's
+weight files ahead (``posix_fadvise(WILLNEED)``; the kernel reads them in the background and may
+drop them again under memory pressure). Only when host RAM has room for the files and a
+margin: a read ahead must never push out what engines asleep at level 1 keep in host memory.
 
 The pure part (which files, whether they fit) is plain functions; `ReadAhead` runs them off the
 event loop, one at a time per model folder, and never fails the caller.

@@ -227,9 +227,8 @@ class Admission:
         later = plan(demand, *settled(demand, devices, views), now)
         if not isinstance(later, Plan) or len(later.evict) >= len(decision.evict):
             return decision
-        now_views = {v.name: v for v in self._views(None, protect=False)[0]}
         waits = tuple(
-            v.name for v in now_views.values()
+            v.name for v in self._views(None, protect=False)[0]
             if v.name != demand.name and not v.pinned and (v.leases > 0 or v.phase in MOVING)
         )  # fmt: skip
         if not waits:
@@ -262,17 +261,21 @@ class Admission:
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
         return plan(demand, memory.device_views(pending), views, self.queue.clock())
 
-    def _leaves_first(self, head: Instance, inst: Instance, decision: Plan) -> bool:
+    def _leaves_first(
+        self, head: Instance, inst: Instance, decision: Plan, unplaceable: bool = False
+    ) -> bool:
         """Whether `inst` carrying out `decision` leaves `head` (the first in order, or a
         waiter that began waiting more than the reorder window before `inst`) as well off:
         once it has, `head`'s plan with busy engines drained still fits and waits for no
-        engine busy now that its plan did not wait for already (`scheduler.after`)."""
+        engine busy now that its plan did not wait for already (`scheduler.after`).
+        `unplaceable`: the answer when `head` cannot be placed even with busy engines
+        drained (nothing it needs can be taken from it then)."""
         now = self.queue.clock()
         busy = {v.name for v in self._views(protect=False)[0] if v.leases > 0}
         first, devices, views = self._inputs(head, drained=True)
         before = plan(first, devices, views, now)
         if not isinstance(before, Plan):
-            return False
+            return unplaceable
         mine, _, _ = self._inputs(inst)
         devices, views = after(mine, decision, devices, views)
         later = plan(first, devices, views, now)
@@ -325,14 +328,16 @@ class Admission:
                 continue
             if (waiter.rank, waiter.since) > (rank, arrived):
                 continue
-            if not self._needs(other, inst):
-                # It can be placed without `inst` (by what is free, idle or asleep elsewhere):
-                # holding requests would slow the engine that serves them, not bring a turn
-                # that would otherwise never come.
-                continue
             decision = self.plan_for(other, drained=True)
-            if isinstance(decision, Plan) and queueing.holds(
-                waiter, rank, arrived, (*decision.evict, *decision.sleep), inst.id, now, rules
+            if (
+                isinstance(decision, Plan)
+                and queueing.holds(
+                    waiter, rank, arrived, (*decision.evict, *decision.sleep), inst.id, now, rules
+                )
+                # Only behind a waiter that cannot be placed without `inst` (by what is free,
+                # idle or asleep elsewhere): otherwise holding requests would slow the engine
+                # that serves them, not bring a turn that would never come.
+                and self._needs(other, inst)
             ):
                 return True
         return False
@@ -369,9 +374,7 @@ class Admission:
         for waiter, other in turns[1:]:
             if me.since - waiter.since <= window or other.name == inst.name:
                 continue
-            if isinstance(self.plan_for(other, drained=True), Plan) and not self._leaves_first(
-                other, inst, decision
-            ):
+            if not self._leaves_first(other, inst, decision, unplaceable=True):
                 return None
         return claim(decision)
 
