@@ -164,6 +164,17 @@ async def test_waiters_wake_on_every_change(tmp_path: Path) -> None:
     await asyncio.wait_for(waiter, 1)
 
 
+async def test_a_change_before_the_waiter_first_runs_is_not_lost(tmp_path: Path) -> None:
+    """A task made of `wait_change()` runs a loop turn later: a change in between (an unload
+    stopping a start that waits for memory) still ends its wait."""
+    import asyncio
+
+    inst, _ = _instance(tmp_path)
+    waiter = asyncio.ensure_future(inst.wait_change())
+    inst._set_state(State.STARTING)  # before the task's first step
+    await asyncio.wait_for(waiter, 1)
+
+
 async def test_the_named_sub_states_read_the_state(tmp_path: Path) -> None:
     """`routable`, `asleep` and `unhealthy` are the state, never a flag beside it."""
     inst, _ = _instance(tmp_path)

@@ -20,11 +20,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Literal, Protocol
 
 import aiohttp
 from prometheus_client import Gauge
@@ -335,9 +335,10 @@ class Instance:
         self._changed = asyncio.Event()
         self._on_state(self, old)
 
-    async def wait_change(self) -> None:
-        """Return at the next state change."""
-        await self._changed.wait()
+    def wait_change(self) -> Coroutine[Any, Any, Literal[True]]:
+        """Until the next state change after this call: the change is bound now, not when the
+        awaitable first runs (a task made of it and run a turn later misses no change)."""
+        return self._changed.wait()
 
     # -- leases --------------------------------------------------------------------------
 
