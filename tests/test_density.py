@@ -238,3 +238,46 @@ def test_swap_groups_keeps_room_for_the_largest_model_outside_its_group(
     mib = {n: s.footprint_mib for n, s in zip(names, sizes, strict=True)}
     outside = max(mib[n] for n in names if n not in resident)
     assert sum(mib[n] for n in resident) + outside <= small["cap"]
+
+
+def _row(hits: list[int], requests: int = 100) -> dict[str, Any]:
+    """A policy's row at one M with per-seed counts within the 10 s target (other targets
+    all met)."""
+    n = requests * len(hits)
+    seeds = [{"requests": requests, "hits": {"10": h, "60": requests}} for h in hits]
+    return {"requests": n, "at_target": {"10": sum(hits) / n, "60": 1.0}, "by_seed": seeds}
+
+
+def test_a_gap_the_seeds_disagree_on_is_within_their_spread() -> None:
+    """Paired by seed: a few requests one seed tips one way and another the other are noise;
+    the same loss on every seed is not."""
+    planner = _row([90, 90, 90, 90])
+    tipped = _row([87, 92, 89, 90])  # 2 requests fewer in all, seeds both ways
+    far, near = density.behind(planner, tipped)
+    assert far == [] and near == ["10 s -0.5 (2 of 400 requests)"]
+    _gap, bound = density.paired_gap(planner, tipped, "10")
+    assert bound is not None and bound > 0
+    steady = _row([88, 88, 89, 88])  # behind on every seed
+    far, near = density.behind(planner, steady)
+    assert far == ["10 s -1.8 (7 of 400 requests)"] and near == []
+    assert density.behind(planner, _row([90, 91, 90, 90])) == ([], [])  # ahead: nothing
+    one_seed = {**tipped, "by_seed": tipped["by_seed"][:1]}  # one seed: no spread to judge by
+    assert density.behind(_row([90]), _row([89])) == (["10 s -1.0 (1 of 100 requests)"], [])
+    assert density.paired_gap(planner, one_seed, "10")[1] is None
+
+
+def test_the_goal_line_names_only_the_gaps_beyond_the_seeds_spread() -> None:
+    main_p, main_x = _row([50, 50]), _row([60, 62])
+    sweeps = {"0.05": [{**_row([90, 90, 90, 90]), "policy": "planner", "m": 5},
+                       {**_row([87, 92, 89, 90]), "policy": "scheduler", "m": 5,
+                        "late_overtakes": 0}]}  # fmt: skip
+    text = density.standing({**main_p, "late_overtakes": 3}, {**main_x, "late_overtakes": 0},
+                            sweeps)  # fmt: skip
+    assert "nowhere behind the planner by more than the seeds' spread" in text
+    assert "M = 5 at 0.05 req/s (10 s -0.5 (2 of 400 requests))" in text
+    assert text.endswith("The goal is **met**.")
+    sweeps["0.05"][1] = {**_row([88, 88, 89, 88]), "policy": "scheduler", "m": 5}
+    text = density.standing({**main_p, "late_overtakes": 3}, {**main_x, "late_overtakes": 0},
+                            sweeps)  # fmt: skip
+    assert "by more than the seeds' spread, at M = 5 at 0.05 req/s" in text
+    assert text.endswith("The goal is **not met**.")
