@@ -2027,11 +2027,12 @@ def standing(plan_: dict[str, Any], sched: dict[str, Any],
         text += (
             "it is behind the planner, by more than the seeds' spread, at "
             + "; ".join(beyond)
-            + " (points). What costs it there is the fairness the planner lacks: its holds "
-            "(requests for an engine wait behind a model that needs it and has waited its "
-            "window) and its measured prices; `--without holds,prices` gives it the planner's "
-            "figures on such a workload, and `--pair-s 600 --without holds` shows the "
-            "two-client case starving without holds."
+            + " (points). Those are single events that its rules decide otherwise than the "
+            "planner's least-recently-used order (which engine sleeps for a wake, a request "
+            "held behind a model that needs its engine, a start given up in a storm), a few "
+            "requests a seed; `--without holds,prices,spare` measures what each rule is worth "
+            "there, and `--pair-s 600 --without holds` shows the two-client case starving "
+            "without holds."
         )
     else:
         text += "it is nowhere behind the planner by more than the seeds' spread."
