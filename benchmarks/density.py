@@ -564,7 +564,7 @@ class Result:
             "gave_up": self.gave_up,
             "unserved": self.unserved,
             "attainment": sum(self.ok) / n if n else float("nan"),
-            "at_target": {f"{t:g}": _share([x <= t for x in self.ttft]) for t in SLO_TARGETS},
+            "at_target": {t: k / n if n else float("nan") for t, k in self.within().items()},
             "answered": _share([not math.isinf(x) for x in self.ttft]),
             "attainment_warm": _share([o for o, c in self._ok_cold() if not c]),
             "attainment_cold": _share([o for o, c in self._ok_cold() if c]),
@@ -584,6 +584,10 @@ class Result:
             "over_commits": self.over_commits,
             "busy_evictions": self.busy_evictions,
         }
+
+    def within(self) -> dict[str, int]:
+        """How many requests had their first token within each of `SLO_TARGETS`."""
+        return {f"{t:g}": sum(x <= t for x in self.ttft) for t in SLO_TARGETS}
 
     def _ok_cold(self) -> list[tuple[bool, bool]]:
         return list(zip(self.ok, self.cold, strict=True))
@@ -1098,11 +1102,7 @@ def run_one(job: tuple[str, int, Profile, Traffic, Settings]) -> dict[str, Any]:
     out = res.summary()
     # Each seed's own count per target: the runs of two policies on one seed saw the same
     # requests, so `standing` can pair them (see `behind`).
-    out["by_seed"] = [
-        {"requests": len(r.ttft), "hits": {f"{x:g}": sum(v <= x for v in r.ttft)
-                                           for x in SLO_TARGETS}}
-        for r in runs
-    ]  # fmt: skip
+    out["by_seed"] = [{"requests": len(r.ttft), "hits": r.within()} for r in runs]
     out["m"] = m
     out["generated"] = res.generated
     out["per_model"] = res.per_model()
