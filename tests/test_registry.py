@@ -11,9 +11,19 @@ import sys
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 import yaml
-from kit import FakeEngine, StartProxy, free_port, group_alive, kill_group, make_config, wait_for
+from kit import (
+    FakeEngine,
+    StartProxy,
+    free_port,
+    group_alive,
+    kill_group,
+    make_config,
+    wait_for,
+    wait_for_sync,
+)
 
 from vllm_proxy.engines.registry import EngineRegistry, StateDirBusy, StateLock, _is_our_guard
 
@@ -110,7 +120,17 @@ def test_a_guard_is_known_by_its_module_now_and_before_0_2_0(
     cmd = [sys.executable, "-c", "import time; time.sleep(60)", *argv_tail]
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
     try:
+        # Popen returns once the exec began; the kernel fills in the new command line a moment
+        # later (until then /proc shows it empty). Recorded guards are long past that point.
+        wait_for_sync(lambda: _cmdline(proc.pid) == cmd, what="the child's command line")
         assert _is_our_guard(proc.pid, None) is ours
     finally:
         proc.kill()
         proc.wait()
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return []
