@@ -152,6 +152,19 @@ def test_the_victim_is_the_cheapest_to_bring_back_not_the_least_recently_used() 
     assert plan(demand, devices, [old, fast], now=100.0) == Plan((0,), ("slow#1",))
 
 
+def test_a_victim_slow_to_fall_asleep_is_dearer() -> None:
+    """The waiter waits for its victims' sleeps: an engine whose first level-1 sleep (its
+    pinned host buffers allocated) takes 15 s is priced by its wake and that sleep, so the
+    one that falls asleep at once goes, though it was used more recently."""
+    devices = [DeviceView(0, 1000, 800)]
+    demand = Demand("z#1", 300, 1, None, 0)
+    fresh = view("fresh#1", last=95.0, sleep_mb=50, wake_s=2.0, sleep_s=15.0)
+    used = view("used#1", last=96.0, sleep_mb=50, wake_s=2.0, sleep_s=0.5)
+    assert plan(demand, devices, [fresh, used], now=100.0) == Plan((0,), (), ("used#1",))
+    unmeasured = view("fresh#1", last=95.0, sleep_mb=50, wake_s=2.0)  # LRU among equals
+    assert plan(demand, devices, [unmeasured, used], now=100.0) == Plan((0,), (), ("fresh#1",))
+
+
 def test_priority_goes_before_price_and_protected_engines_are_never_taken() -> None:
     devices = [DeviceView(0, 1000, 800)]
     demand = Demand("z#1", 400, 1, None, 0)
@@ -367,6 +380,26 @@ async def test_the_cheap_to_bring_back_victim_is_chosen(
     timings = proxy.manager.admission.timings
     measured = {name: kinds["start"] for (name, _), kinds in timings.items()}
     assert measured["slow"] > 6.0 > measured["fast"]
+
+
+async def test_an_engines_first_sleep_is_timed_apart_from_its_later_ones(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """The first level-1 sleep of an engine allocates its pinned host buffers and is the
+    slowest; the planner prices a victim by the sleep it would take next, measured apart."""
+    nap = {"level": 1, "after_idle_s": 600, "memory_mb": 50}
+    models = {"s": {"memory_mb": 300, "sleep": nap}}
+    proxy = await start_proxy(one_slot(tmp_path, models, min_resident_s=0))
+    timings = proxy.manager.admission.timings
+    await served_then_asleep(proxy, "s")
+    inst = proxy.instance("s")
+    [kinds] = [k for (name, _), k in timings.items() if name == "s"]
+    assert "first sleep" in kinds and "sleep" not in kinds
+    assert inst.next_sleep_kind == "sleep"
+    await served_then_asleep(proxy, "s")  # woken by the request, then asleep again
+    assert "sleep" in kinds
+    [seen] = [v for v in proxy.manager.admission._views()[0] if v.name == inst.id]
+    assert seen.sleep_s == kinds["sleep"]
 
 
 async def test_priorities_order_the_queue(tmp_path: Path, start_proxy: StartProxy) -> None:

@@ -166,8 +166,9 @@ class EngineContext:
     #: queue behind a waiter before it whose reorder window has run out and whose plan takes
     #: that instance (see `admission`).
     hold: Callable[[Instance, Rank, float], bool] = lambda _inst, _rank, _arrived: False
-    #: Seconds a start or a wake ("start", "wake") of a model took: the planner's price of
-    #: putting it to sleep or stopping it.
+    #: Seconds a start, a wake or a sleep ("start", "wake", "first sleep" of an engine,
+    #: later "sleep") of a model took: the planner's price of putting it to sleep or
+    #: stopping it.
     timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
     #: The engine process class (the density benchmark's runs in virtual time).
     engine_factory: type[EngineProcess] = EngineProcess
@@ -230,6 +231,11 @@ class Instance:
         self._released: asyncio.Event | None = None
         #: The sleep level it was put to (0: awake) ...
         self.sleep_level = 0
+        #: Whether its engine slept at level 1 before. Each level-1 sleep copies the weights
+        #: into pinned host tensors (`vllm/device_allocator/cumem.py:268-276`, vLLM 0.33), which
+        #: the wake drops into torch's pinned-memory cache: the first sleep allocates them
+        #: (slow), later ones reuse them (fast). Timed apart for the planner's prices.
+        self.slept_at_1 = False
         #: ... and the /sleep call, and the measurement after it, while FALLING_ASLEEP.
         self._sleep_call: asyncio.Task[None] | None = None
         self._wake_task: asyncio.Task[None] | None = None
@@ -601,6 +607,11 @@ class Instance:
                 code="engine_start_failed",
             ) from None
 
+    @property
+    def next_sleep_kind(self) -> str:
+        """The timing its next /sleep is measured as: its engine's first, or a later one."""
+        return "sleep" if self.slept_at_1 else "first sleep"
+
     def _awake_state(self) -> State:
         """Where a start or a wake ends: RUNNING, or DRAINING when it was retired meanwhile."""
         return State.DRAINING if self.retired else State.RUNNING
@@ -874,6 +885,8 @@ class Instance:
             return  # stopped meanwhile
         seconds = self.ctx.queue.clock() - started
         self.sleep_level = level
+        self.ctx.timed(self.spec, self.next_sleep_kind, seconds)
+        self.slept_at_1 = self.slept_at_1 or level == 1
         grown = None if host_before is None or host_after is None else host_after - host_before
         self.ctx.host.slept(self.id, self.host_key, level, grown)
         pinned = self.ctx.host.retained.get(self.id)

@@ -20,7 +20,9 @@ Reclaim policy (sleep before stop, never a busy engine):
   decides, see `admission`) are not touched either;
 * victims are taken cheapest first. The price of a victim is what bringing it back costs per
   second it has been idle: ``restore_s / idle_s``, where ``restore_s`` is its measured wake time
-  for a sleep and its measured cold start for a stop (the cold start less the wake for one
+  plus its measured sleep time for a sleep (the waiter waits for the sleep: a fresh engine's
+  first level-1 sleep, which allocates its pinned host buffers, can take many seconds) and
+  its measured cold start for a stop (the cold start less the wake for one
   already asleep; to the nearest power of two, 4 s at least, so that noise between alike
   models does not outweigh recency), so a model that takes a minute to come back is kept over
   one that wakes in seconds unless it has been idle far longer. Lower priority (a higher
@@ -116,6 +118,10 @@ class InstanceView:
     #: wake); None: not measured yet (the defaults below stand in).
     start_s: float | None = None
     wake_s: float | None = None
+    #: Measured seconds its /sleep call takes (the waiter for its memory waits that long; the
+    #: first level-1 sleep of an engine, which allocates its pinned host buffers, is the
+    #: slowest); None: not measured yet (no price added).
+    sleep_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -351,7 +357,7 @@ class _Prices:
         wake = m.wake_s if m.wake_s is not None else DEFAULT_WAKE_S
         start = m.start_s if m.start_s is not None else DEFAULT_START_S
         if not stop:
-            restore = wake
+            restore = wake + (m.sleep_s or 0.0)
         elif m.phase is Phase.ASLEEP:
             restore = max(start - wake, 0.0)  # it would have needed a wake anyway
         else:

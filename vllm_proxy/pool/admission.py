@@ -9,7 +9,7 @@ with the pure `scheduler.plan()` and the pure queue rules of `queueing`:
   engines which waiting for busy or moving ones would spare waits first (`_spare_stops`);
 * a request for a serving instance asks `holds` whether a waiter before it needs that
   instance's memory and has used up its reorder window;
-* starts and wakes report their measured seconds (`timed`): the planner's prices.
+* starts, wakes and sleeps report their measured seconds (`timed`): the planner's prices.
 
 The manager keeps the names, reload and shutdown; it builds this and passes it its views of
 the models.
@@ -89,7 +89,8 @@ class Admission:
         return next((i for i in self._all() if i.id == iid), None)
 
     def timed(self, spec: ModelSpec, kind: str, seconds: float) -> None:
-        """A start or a wake of `spec` took `seconds` (the mean with the previous one counts)."""
+        """A start, wake or sleep of `spec` took `seconds` (the mean with the previous one
+        counts)."""
         seen = self.timings.setdefault((spec.name, spec.engine_key()), {})
         old = seen.get(kind)
         seen[kind] = seconds if old is None else (old + seconds) / 2
@@ -137,7 +138,8 @@ class Admission:
                              sleep_mb=min(memory.sleep_mb(i.spec), held) if sleepy else None,
                              priority=i.spec.priority, protected=kept,
                              start_s=self._timing(i.spec, "start"),
-                             wake_s=self._timing(i.spec, "wake"))
+                             wake_s=self._timing(i.spec, "wake"),
+                             sleep_s=self._timing(i.spec, i.next_sleep_kind))
             )  # fmt: skip
             # Growth still to come: a start's, or a wake's once its claim is made (while its
             # victims free memory, and after; before that it holds what NVML already shows),
