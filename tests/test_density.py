@@ -261,8 +261,9 @@ def test_a_gap_the_seeds_disagree_on_is_within_their_spread() -> None:
     far, near = density.behind(planner, steady)
     assert far == ["10 s -1.8 (7 of 400 requests)"] and near == []
     assert density.behind(planner, _row([90, 91, 90, 90])) == ([], [])  # ahead: nothing
-    one_seed = {**tipped, "by_seed": tipped["by_seed"][:1]}  # one seed: no spread to judge by
+    # One seed: no spread to judge by.
     assert density.behind(_row([90]), _row([89])) == (["10 s -1.0 (1 of 100 requests)"], [])
+    one_seed = {**tipped, "by_seed": tipped["by_seed"][:1]}
     assert density.paired_gap(planner, one_seed, "10")[1] is None
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from pathlib import Path
 from unittest.mock import MagicMock
@@ -154,8 +155,6 @@ async def test_transition_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFix
 
 
 async def test_waiters_wake_on_every_change(tmp_path: Path) -> None:
-    import asyncio
-
     inst, _ = _instance(tmp_path)
     waiter = asyncio.ensure_future(inst.wait_change())
     await asyncio.sleep(0)
@@ -167,8 +166,6 @@ async def test_waiters_wake_on_every_change(tmp_path: Path) -> None:
 async def test_a_change_before_the_waiter_first_runs_is_not_lost(tmp_path: Path) -> None:
     """A task made of `wait_change()` runs a loop turn later: a change in between (an unload
     stopping a start that waits for memory) still ends its wait."""
-    import asyncio
-
     inst, _ = _instance(tmp_path)
     waiter = asyncio.ensure_future(inst.wait_change())
     inst._set_state(State.STARTING)  # before the task's first step
