@@ -162,6 +162,16 @@ class Profile:
         fixed = t["start_proc_s"] + t["compile_s"] + t["graphs_s"]
         return fixed + s.weights_gib / t["disk_gib_s"]
 
+    def profile_s(self, s: Size) -> float:
+        """From spawn to the end of vLLM's memory profiling: the set-up, the weights and the
+        compiling profile run; the CUDA-graph capture follows (``v1/worker/gpu_worker.py``:
+        ``determine_available_memory`` then ``compile_or_warm_up_model``). An older profile
+        without the split: the whole start."""
+        t = self.timing
+        if "start_base_s" in t:
+            return self.start_s(s)
+        return t["start_proc_s"] + s.weights_gib / t["disk_gib_s"] + t["compile_s"]
+
     def wake_s(self, s: Size, level: int) -> float:
         t = self.timing
         wake = t["wake_base_s"] + t["wake_s_per_gib"] * s.weights_gib
@@ -1017,6 +1027,7 @@ def proxy_run(
             sleep_s=lambda level, first, s=s: prof.sleep_s(s, level, first),  # type: ignore[misc]
             weights_mib=round(s.weights_gib * MIB_PER_GIB),
             footprint_mib=s.footprint_mib, residue_mib=s.residue_mib,
+            profile_s=prof.profile_s(s),
         )  # fmt: skip
         models[n] = {"model": "x", "memory_mb": s.footprint_mib, "params_b": s.params_b,
                      "sleep": {"level": st.sleep_level, "memory_mb": s.residue_mib,

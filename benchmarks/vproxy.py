@@ -95,6 +95,9 @@ class Timing:
     weights_mib: int
     footprint_mib: int = 0
     residue_mib: int = 0
+    #: From spawn to the end of vLLM's memory profiling (set-up, weights, the compiling profile
+    #: run): a start that measures holds its devices alone this long (0: its whole start).
+    profile_s: float = 0.0
 
 
 @dataclass
@@ -168,6 +171,16 @@ class VirtualEngine(EngineProcess):
             self.world.cold_starts += 1
             self.world.start_gpu_s += self.timing.start_s
         return self._now() - self.started_at
+
+    async def watch_profiling(self, workers: int) -> bool:
+        """The end of the start's profiling window (`Timing.profile_s`), where vLLM logs the KV
+        cache it measured: what the engine holds less its weights."""
+        if self.timing.profile_s <= 0:
+            await self._gone.wait()
+            return False
+        await asyncio.sleep(max(self.started_at + self.timing.profile_s - self._now(), 0))
+        self.kv_measured = max(self.timing.footprint_mib - self.timing.weights_mib, 1) << 20
+        return True
 
     async def warmup(self, client: Any) -> None:
         return None
@@ -417,6 +430,7 @@ async def _serve(cfg: Any, world: World, requests: Sequence[Request], planner: b
     specs = cfg.specs()
     memory = build_memory(cfg, specs, metrics)
     assert isinstance(memory, Memory)
+    memory.sizes_kv = True  # an NVML-managed GPU: starts are told the KV size once measured
     engine_class = type("Engine", (VirtualEngine,), {"world": world})
     host = HostRam(reader=world.free_ram_mb, rss=lambda pgid: world.pinned.get(pgid or 0))
     ctx = EngineContext(session=None, ports=PortAllocator(), registry=_Registry(),  # type: ignore[arg-type]

@@ -172,6 +172,7 @@ process read the same ledger through NVML calls.
     (128, taken by ``reload_weights`` until the ``kv_cache`` wake); ``FAKE_ENGINE_SIM_PEAK_TOKENS``
     (0: the first request regrows the peak; N: the first time the running requests' prompt and
     reply tokens reach N); times: ``FAKE_ENGINE_SIM_PROFILE_S`` (0.3, the profiling window),
+    ``FAKE_ENGINE_SIM_AFTER_PROFILE_S`` (0, from its end to ready: KV cache and graphs),
     ``FAKE_ENGINE_SIM_SLEEP_S`` (0.2, between the two free-memory readings of a sleep),
     ``FAKE_ENGINE_SIM_RELOAD_MB_S`` (4096, reload speed). With ``FAKE_ENGINE_SPAWN_CHILD=1``
     the memory is charged to the EngineCore child; it goes when the server exits, or when the

@@ -48,6 +48,8 @@ class SimKnobs:
     peak_tokens: int = 0
     graphs_mb: int = 256
     profile_s: float = 0.3
+    #: From the end of profiling to ready (the KV cache and CUDA-graph capture).
+    after_profile_s: float = 0.0
     min_kv_mb: int = 64
     sleep_s: float = 0.2
     reload_temp_mb: int = 128
@@ -273,6 +275,9 @@ def _sim_knobs(environ: Mapping[str, str]) -> SimKnobs | None:
         peak_tokens=_env_mb(environ, "FAKE_ENGINE_SIM_PEAK_TOKENS", defaults.peak_tokens),
         graphs_mb=_env_mb(environ, "FAKE_ENGINE_SIM_GRAPHS_MB", defaults.graphs_mb),
         profile_s=_env_number(environ, "FAKE_ENGINE_SIM_PROFILE_S", defaults.profile_s),
+        after_profile_s=_env_number(
+            environ, "FAKE_ENGINE_SIM_AFTER_PROFILE_S", defaults.after_profile_s
+        ),
         min_kv_mb=_env_mb(environ, "FAKE_ENGINE_SIM_MIN_KV_MB", defaults.min_kv_mb),
         sleep_s=_env_number(environ, "FAKE_ENGINE_SIM_SLEEP_S", defaults.sleep_s),
         reload_temp_mb=_env_mb(environ, "FAKE_ENGINE_SIM_RELOAD_TEMP_MB", defaults.reload_temp_mb),

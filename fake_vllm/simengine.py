@@ -113,10 +113,21 @@ class SimGpu:
         requested = {d: self._check_free(rank, d) for rank, d in enumerate(self.devices)}
         consumed = self._profile()
         kv_mb = self._kv_size(requested, consumed)
+        given = self.settings.kv_cache_memory_bytes
+        for device in self.devices:  # each worker logs where its profiling window ends
+            self.ledger.mark(self.owner, device, "profiled" if given is None else "kv_given")
+            if given is None:
+                log(f"Available KV cache memory: {round(kv_mb / 1024, 2)} GiB")
+            else:
+                log(
+                    f"Initial free memory (simulated), reserved {round(given / MIB / 1024, 2)}"
+                    " GiB memory for KV Cache as specified by kv_cache_memory_bytes config and"
+                    " skipped memory profiling."
+                )
+        time.sleep(self.knobs.after_profile_s)
         for device in self.devices:
             self._allocate_at_start(device, kv_mb, "kv_cache")
             self.pool.append(Allocation(device, "kv_cache", kv_mb))
-        log(f"Available KV cache memory: {kv_mb / 1024:.2f} GiB")
 
     def _choose_devices(self) -> list[int]:
         """The first world-size devices of ``CUDA_VISIBLE_DEVICES`` (ledger indices or UUIDs)."""
@@ -171,7 +182,9 @@ class SimGpu:
             self.ledger.free(self.owner, device, "activation")
         after = self._free()
         for device in self.devices:
-            if after[device] > before[device]:
+            # Told its KV cache size, vLLM runs the profile only to compile and measures nothing
+            # (``v1/worker/gpu_worker.py:656-680``).
+            if self.settings.kv_cache_memory_bytes is None and after[device] > before[device]:
                 raise SimStartError(
                     "AssertionError: Error in memory profiling. Initial free memory "
                     f"{before[device] / 1024:.2f} GiB, current free memory "

@@ -24,6 +24,7 @@ from vllm_proxy.planning.queueing import (
     Queue,
     Rules,
     Waiter,
+    give_up_at,
     holds,
     in_use,
     next_deadline,
@@ -121,6 +122,23 @@ def test_next_deadline_is_the_earliest_future_change() -> None:
     residents = [(90.0, 30.0, 99.5)]  # residency ends at 120, the grace at 101.5
     assert next_deadline(waiters, residents, 100.0, RULES) == 101.5
     assert next_deadline([], [(90.0, 0.0, 99.5)], 100.0, RULES) is None
+
+
+@pytest.mark.parametrize(
+    ("expected_end", "timeout_s", "max_wait_s", "gives_up"),
+    [
+        (100.0, 30.0, 300.0, 130.0),  # nothing ahead: the plain queue timeout
+        (160.0, 30.0, 300.0, 190.0),  # a cold start ahead ends at 160: a timeout after it
+        (500.0, 30.0, 300.0, 400.0),  # never past the client's patience
+        (500.0, 30.0, 10.0, 130.0),  # a patience below the timeout: the timeout
+        (160.0, 0.0, 300.0, 100.0),  # 0: at once, whatever is ahead
+    ],
+)
+def test_a_waiter_gives_up_a_timeout_after_the_bring_ups_ahead_of_it(
+    expected_end: float, timeout_s: float, max_wait_s: float, gives_up: float
+) -> None:
+    rules = Rules(queue_timeout_s=timeout_s, max_wait_s=max_wait_s)
+    assert give_up_at(100.0, expected_end, timeout_s, rules) == gives_up
 
 
 async def test_queue_groups_tickets_by_model_and_skips_held_ones() -> None:
@@ -450,6 +468,33 @@ async def test_a_stuck_queue_is_bounded_by_its_timeout(
     assert (await a2).status == 200
     assert not proxy.manager.queue.tickets
     await stream.read()
+
+
+@pytest.mark.parametrize("max_wait_s", [300.0, 1.5])
+async def test_a_request_behind_a_cold_start_waits_past_the_queue_timeout_within_patience(
+    tmp_path: Path, start_proxy: StartProxy, max_wait_s: float
+) -> None:
+    """b waits for the one slot while a cold-starts (3 s, longer than the 1 s queue timeout):
+    that wait is for a bring-up under way, so b is served once a is done with its request,
+    not refused at 1 s. With a patience (max_wait_s) of 1.5 s it gets its 503 then."""
+    cold = FakeEngine(startup_delay=3).env()
+    models = {"a": {"env": cold}, "b": {}}
+    admission = {"max_reorder_s": 0, "queue_timeout_s": 1, "max_wait_s": max_wait_s}
+    proxy = await start_proxy(one_slot(tmp_path, models, admission, min_resident_s=0))
+    a = asyncio.ensure_future(proxy.chat("a", max_tokens=1))
+    await wait_for(lambda: proxy.model("a").instances, what="a starting")
+    sent = time.monotonic()
+    resp = await proxy.chat("b", max_tokens=1)
+    waited = time.monotonic() - sent
+    assert (await a).status == 200
+    if max_wait_s > 3:
+        assert resp.status == 200, await resp.text()
+        assert waited > 1
+    else:
+        assert resp.status == 503
+        err = (await resp.json())["error"]
+        assert err["code"] == "insufficient_gpu_memory"
+        assert waited < 3, "the patience did not bound the wait"
 
 
 async def test_a_start_that_only_pinned_engines_keep_out_gets_503_at_once(

@@ -86,7 +86,8 @@ def models(env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
 
 
 ENGINE = {"min_resident_s": 0, "idle_timeout_s": 0, "health_interval_s": 0}
-ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S, "max_reorder_s": 10, "idle_grace_s": 0}
+ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S, "max_wait_s": QUEUE_TIMEOUT_S, "max_reorder_s": 10,
+             "idle_grace_s": 0}  # fmt: skip
 GPU = {"reserve_mb": 0, "context_mb": 0}
 
 

@@ -23,7 +23,7 @@ from vllm_proxy.planning.footprint import (
     utilization_for,
 )
 from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
-from vllm_proxy.planning.memory import DeviceLock
+from vllm_proxy.planning.memory import DeviceLock, Use
 
 MIB = 1024 * 1024
 
@@ -831,60 +831,99 @@ def test_a_level_2_policy_whose_reload_cannot_fit_in_its_kv_room_is_refused(
     assert memory.estimates["m"].detail["kv_cache_mb"] < 8
 
 
-# -- the device lock: starts and sleeps alone, wakes and stops beside each other --------------
+# -- the device lock: what runs beside what ---------------------------------------------------
 
 
-async def _entered(lock: DeviceLock, shared: bool, log: list[str], name: str) -> None:
-    await lock.acquire(shared)
+async def _entered(lock: DeviceLock, use: Use, log: list[str], name: str) -> None:
+    await lock.acquire(use)
     log.append(name)
 
 
-async def test_device_lock_lets_wakes_and_stops_run_together_and_starts_and_sleeps_alone() -> None:
+@pytest.mark.parametrize(
+    ("a", "b", "together"),
+    [
+        (Use.MEASURE, Use.MEASURE, False),
+        (Use.MEASURE, Use.ALLOC, False),
+        (Use.MEASURE, Use.SLEEP, False),
+        (Use.MEASURE, Use.STOP, False),
+        (Use.ALLOC, Use.ALLOC, True),
+        (Use.ALLOC, Use.STOP, True),
+        (Use.ALLOC, Use.SLEEP, False),
+        (Use.SLEEP, Use.SLEEP, True),
+        (Use.SLEEP, Use.STOP, True),
+        (Use.STOP, Use.STOP, True),
+    ],
+)
+async def test_device_lock_runs_together_only_what_vllm_allows(
+    a: Use, b: Use, together: bool
+) -> None:
+    """The table: a profiling start alone; allocations (sized starts, wakes) beside each other
+    and stops; sleeps beside sleeps and stops, never beside an allocation. Symmetric."""
+    for first, second in [(a, b), (b, a)]:
+        lock = DeviceLock()
+        log: list[str] = []
+        await _entered(lock, first, log, "first")
+        other = asyncio.ensure_future(_entered(lock, second, log, "second"))
+        await asyncio.sleep(0)
+        assert other.done() is together, (first, second)
+        lock.release(first)
+        await other
+        lock.release(second)
+        assert lock.holders == 0
+
+
+async def test_device_lock_grants_in_order_past_what_may_run_beside_every_earlier_waiter() -> None:
     lock = DeviceLock()
     log: list[str] = []
-    await _entered(lock, True, log, "wake")
-    await _entered(lock, True, log, "stop")  # beside the wake
+    await _entered(lock, Use.ALLOC, log, "wake")
+    await _entered(lock, Use.STOP, log, "stop")  # beside the wake
     assert lock.holders == 2
-    start = asyncio.ensure_future(_entered(lock, False, log, "start"))
-    later_wake = asyncio.ensure_future(_entered(lock, True, log, "later wake"))
+    start = asyncio.ensure_future(_entered(lock, Use.MEASURE, log, "start"))
+    later_wake = asyncio.ensure_future(_entered(lock, Use.ALLOC, log, "later wake"))
     await asyncio.sleep(0)
     # The start waits for both; the wake that came after it waits behind it (no starving).
     assert log == ["wake", "stop"]
-    lock.release()
-    lock.release()
+    lock.release(Use.ALLOC)
+    lock.release(Use.STOP)
     await start
     assert log == ["wake", "stop", "start"] and not later_wake.done()
-    lock.release()
+    # Its profiling over, the start allocates like a wake: the later wake runs beside it.
+    lock.relax(Use.MEASURE, Use.ALLOC)
     await later_wake
-    sleep = asyncio.ensure_future(_entered(lock, False, log, "sleep"))
+    assert lock.held() == {Use.ALLOC: 2}
+    sleep = asyncio.ensure_future(_entered(lock, Use.SLEEP, log, "sleep"))
+    stop = asyncio.ensure_future(_entered(lock, Use.STOP, log, "second stop"))
     await asyncio.sleep(0)
-    assert not sleep.done(), "a sleep ran beside a wake"
-    lock.release()
+    assert not sleep.done(), "a sleep ran beside allocations"
+    assert stop.done(), "a stop waited behind a sleep it may run beside"
+    lock.release(Use.ALLOC)
+    lock.release(Use.ALLOC)
     await sleep
-    lock.release()
+    lock.release(Use.SLEEP)
+    lock.release(Use.STOP)
     assert lock.holders == 0
 
 
 async def test_device_lock_forgets_a_waiter_that_gave_up() -> None:
     lock = DeviceLock()
     log: list[str] = []
-    await _entered(lock, True, log, "wake")
-    start = asyncio.ensure_future(_entered(lock, False, log, "start"))
-    behind = asyncio.ensure_future(_entered(lock, True, log, "second wake"))
+    await _entered(lock, Use.ALLOC, log, "wake")
+    start = asyncio.ensure_future(_entered(lock, Use.MEASURE, log, "start"))
+    behind = asyncio.ensure_future(_entered(lock, Use.ALLOC, log, "second wake"))
     await asyncio.sleep(0)
     assert not behind.done()
     start.cancel()  # the start was stopped while it waited for the device
     await asyncio.gather(start, return_exceptions=True)
     await behind  # nothing exclusive waits before it any more: it runs beside the first wake
     assert log == ["wake", "second wake"] and lock.holders == 2
-    lock.release()
-    lock.release()
+    lock.release(Use.ALLOC)
+    lock.release(Use.ALLOC)
     # A waiter cancelled in the moment it was granted gives the lock back.
-    await _entered(lock, False, log, "sleep")
-    granted = asyncio.ensure_future(_entered(lock, False, log, "start"))
+    await _entered(lock, Use.SLEEP, log, "sleep")
+    granted = asyncio.ensure_future(_entered(lock, Use.MEASURE, log, "start"))
     await asyncio.sleep(0)
-    lock.release()  # grants `granted` ...
+    lock.release(Use.SLEEP)  # grants `granted` ...
     granted.cancel()  # ... which is cancelled before it runs
     await asyncio.gather(granted, return_exceptions=True)
     assert lock.holders == 0
-    await asyncio.wait_for(_entered(lock, False, log, "free again"), 1)
+    await asyncio.wait_for(_entered(lock, Use.MEASURE, log, "free again"), 1)

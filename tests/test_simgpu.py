@@ -419,7 +419,8 @@ async def test_context_is_outside_the_utilization_budget(
     }
     events = [(e.tag, e.delta_mb) for e in ledger.history(0) if e.pid == engine.pid]
     assert [tag for tag, _ in events] == [
-        "context", "weights", "runtime", "activation", "cudagraph", "activation", "kv_cache"
+        "context", "weights", "runtime", "activation", "cudagraph", "activation", "profiled",
+        "kv_cache",
     ]  # fmt: skip
     assert events[3] == ("activation", PEAK) and events[5] == ("activation", -PEAK)
 

@@ -72,14 +72,17 @@ async def sleep_now(inst: Instance) -> None:
 
 def windows(history: list[Event]) -> list[tuple[int, float, float]]:
     """(pid, start, end) of every engine start's measured window on a device: from its context
-    (created before vLLM's free-memory snapshot) to its KV cache (allocated after profiling)."""
+    (created before vLLM's free-memory snapshot) to the end of its profiling (its "profiled"
+    mark). A start told its KV cache size ("kv_given") measures nothing: no window."""
     began: dict[int, float] = {}
     out = []
     for e in history:
         if e.tag == "context" and e.delta_mb > 0:
             began[e.pid] = e.time
-        elif e.tag == "kv_cache" and e.delta_mb > 0 and e.pid in began:
+        elif e.tag == "profiled" and e.pid in began:
             out.append((e.pid, began.pop(e.pid), e.time))
+        elif e.tag == "kv_given":
+            began.pop(e.pid, None)
     return out
 
 
@@ -408,10 +411,10 @@ async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_re
     assert ctx.memory_lock is not None
     starting_on = ctx.memory_lock
 
-    def hostile(devices: tuple[int, ...], owner: str) -> Any:
+    def hostile(devices: tuple[int, ...], owner: str, sized: bool) -> Any:
         if not ledger.held(os.getpid()):  # once: right before b's first spawn
             outsider(ledger, 0, ledger.read()[0].free_mb - 4_000)
-        return starting_on(devices, owner)
+        return starting_on(devices, owner, sized)
 
     ctx.memory_lock = hostile
     status, text = await chat(proxy, "b")
@@ -614,6 +617,80 @@ async def test_tensor_parallel_and_single_gpu_starts_on_two_gpus_do_not_deadlock
         for i, (_, s1, e1) in enumerate(starts):  # starts on one device never overlap
             for _, s2, e2 in starts[i + 1 :]:
                 assert e1 <= s2 or e2 <= s1, starts
+    check_claims(proxy, ledger)
+    assert_clean_logs(proxy, *models)
+
+
+# -- starts told their KV cache size run together -------------------------------------------------
+
+
+def _starts(history: list[Event]) -> dict[int, tuple[float, float, str]]:
+    """pid -> (its context, its KV cache, "profiled" or "kv_given") for every start on a device."""
+    began: dict[int, float] = {}
+    kind: dict[int, str] = {}
+    out = {}
+    for e in history:
+        if e.tag == "context" and e.delta_mb > 0:
+            began[e.pid] = e.time
+        elif e.tag in ("profiled", "kv_given"):
+            kind[e.pid] = e.tag
+        elif e.tag == "kv_cache" and e.delta_mb > 0 and e.pid in began:
+            out[e.pid] = (began.pop(e.pid), e.time, kind.get(e.pid, "?"))
+    return out
+
+
+async def test_starts_told_their_kv_cache_size_overlap_and_a_measuring_start_runs_alone(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """The first start of a model measures (alone on the device) and its KV cache size is kept;
+    its later starts are told that size (``--kv-cache-memory-bytes``, vLLM skips profiling) and
+    run beside each other, each with the KV cache its first start found. A start that measures
+    waits for them and then has the device to itself until its profiling ends."""
+    slow = FakeEngine(sim_profile_s=0.8, sim_after_profile_s=0.8).env()
+    models = {n: {"model": "x", "memory_mb": 6_000, "env": dict(slow)} for n in ("a", "b", "c")}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    memory = proxy.manager.memory
+    assert memory is not None
+    for name in ("a", "b"):
+        assert (await chat(proxy, name))[0] == 200
+    first = _starts(ledger.history(0))
+    assert sorted(kind for _, _, kind in first.values()) == ["profiled", "profiled"]
+    learned = {n: memory.kv_learned[n][2] for n in ("a", "b")}
+    kv_first = [e.delta_mb for e in ledger.history(0) if e.tag == "kv_cache" and e.delta_mb > 0]
+    for name in ("a", "b"):
+        await proxy.model(name).unload(5)
+    await wait_for(lambda: not engine_pids(ledger), what="a and b gone")
+    mark = len(ledger.history(0))
+
+    sized = [asyncio.ensure_future(chat(proxy, n)) for n in ("a", "b")]
+    await wait_for(lambda: len(engine_pids(ledger)) == 2, what="a and b starting together")
+    measuring = asyncio.ensure_future(chat(proxy, "c"))
+    results = await asyncio.gather(*sized, measuring)
+    assert all(status == 200 for status, _ in results), results
+
+    history = ledger.history(0)[mark:]
+    starts = _starts(history)
+    told = [(s, e) for s, e, kind in starts.values() if kind == "kv_given"]
+    alone = [(pid, s) for pid, (s, _, kind) in starts.items() if kind == "profiled"]
+    assert len(told) == 2 and len(alone) == 1, starts
+    (s1, e1), (s2, e2) = told
+    assert s1 < e2 and s2 < e1, f"the two sized starts did not overlap: {told}"
+    for name in ("a", "b"):
+        assert f"--kv-cache-memory-bytes {learned[name]}" in proxy.engine_log(name)
+        assert "skipped memory profiling" in proxy.engine_log(name)
+    given = {pid for pid, (_, _, kind) in starts.items() if kind == "kv_given"}
+    kv_told = sorted(
+        e.delta_mb for e in history if e.tag == "kv_cache" and e.delta_mb > 0 and e.pid in given
+    )
+    # The size vLLM printed (GiB, 2 decimals), rounded down: at most ~11 MiB below the measured.
+    for told_mb, measured_mb in zip(kv_told, sorted(kv_first), strict=True):
+        assert measured_mb - 12 <= told_mb <= measured_mb
+    # c measured with the device to itself: nobody else allocated or freed in its window.
+    ((pid, began),) = alone
+    ended = next(e.time for e in history if e.pid == pid and e.tag == "profiled")
+    intruders = [e for e in history if began < e.time < ended and e.pid != pid and e.delta_mb]
+    assert not intruders, intruders
+    assert memory.kv_learned["c"][2] > 0
     check_claims(proxy, ledger)
     assert_clean_logs(proxy, *models)
 

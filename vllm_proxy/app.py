@@ -94,7 +94,7 @@ class Runtime:
 
 def admission_rules(adm: AdmissionConfig) -> Rules:
     """The admission queue's rules from the ``admission`` section."""
-    return Rules(adm.max_reorder_s, adm.idle_grace_s, adm.queue_timeout_s)
+    return Rules(adm.max_reorder_s, adm.idle_grace_s, adm.queue_timeout_s, adm.max_wait_s)
 
 
 def _restart_only(old: Config, new: Config) -> list[str]:

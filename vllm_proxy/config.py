@@ -595,8 +595,13 @@ class GpuConfig(_Strict):
 
 
 class AdmissionConfig(_Strict):
-    #: A model that does not fit waits this long for memory before 503 (0 = answer at once).
+    #: A model that does not fit waits this long for memory before 503 (0 = answer at once),
+    #: unless the bring-ups ahead of it in the queue (and the starts and wakes under way) are
+    #: expected to take longer: then it waits until a queue timeout after they are expected to
+    #: end, at most `max_wait_s` (the expected times are each model's measured ones).
     queue_timeout_s: float = Field(30, ge=0)
+    #: The client's patience: no wait for memory lasts longer, whatever lies ahead of it.
+    max_wait_s: float = Field(300, ge=0)
     #: Requests that may wait for one model's admission; more get 503 at once.
     max_queue: int = Field(1024, ge=1)
     #: Requests that came later may be served ahead of a waiting one (its model's engine

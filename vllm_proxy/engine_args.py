@@ -10,6 +10,7 @@ keys: each table names the vLLM source it mirrors.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,28 @@ def checkpoint_gib(model: str, params_b: float | None) -> float:
 def auto_timeouts(gib: float) -> dict[str, float]:
     """The default startup, sleep and wake timeouts for a checkpoint of `gib` GiB."""
     return {key: round(base + per_gib * gib, 1) for key, (base, per_gib) in AUTO_TIMEOUTS.items()}
+
+
+#: vLLM's log line once a worker has measured its memory (``v1/worker/gpu_worker.py:772-775``,
+#: ``format_gib``: GiB rounded to 2 decimals, ``utils/mem_utils.py:30-31``), and the line of a
+#: worker told its KV cache size, which skips the measurement (``gpu_worker.py:664-676``):
+#: each worker's profiling window ends there.
+KV_MEASURED = re.compile(r"Available KV cache memory: ([0-9]+(?:\.[0-9]+)?) GiB")
+KV_GIVEN_MARKER = "skipped memory profiling"
+
+
+def profiled_lines(text: str) -> tuple[int, int | None]:
+    """In `text` (lines of an engine's log): how many workers have ended their profiling
+    window, and the smallest KV cache (bytes, rounded down past vLLM's rounding) that one of
+    them measured (None: none measured)."""
+    ended = 0
+    smallest: int | None = None
+    for line in text.splitlines():
+        m = KV_MEASURED.search(line)
+        if m:
+            ended += 1
+            kv = max(int((float(m.group(1)) - 0.005) * (1 << 30)), 0)
+            smallest = kv if smallest is None else min(smallest, kv)
+        elif KV_GIVEN_MARKER in line:
+            ended += 1
+    return ended, smallest

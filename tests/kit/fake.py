@@ -71,6 +71,7 @@ class FakeEngine:
     sim_min_kv_mb: int | None = None
     sim_reload_temp_mb: int | None = None
     sim_profile_s: Number | None = None
+    sim_after_profile_s: Number | None = None
     sim_sleep_s: Number | None = None
     sim_reload_mb_s: Number | None = None
 

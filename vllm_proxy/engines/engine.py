@@ -30,7 +30,7 @@ import aiohttp
 import psutil
 
 from ..config import ModelSpec, file_stem
-from ..engine_args import ArgValue
+from ..engine_args import ArgValue, profiled_lines
 from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 
@@ -45,6 +45,10 @@ GUARD_KILL_S = 1.0
 #: Readiness polling: from 5 ms, backing off to 20 ms (a refused connect costs microseconds).
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.02
 LOG_TAIL_LINES = 20
+#: How often a start's log is read for the end of its profiling (first, then at most).
+PROFILE_POLL_FIRST_S, PROFILE_POLL_MAX_S = 0.1, 1.0
+#: The most of a start's log read in one poll.
+PROFILE_READ_MAX = 1 << 20
 _PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
 #: The longest path a Unix socket address holds (``sun_path``: 108 bytes with its final NUL).
 SUN_PATH_MAX = 107
@@ -210,6 +214,21 @@ def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -
     return "\n".join(text[-lines:])
 
 
+def _read_from(path: Path, offset: int) -> tuple[bytes, int]:
+    """Up to `PROFILE_READ_MAX` bytes of `path` from `offset`, and where the next read starts
+    (from 0 again once the file was rotated, being shorter than `offset`)."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            if size < offset:
+                offset = 0
+            fh.seek(offset)
+            data = fh.read(PROFILE_READ_MAX)
+    except OSError:
+        return b"", offset
+    return data, offset + len(data)
+
+
 class EngineProcess:
     """A guarded engine process group serving on a Unix socket (`socket_path`) or on
     127.0.0.1:`port`."""
@@ -239,6 +258,12 @@ class EngineProcess:
         self.log_path = log_file
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at = 0.0
+        #: The smallest KV cache (bytes) a worker of this engine measured at its start (None:
+        #: not seen, or it was told the size); read by `watch_profiling`.
+        self.kv_measured: int | None = None
+        self._log_offset = 0
+        self._log_carry = b""
+        self._profiled = 0
         self.exit_code: int | None = None
         self.exited_at: float | None = None
         #: Inodes of the verified listening socket(s) on `port`.
@@ -276,6 +301,7 @@ class EngineProcess:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
         with open(self.log_path, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
+            self._log_offset = errlog.tell()
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,
@@ -377,6 +403,35 @@ class EngineProcess:
         what = f"not ready after {self.spec.startup_timeout_s:g}s, stopped"
         log.error("%s", self.failure_message(what))
         raise EngineTimeout(self.short_failure(what))
+
+    async def watch_profiling(self, workers: int) -> bool:
+        """Read the engine's log as it starts until `workers` workers have ended their memory
+        profiling (`engine_args.profiled_lines`); True then, False once the process exited.
+        What they measured is left in `kv_measured`. Unbounded by itself: the caller races it
+        with `wait_ready` (and calls `scan_profiling` once more after that)."""
+        delay = PROFILE_POLL_FIRST_S
+        while not self._exited.is_set():
+            if await self.scan_profiling():
+                if self._profiled >= workers:
+                    return True
+                continue  # more may be there already
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, PROFILE_POLL_MAX_S)
+        return False
+
+    async def scan_profiling(self) -> bool:
+        """Read what the engine's log gained since the last scan (see `watch_profiling`);
+        whether it gained anything."""
+        chunk, self._log_offset = await asyncio.to_thread(_read_from, self.log_path,
+                                                          self._log_offset)  # fmt: skip
+        if not chunk:
+            return False
+        text, _, self._log_carry = (self._log_carry + chunk).rpartition(b"\n")
+        count, kv = profiled_lines(text.decode("utf-8", "replace"))
+        self._profiled += count
+        if kv is not None:
+            self.kv_measured = kv if self.kv_measured is None else min(self.kv_measured, kv)
+        return True
 
     async def _poll_health(self, session: aiohttp.ClientSession) -> bool:
         """Poll until ``/health`` answers 200; then True if the listener is the engine's own

@@ -38,9 +38,12 @@ from ..planning.memory import (
     NOT_SIZED,
     OOM_MARKERS,
     PROFILING_MARKERS,
+    Held,
     Placement,
     Usage,
+    Use,
 )
+from ..planning.memory import sized as memory_sized
 from ..planning.queueing import Queue, Rank
 from .engine import (
     KILL_WAIT_S,
@@ -121,6 +124,10 @@ async def _no_wait(_before: Usage | None) -> bool:
     return True
 
 
+#: A start's hold on its devices (see `EngineContext.memory_lock`).
+StartLock = Callable[[tuple[int, ...], str, bool], AbstractAsyncContextManager[Held]]
+
+
 @dataclass
 class EngineContext:
     """What every instance shares: session, ports, registry, metrics, the manager's hooks."""
@@ -135,10 +142,12 @@ class EngineContext:
     admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
     #: Gives a stopped engine's memory back to the budget (memory managed only).
     release_claim: Callable[[str], None] = lambda _iid: None
-    #: Serialises starts per device (memory managed only).
-    memory_lock: Callable[[tuple[int, ...], str], AbstractAsyncContextManager[None]] | None = None
-    #: Serialises a wake with starts on the same devices (memory managed only).
-    device_lock: Callable[..., AbstractAsyncContextManager[None]] | None = None
+    #: A start's hold on its devices (memory managed only): (devices, instance id, whether it
+    #: is told its KV cache size) -> `Held` (`memory.Memory.starting_on`).
+    memory_lock: StartLock | None = None
+    #: A wake's, sleep's or stop's hold on its devices (memory managed only): (devices, `Use`,
+    #: instance id) (`memory.Memory.device_lock`).
+    device_lock: Callable[..., AbstractAsyncContextManager[Any]] | None = None
     #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
     readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
     #: An instance whose /sleep call returned now holds this many MiB per device (None: what
@@ -481,13 +490,17 @@ class Instance:
             raise err from None
 
     async def _spawn_and_wait(self) -> None:
-        """Spawn and wait for readiness; serialised per device when memory is managed."""
+        """Spawn and wait for readiness. Where memory is managed, under its devices' locks:
+        alone while its vLLM profiles their memory (until its log says every worker has
+        measured), beside other allocations from the start when it is told its KV cache size
+        (`memory.sized`). A measured KV cache size is given to the model's later starts."""
         devices = self.devices
-        lock = self.ctx.memory_lock(devices, self.id) if self.ctx.memory_lock else _nothing()
+        sized = memory_sized(self.spec, self.placement)
+        lock = self.ctx.memory_lock(devices, self.id, sized) if self.ctx.memory_lock else _nothing()
         async with contextlib.AsyncExitStack() as stack:
             self._awaiting_devices = True
             try:
-                await stack.enter_async_context(lock)
+                held = await stack.enter_async_context(lock)
             finally:
                 self._awaiting_devices = False
             self._raise_if_stopped()  # stopped while queued for the device: spawn nothing
@@ -495,13 +508,17 @@ class Instance:
             try:
                 engine = await self._spawn()
                 try:
-                    seconds = await engine.wait_ready(self.ctx.session)
+                    seconds = await self._until_ready(engine, held, sized)
                 except ProxyError:
+                    if held is not None and sized:
+                        held.failed()  # the size it was told may be what failed it
                     await engine.stop(STARTING_STOP_GRACE_S)
                     self._raise_if_stopped()
                     raise
             finally:
                 self._owns_devices = False
+        if held is not None and not sized and engine.kv_measured is not None:
+            held.learned(engine.kv_measured)
         self._raise_if_stopped()
         if self.spec.warmup:
             await self._warm_up(engine, self.spec.startup_timeout_s)
@@ -526,6 +543,28 @@ class Instance:
         if self.spec.health_interval_s > 0:
             watcher = asyncio.ensure_future(self._watch_health(engine))
             watcher.add_done_callback(consume_exception)
+
+    async def _until_ready(self, engine: EngineProcess, held: Held | None, sized: bool) -> float:
+        """`engine.wait_ready`, relaxing a measuring start's hold on its devices (`held`) once
+        every worker has measured its memory."""
+        if held is None or sized:
+            return await engine.wait_ready(self.ctx.session)
+        ready = asyncio.ensure_future(engine.wait_ready(self.ctx.session))
+        watch = asyncio.ensure_future(engine.watch_profiling(max(len(self.devices), 1)))
+        try:
+            await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
+            measured = watch.done() and watch.exception() is None and watch.result()
+            if measured and not ready.done():
+                log.info("%s: memory profiled; its devices are shared from here", self.id)
+                held.profiled()
+            seconds = await ready
+        finally:
+            ready.cancel()
+            watch.cancel()
+        with contextlib.suppress(OSError):  # what the log gained after the last read
+            while await engine.scan_profiling():
+                pass
+        return seconds
 
     async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
@@ -863,7 +902,7 @@ class Instance:
         host_before = host_after = None
         failed = False
         try:
-            async with self._devices_held():
+            async with self._devices_held(Use.SLEEP):
                 started = self.ctx.queue.clock()
                 try:
                     before = await self.ctx.usage(engine.pid, self.devices)
@@ -917,13 +956,14 @@ class Instance:
             self._begin_stop()
 
     @asynccontextmanager
-    async def _devices_held(self, shared: bool = False) -> AsyncIterator[None]:
-        """Its devices' lock (memory managed only), marked as held by this instance; `shared`
-        for a wake or a stop (`memory.DeviceLock`). A stop begun while it is held (its own
-        failed sleep or wake, an unload) runs without the lock and is waited for before the
-        lock goes: the engine's memory is back by then."""
+    async def _devices_held(self, use: Use) -> AsyncIterator[None]:
+        """Its devices' lock (memory managed only) in `use`, marked as held by this instance
+        (`memory.Use`: a sleep beside nothing that allocates, a wake beside other allocations
+        and stops, a stop beside all but a start that profiles). A stop begun while it is held
+        (its own failed sleep or wake, an unload) runs without the lock and is waited for
+        before the lock goes: the engine's memory is back by then."""
         lock = (
-            self.ctx.device_lock(self.devices, shared=shared)
+            self.ctx.device_lock(self.devices, use, self.id)
             if self.ctx.device_lock and self.devices
             else None
         )
@@ -988,11 +1028,11 @@ class Instance:
         started = self.ctx.queue.clock()
         level = self.sleep_level
         failure: str | None = None
-        # Not while another engine starts on these devices (its memory profiling would count
-        # the wake's allocations as its own) or sleeps there (vLLM asserts the device's usage
-        # went down); beside other wakes and stops. The wait is bounded by that start or sleep.
+        # Not while another engine's start profiles these devices (it would count the wake's
+        # allocations as its own) or one sleeps there (vLLM asserts the device's usage went
+        # down); beside other wakes, sized starts and stops. Bounded by that start or sleep.
         # A failed wake stops the engine before the lock goes: it may still be allocating.
-        async with self._devices_held(shared=True):
+        async with self._devices_held(Use.ALLOC):
             try:
                 async with asyncio.timeout(self.spec.wake_timeout_s):
                     if self.state is not State.WAKING:
@@ -1122,7 +1162,7 @@ class Instance:
                 # Memory given back while a neighbour profiles its start fails that start
                 # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
                 # it until the driver has taken the memory back (beside wakes and other stops).
-                async with self._devices_held(shared=True):
+                async with self._devices_held(Use.STOP):
                     before = await self.ctx.usage(engine.pid, self.devices)
                     code = await engine.stop(grace)
                     await self.ctx.wait_released(before)

@@ -15,8 +15,10 @@ would grow the budget at every restart.
 vLLM measures memory device-wide while it profiles a start and while it sleeps, and fails when
 another process freed (or, during a sleep, allocated) memory on the device meanwhile. So every
 change an engine makes on its devices that the proxy orders — start, wake, sleep, stop — holds
-that device's lock (`device_lock`) for as long as the change takes: a start or a sleep alone,
-wakes and stops beside each other (`DeviceLock`).
+that device's lock (`device_lock`) for as long as the change takes, in a `Use` that says what
+may run beside it (`BESIDE`): a start alone only while its vLLM profiles the device (until its
+log says so); a start told its KV cache size (the size a measured start of the same engine
+found: `kv_bytes`), wakes and stops beside each other; sleeps beside sleeps and stops.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import asyncio
 import collections
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 
 from ..config import Config, GpuDevice, ModelSpec
@@ -138,71 +141,162 @@ def _nvml_source(ids: list[int] | None) -> NvmlMonitor:
     return monitor
 
 
-class DeviceLock:
-    """One device's lock, first come first served, in two modes.
+class Use(enum.Enum):
+    """What the holder of a device's lock does to the device's memory; `BESIDE` says which
+    uses may hold one device's lock at once."""
 
-    Exclusive: a start (vLLM profiles its memory device-wide from spawn to ready: "Error in
-    memory profiling" when another process frees memory meanwhile, a KV cache short by what
-    another allocated) and a sleep (vLLM asserts the device's free memory did not drop while
-    it slept, ``v1/worker/gpu_worker.py:318-334``; the proxy may measure the residue as the
-    device's drop). Shared: a wake (``gpu_worker.py`` ``wake_up`` checks nothing device-wide)
-    and a stop (the proxy waits for the engine's own processes to leave NVML's list): they
-    run beside each other, never beside a start or a sleep. A request waits behind every
-    earlier one that it cannot run beside, so a start is not starved by a stream of wakes.
-    Devices are always taken in ascending order, so several engines on several devices
-    cannot wait for each other in a circle."""
+    #: A start whose vLLM measures the device's memory (from its first snapshot,
+    #: ``v1/worker/gpu_worker.py:541``, to "Available KV cache memory", ``:772-775``): any
+    #: other process's allocation shrinks its KV cache, any release fails it ("Error in
+    #: memory profiling", ``:730-740``). Nothing runs beside it.
+    MEASURE = "measure"
+    #: A start told its KV cache size (``--kv-cache-memory-bytes``: "skipped memory
+    #: profiling", ``gpu_worker.py:656-680``; its start-up check wants only
+    #: ``gpu_memory_utilization x total`` free, ``v1/worker/utils.py:716-746``, which the
+    #: claims guarantee), a start past its profiling, a wake (``wake_up`` checks nothing
+    #: device-wide, ``gpu_worker.py:341-352``): they allocate.
+    ALLOC = "alloc"
+    #: A sleep: vLLM asserts that the device's free memory did not drop over it ("Memory
+    #: usage increased after sleeping.", ``gpu_worker.py:301-334``), so nothing allocates
+    #: beside it. Where the proxy measures what it leaves by the device's delta (no
+    #: per-process NVML readings), `Memory.device_lock` takes it as MEASURE instead.
+    SLEEP = "sleep"
+    #: A stop: the proxy waits for the engine's own processes to leave NVML's list.
+    STOP = "stop"
+
+
+#: The uses that may hold one device's lock together (the relation is symmetric).
+BESIDE: frozenset[frozenset[Use]] = frozenset(
+    frozenset(pair)
+    for pair in [
+        (Use.ALLOC, Use.ALLOC),
+        (Use.ALLOC, Use.STOP),
+        (Use.SLEEP, Use.SLEEP),
+        (Use.SLEEP, Use.STOP),
+        (Use.STOP, Use.STOP),
+    ]
+)
+
+
+def beside(a: Use, b: Use) -> bool:
+    """Whether uses `a` and `b` may hold one device's lock at once (`BESIDE`)."""
+    return frozenset((a, b)) in BESIDE
+
+
+class DeviceLock:
+    """One device's lock, held in a `Use` (see `BESIDE` for which run together).
+
+    Granted in order of arrival: a request goes once it may run beside every holder and beside
+    every earlier request still waiting, so a start is not starved by a stream of wakes, and a
+    stop need not wait behind a sleep. A holder may `relax` its use (a start whose profiling
+    has ended: MEASURE to ALLOC). Devices are always taken in ascending order, so several
+    engines on several devices cannot wait for each other in a circle."""
 
     def __init__(self) -> None:
-        self._holders = 0
-        self._exclusive = False
-        self._waiting: collections.deque[tuple[bool, asyncio.Future[None]]] = collections.deque()
+        self._held: collections.Counter[Use] = collections.Counter()
+        self._waiting: collections.deque[tuple[Use, asyncio.Future[None]]] = collections.deque()
+        #: Grants so far: a holder alone from its grant to its release saw this move by none.
+        self.grants = 0
 
     @property
     def holders(self) -> int:
-        return self._holders
+        return sum(self._held.values())
 
-    async def acquire(self, shared: bool) -> None:
-        if not self._waiting and self._free_for(shared):
-            self._take(shared)
+    def held(self) -> dict[Use, int]:
+        """The uses held now, with how many hold each."""
+        return {u: n for u, n in self._held.items() if n}
+
+    async def acquire(self, use: Use) -> None:
+        if self._may_go(use, ()) and all(beside(use, u) for u, _ in self._waiting):
+            self._take(use)
             return
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (shared, fut)
+        entry = (use, fut)
         self._waiting.append(entry)
         try:
             await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release()  # granted in the moment it was cancelled
+                self.release(use)  # granted in the moment it was cancelled
             else:
                 with contextlib.suppress(ValueError):
                     self._waiting.remove(entry)
                 self._grant()  # what waited behind it may run now
             raise
 
-    def release(self) -> None:
-        self._holders -= 1
-        if self._holders == 0:
-            self._exclusive = False
+    def release(self, use: Use) -> None:
+        self._held[use] -= 1
         self._grant()
 
-    def _free_for(self, shared: bool) -> bool:
-        return not self._exclusive and (shared or self._holders == 0)
+    def relax(self, old: Use, new: Use) -> None:
+        """A holder's use becomes `new` (which must run beside no fewer uses than `old`)."""
+        self._held[old] -= 1
+        self._held[new] += 1
+        self._grant()
 
-    def _take(self, shared: bool) -> None:
-        self._holders += 1
-        self._exclusive = not shared
+    def _may_go(self, use: Use, earlier: Iterable[Use]) -> bool:
+        held = [u for u, n in self._held.items() if n]
+        return all(beside(use, u) for u in (*held, *earlier))
+
+    def _take(self, use: Use) -> None:
+        self._held[use] += 1
+        self.grants += 1
 
     def _grant(self) -> None:
-        while self._waiting:
-            shared, fut = self._waiting[0]
+        earlier: list[Use] = []
+        for entry in list(self._waiting):
+            use, fut = entry
             if fut.done():
-                self._waiting.popleft()
+                self._waiting.remove(entry)
                 continue
-            if not self._free_for(shared):
-                return
-            self._waiting.popleft()
-            self._take(shared)
-            fut.set_result(None)
+            if self._may_go(use, earlier):
+                self._waiting.remove(entry)
+                self._take(use)
+                fut.set_result(None)
+            else:
+                earlier.append(use)
+
+
+class Held:
+    """A holder's grip on its devices' locks (`Memory.device_lock`): the use it holds them in,
+    which a start whose profiling ended relaxes (`profiled`), and whether it held them alone."""
+
+    def __init__(
+        self,
+        locks: list[DeviceLock],
+        use: Use,
+        learned: Callable[[int], None] = lambda _kv: None,
+        failed: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.locks = locks
+        self.use = use
+        #: The start measured this much KV cache (bytes) / the start failed (see `starting_on`).
+        self.learned = learned
+        self.failed = failed
+        self._marks: list[int] | None = None
+
+    def mark(self) -> None:
+        """Called once every lock is held: from here `alone` watches for other holders."""
+        alone = all(lock.holders == 1 for lock in self.locks)
+        self._marks = [lock.grants for lock in self.locks] if alone else None
+
+    def alone(self) -> bool:
+        """Whether nobody else held these devices from the grant until now."""
+        marks = self._marks
+        if marks is None:
+            return False
+        pairs = zip(self.locks, marks, strict=True)
+        return all(lock.grants == m and lock.holders == 1 for lock, m in pairs)
+
+    def profiled(self) -> None:
+        """The start's vLLM has measured its memory: allocations may run beside the rest."""
+        if self.use is Use.MEASURE:
+            for lock in self.locks:
+                lock.relax(Use.MEASURE, Use.ALLOC)
+            self.use = Use.ALLOC
+
+    def release(self, lock: DeviceLock) -> None:
+        lock.release(self.use)
 
 
 class Memory:
@@ -228,6 +322,11 @@ class Memory:
         self.poll_interval_s = config.gpu.poll_interval_s
         self.metrics = metrics
         self._locks: dict[int, DeviceLock] = {}
+        #: Whether starts are told the KV cache size a measured start found (`kv_bytes`): where
+        #: the proxy sizes the budget (NVML), so that starts need not hold their devices alone.
+        self.sizes_kv = kind == "nvml"
+        #: Per model: (engine key, budget MiB, KV cache bytes) of its last measured start.
+        self.kv_learned: dict[str, tuple[tuple[object, ...], int, int]] = {}
         self.snapshots = source.read()
         self.totals = {s.id: s.total_mb for s in self.snapshots}
         #: Device names where NVML gives them: vLLM's batch defaults depend on the device.
@@ -567,6 +666,9 @@ class Memory:
                 # The estimate's sampler pass and KV sizing assume this many: vLLM must agree
                 # whatever device it believes it runs on.
                 overrides["max_num_seqs"] = int(est.detail["max_num_seqs"])
+        kv = self.kv_bytes(spec)
+        if kv is not None:
+            overrides["kv_cache_memory_bytes"] = kv
         return Placement(devices, mb, overrides, env)
 
     def claim(self, instance_id: str, placement: Placement) -> None:
@@ -622,39 +724,79 @@ class Memory:
 
     @contextlib.asynccontextmanager
     async def device_lock(
-        self, devices: tuple[int, ...], shared: bool = False
-    ) -> AsyncIterator[None]:
-        """The per-device locks, without a measurement: held by every memory change an engine
-        makes there that the proxy orders (a wake reallocates, a sleep or a stop frees), so that
-        none overlaps another engine's start (and its memory profiling) on those devices.
-        `starting_on` takes the same locks for a start. `shared`: wakes and stops, which vLLM
-        and the proxy check per engine only, run beside each other (`DeviceLock`)."""
+        self, devices: tuple[int, ...], use: Use, owner: str | None = None
+    ) -> AsyncIterator[Held]:
+        """The per-device locks, without a measurement, held in `use` by every memory change an
+        engine makes there that the proxy orders (`Use`): a wake allocates, a sleep or a stop
+        frees. A sleep of `owner` that the proxy can measure only by the device's delta (no
+        per-process NVML readings) holds the devices alone. `starting_on` takes the same locks
+        for a start."""
+        if use is Use.SLEEP and self.kind == "nvml" and owner not in self.by_process:
+            use = Use.MEASURE
         locks = [self._locks.setdefault(d, DeviceLock()) for d in sorted(devices)]
+        held = Held(locks, use)
         async with contextlib.AsyncExitStack() as stack:
             for lock in locks:
-                await lock.acquire(shared)
-                stack.callback(lock.release)
-            yield
+                await lock.acquire(use)
+                stack.callback(held.release, lock)
+            held.mark()
+            yield held
 
     @contextlib.asynccontextmanager
-    async def starting_on(self, devices: tuple[int, ...], owner: str) -> AsyncIterator[None]:
-        """Serialise engine starts per device (two vLLMs profiling one GPU at once both fail).
+    async def starting_on(
+        self, devices: tuple[int, ...], owner: str, sized: bool = False
+    ) -> AsyncIterator[Held]:
+        """The devices' locks for a start: alone (`Use.MEASURE`) while its vLLM profiles their
+        memory, which `Held.profiled` ends; beside other allocations from the start when it is
+        `sized` (told its KV cache size: vLLM skips the profiling).
 
-        On NVML, the device memory taken while the lock was held (a start that succeeded) is
-        recorded as the owner's measured footprint, unless per-process readings give one: no
-        other start can have run on those devices in between.
+        On NVML, the device memory taken while the start held the devices alone throughout (no
+        other use granted meanwhile) is recorded as the owner's measured footprint, unless
+        per-process readings give one.
         """
-        async with self.device_lock(devices):
+        async with self.device_lock(devices, Use.ALLOC if sized else Use.MEASURE) as held:
+            held.learned = lambda kv: self.learn_kv(owner, kv)
+            held.failed = lambda: self.forget_kv(owner)
             before = await self.usage(None, devices)
             if before is not None and before.used:
                 self.baseline[owner] = before.used
-            yield
+            yield held
             after = await self.usage(None, devices)
-            if before and after and before.used and owner not in self.by_process:
+            alone = held.alone()
+            if before and after and before.used and owner not in self.by_process and alone:
                 grown = [after.used[d] - before.used[d] for d in before.used if d in after.used]
                 delta = max(grown, default=0)
                 if delta > 0:
                     self._set_measured(owner, delta)
+
+    def learn_kv(self, instance_id: str, kv_bytes: int) -> None:
+        """A start of `instance_id` that measured its memory found room for `kv_bytes` of KV
+        cache within its budget: later starts of the model with the same engine and budget are
+        told that size (`placement`) and skip vLLM's profiling."""
+        name = _model_of(instance_id)
+        if name in self._keys and kv_bytes > 0:
+            self.kv_learned[name] = (self._keys[name], self.budget(name), kv_bytes)
+            log.info("%s: %d MiB of KV cache measured; later starts are told it", instance_id,
+                     kv_bytes // (1 << 20))  # fmt: skip
+
+    def forget_kv(self, instance_id: str) -> None:
+        """A start told its KV cache size failed: the model's next start measures again."""
+        if self.kv_learned.pop(_model_of(instance_id), None) is not None:
+            log.warning("%s: a start told its KV cache size failed; the next start measures it",
+                        instance_id)  # fmt: skip
+
+    def kv_bytes(self, spec: ModelSpec) -> int | None:
+        """The KV cache size a start of `spec` is told, where its engine and budget are those a
+        measured start found it for (None: it measures)."""
+        if not self.sizes_kv or "kv_cache_memory_bytes" in _arg_names(spec):
+            return None
+        learned = self.kv_learned.get(spec.name)
+        if learned is None or spec.name not in self._keys:
+            return None
+        key, budget, kv = learned
+        if key != self._keys[spec.name] or budget != self.budget(spec.name):
+            return None
+        return kv
 
     def _set_measured(self, instance_id: str, mb: int) -> None:
         """Record what a running instance holds (accounting), and the overhead outside its
@@ -800,6 +942,23 @@ def _reload_misfit(spec: ModelSpec, fp: Footprint) -> str | None:
 
 def _arg_names(spec: ModelSpec) -> set[str]:
     return {k.replace("-", "_") for k, _ in spec.args}
+
+
+def same_engine(a: Placement, b: Placement) -> bool:
+    """Whether engines started with placements `a` and `b` are the same engine: the same
+    devices' environment and the same overrides, but for a KV cache size learned from a measured
+    start (which its budget gave that engine anyway)."""
+    learned = "kv_cache_memory_bytes"
+    first = {k: v for k, v in a.overrides.items() if k != learned}
+    second = {k: v for k, v in b.overrides.items() if k != learned}
+    return (first, a.env) == (second, b.env)
+
+
+def sized(spec: ModelSpec, placement: Placement | None) -> bool:
+    """Whether a start is told its KV cache size (by its args or its placement): its vLLM then
+    skips profiling the device's memory (``v1/worker/gpu_worker.py:656-680``)."""
+    given = placement.overrides if placement is not None else {}
+    return "kv_cache_memory_bytes" in _arg_names(spec) or "kv_cache_memory_bytes" in given
 
 
 def _model_of(instance_id: str) -> str:

@@ -67,6 +67,9 @@ class Rules:
     #: ``admission.queue_timeout_s``: a waiter's window is at most half of it, so that a
     #: waiter always has its turn before it gives up (0: no window at all).
     queue_timeout_s: float = 30.0
+    #: ``admission.max_wait_s``: the client's patience. A waiter whose turn is expected later
+    #: than its queue timeout waits on (`give_up_at`), never longer than this.
+    max_wait_s: float = 300.0
 
     @property
     def window_s(self) -> float:
@@ -100,6 +103,18 @@ def spare_s(queue_timeout_s: float, rules: Rules) -> float:
     waiting would spare (see `Admission._spare_stops`): its queue timeout less one reorder
     window, so that it still stops what it must in time to be placed (0: it never waits)."""
     return max(queue_timeout_s - rules.window_s, 0.0)
+
+
+def give_up_at(started: float, expected_end: float, timeout_s: float, rules: Rules) -> float:
+    """When a waiter that began at `started` gives up (a 503): a queue timeout after the
+    bring-ups ahead of it (the waiters before it, the starts and wakes under way) are expected
+    to end (`expected_end`; `started` when nothing was ahead of it: memory held by busy or
+    protected engines), never later than `Rules.max_wait_s` after it began; at once for a
+    timeout of 0."""
+    if timeout_s <= 0:
+        return started
+    patience = started + max(rules.max_wait_s, timeout_s)
+    return min(max(started, expected_end) + timeout_s, patience)
 
 
 def in_use(leases: int, queued: int, used_at: float, now: float, rules: Rules) -> bool:

@@ -293,6 +293,25 @@ class Admission:
             return self._timing(inst.spec, "wake") or DEFAULT_WAKE_S
         return self._timing(inst.spec, "start") or DEFAULT_START_S
 
+    def _turn_s(self, inst: Instance) -> float:
+        """Seconds of work expected before `inst`'s turn: the bring-ups of the waiters before it
+        in the queue's order, and the longest of the starts and wakes under way (each model's
+        measured time, else the planner's stand-in)."""
+        ahead = 0.0
+        for _, other in self._turns():
+            if other is inst:
+                break
+            ahead += self._restore_s(other)
+        under_way = [
+            self._timing(i.spec, "wake") or DEFAULT_WAKE_S
+            if i.state is State.WAKING
+            else self._timing(i.spec, "start") or DEFAULT_START_S
+            for i in self._all()
+            if i is not inst and i.id not in self._reclaiming
+            and i.state in (State.STARTING, State.WAKING)
+        ]  # fmt: skip
+        return ahead + max(under_way, default=0.0)
+
     def queue_timeout_for(self, spec: ModelSpec) -> float:
         """How long a start or wake of `spec` waits for memory: the model's own
         ``queue_timeout_s``, else ``admission.queue_timeout_s``."""
@@ -460,6 +479,7 @@ class Admission:
         assert memory is not None
         loop = asyncio.get_running_loop()
         started = loop.time()
+        expected_end = started
         wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
         while True:
             await memory.read_fresh()
@@ -471,9 +491,13 @@ class Admission:
                 raise Unavailable(
                     f"model '{inst.name}': no request waits for it any more", code="abandoned"
                 )
-            # The timeout in force now: a reload that shortens it bounds this wait too.
+            # The timeout in force now (a reload that shortens it bounds this wait too), counted
+            # from the end of the last bring-up ahead of it that it is expected to wait for.
             timeout_s = self.queue_timeout_for(inst.spec)
-            deadline = started + timeout_s
+            ahead = self._turn_s(inst)
+            if ahead > 0:
+                expected_end = max(expected_end, loop.time() + ahead)
+            deadline = queueing.give_up_at(started, expected_end, timeout_s, self.queue.rules)
             decision = self.plan_for(inst)
             need = self._need(inst)  # taken before the claim (a wake's)
             placement = None
@@ -519,7 +543,7 @@ class Admission:
                 why = (
                     f"{what}: not enough GPU memory: {decision.reason}"
                     if isinstance(decision, NoFit)
-                    else f"{what} within {timeout_s:g}s: models queued before it"
+                    else f"{what} within {loop.time() - started:.0f}s: models queued before it"
                     " still wait for the memory it needs"
                 )
                 if isinstance(decision, NoFit) and decision.blockers and hopeless:

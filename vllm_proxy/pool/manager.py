@@ -26,7 +26,7 @@ from ..engines.model import Model
 from ..engines.states import AWAKE
 from ..errors import BadRequest, NotFound, Unavailable
 from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
-from ..planning.memory import Memory
+from ..planning.memory import Memory, same_engine
 from ..planning.queueing import Queue, Rules
 from .admission import Admission
 
@@ -412,9 +412,9 @@ class Manager:
                 continue
             allowed = spec.devices is None or set(claim.devices) <= set(spec.devices)
             new = self.memory.placement(spec, claim.devices) if allowed else None
-            if new is None or (new.overrides, new.env) != (claim.overrides, claim.env):
+            if new is None or not same_engine(new, claim):
                 return True
-            updates[inst.id] = new
+            updates[inst.id] = dataclasses.replace(new, overrides=claim.overrides)
         for iid, new in updates.items():  # the same engines, a new budget
             self.memory.claim(iid, new)
         return False
