@@ -330,8 +330,10 @@ def test_each_engine_key_is_declared_once_and_a_model_overrides_what_it_sets() -
     })  # fmt: skip
     specs = cfg.specs()
     inherits, own, nulls = specs["inherits"], specs["own"], specs["nulls"]
-    assert (inherits.stop_timeout_s, inherits.max_backoff_s, inherits.idle_timeout_s) == (7, 9, 600)
+    assert (inherits.stop_timeout_s, inherits.max_backoff_s) == (7, 9)
     assert inherits.sleep is not None and inherits.sleep.level == 2
+    # Unset, idle_timeout_s is 600 s without a sleep policy and never (0) with one.
+    assert (inherits.idle_timeout_s, nulls.idle_timeout_s) == (0, 600)
     assert own.stop_timeout_s == 1 and own.max_backoff_s == 9
     assert dict(own.env) == {"A": "1", "B": "2"} and own.extra_args == ("--x", "--y")
     # A model's sleep replaces the engine's whole: level 1 is the default, not the engine's 2.

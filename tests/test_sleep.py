@@ -538,6 +538,57 @@ def test_with_no_level_in_host_ram_an_idle_engine_is_stopped_and_an_operator_tol
     assert inst.sleep("memory") is stopping
 
 
+def test_short_of_host_ram_a_sleep_stops_engines_asleep_used_less_recently_first(
+    tmp_path: Path,
+) -> None:
+    """Engines asleep are not stopped by a timer (with a sleep policy, idle_timeout_s is unset:
+    never); a sleep that would not fit in host RAM stops the least recently used of them
+    instead of falling back to level 2, and waits for their stops before it pins."""
+    from types import SimpleNamespace
+    from unittest.mock import MagicMock
+
+    from vllm_proxy.pool.manager import Manager
+
+    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 40_000, 10_000)
+    assert inst.spec.idle_timeout_s == 0
+    host.retained = {"old#1": 20_000, "older#1": 25_000, "newer#1": 50_000, "busy#1": 90_000}
+    inst.last_used = 100.0
+
+    def asleep(iid: str, used: float, **more: Any) -> Any:
+        fields = {"id": iid, "name": iid.split("#")[0], "state": State.SLEEPING, "leases": 0,
+                  "wake_asked": False, "retired": False, "last_used": used,
+                  "evict": MagicMock(return_value=None)}  # fmt: skip
+        return SimpleNamespace(**{**fields, **more})
+
+    old, older = asleep("old#1", 50.0), asleep("older#1", 10.0)
+    newer, busy = asleep("newer#1", 150.0), asleep("busy#1", 5.0, leases=1)
+    manager = SimpleNamespace(all_instances=lambda: [old, newer, busy, older, inst], models={},
+                              ctx=inst.ctx)  # fmt: skip
+    # 40512 + the margin - 10000: the two least recently used asleep (not newer, not busy).
+    chosen = Manager._host_victims(manager, inst, 31_000)  # type: ignore[arg-type]
+    assert [v.id for v in chosen] == ["older#1", "old#1"]
+    assert Manager._host_victims(manager, inst, 50_000) == []  # they cannot free that much
+
+    stops: list[str] = []
+
+    async def stopped() -> None:
+        stops.append("done")
+
+    loop = asyncio.new_event_loop()
+    try:
+        for victim in (older, old):
+            victim.evict = MagicMock(return_value=loop.create_task(stopped()))
+        inst.ctx.host_victims = lambda me, short: Manager._host_victims(manager, me, short)  # type: ignore[arg-type]
+        assert inst._choose_level(1) == 1, "level 1 kept: the host RAM is made"
+        older.evict.assert_called_once_with("host memory")
+        old.evict.assert_called_once_with("host memory")
+        assert len(inst._host_freeing) == 2
+        loop.run_until_complete(asyncio.wait(inst._host_freeing))
+    finally:
+        loop.close()
+    assert stops == ["done", "done"]
+
+
 def test_a_model_that_cannot_reload_is_not_demoted_to_level_2(tmp_path: Path) -> None:
     """A level-2 wake of a tensorizer (or other one-shot) checkpoint fails reload_weights
     (vLLM 0.33 model_loader/reload/inplace.py:73-79): short of host RAM for level 1, such a

@@ -340,9 +340,11 @@ class SleepPolicy(_Strict):
 
     Level 1 moves the weights to host RAM and drops the KV cache; level 2 drops both (a wake
     reloads the weights from disk). After `after_idle_s` with no request in flight the engine
-    is put to sleep; it is stopped only after ``idle_timeout_s`` of total idleness, or when
-    eviction needs the memory it still holds. A model's ``sleep`` replaces the engine's whole
-    (``sleep: null`` turns sleep mode off for that model).
+    is put to sleep; it is stopped when eviction needs the memory it still holds, when a sleep
+    of a more recently used engine needs the host RAM it pins, or after ``idle_timeout_s`` of
+    total idleness where that is set (unset with a sleep policy: never by idleness alone). A
+    model's ``sleep`` replaces the engine's whole (``sleep: null`` turns sleep mode off for that
+    model).
     """
 
     level: Literal[1, 2] = 1
@@ -396,7 +398,12 @@ class EngineKeys(_Strict):
     #: Unset: grows with the checkpoint's size on disk (see `auto_timeouts`).
     startup_timeout_s: float | None = Field(None, gt=0)
     stop_timeout_s: float = Field(30, ge=0)
-    idle_timeout_s: float = Field(600, ge=0)
+    #: An engine with no request for this long is stopped (0: never by idleness alone).
+    #: Unset: 600 s without a sleep policy; with one, 0: an engine asleep costs host RAM and a
+    #: small residue on the GPU, not the GPU, and is stopped when eviction needs that residue
+    #: or a sleep of a more recently used engine needs its host RAM (least recently used
+    #: first), not on a timer.
+    idle_timeout_s: float | None = Field(None, ge=0)
     #: After a start or a wake the engine is not put to sleep or stopped for another model for
     #: this long while it is in use (see `admission`), unless a waiter's reorder window ends.
     min_resident_s: float = Field(30, ge=0)
@@ -1004,6 +1011,17 @@ def merged_engine_keys(m: ModelConfig, e: EngineConfig) -> dict[str, Any]:
     return keys
 
 
+#: ``idle_timeout_s`` of a model without a sleep policy, where unset.
+IDLE_TIMEOUT_S = 600.0
+
+
+def _idle_timeout(given: float | None, sleep: SleepPolicy | None) -> float:
+    """``idle_timeout_s`` in effect: as given, else 600 s, or 0 (never) with a sleep policy."""
+    if given is not None:
+        return given
+    return 0.0 if sleep is not None else IDLE_TIMEOUT_S
+
+
 def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> ModelSpec:
     keys = merged_engine_keys(m, e)
     state = Path(state_dir(server))
@@ -1020,6 +1038,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         extra_args=tuple(keys["extra_args"]),
         env=tuple(keys["env"].items()),
         startup_timeout_s=keys["startup_timeout_s"] or auto["startup_timeout_s"],
+        idle_timeout_s=_idle_timeout(keys["idle_timeout_s"], sleep),
         port_range=tuple(keys["port_range"]),
         log_dir=str(Path(keys["log_dir"] or state / "logs").expanduser()),
         sleep=sleep,

@@ -169,6 +169,9 @@ class EngineContext:
     grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
     #: Host RAM promised to level-1 sleeps in flight.
     host: HostRam = field(default_factory=HostRam)
+    #: Engines asleep to stop, least recently used first, so that a sleep of this instance
+    #: finds this many more MiB of host RAM (empty: no such set frees that much).
+    host_victims: Callable[[Instance, int], list[Instance]] = lambda _inst, _mb: []
     #: The admission queue: every request that waits holds a ticket in it.
     queue: Queue = field(default_factory=Queue)
     #: Whether a request of this rank, arrived then (monotonic), for a serving instance must
@@ -233,6 +236,8 @@ class Instance:
         #: Replaced by a reload or its model removed: takes no new request, drains (DRAINING
         #: while it runs), stops.
         self.retired = False
+        #: Stops of engines asleep that its next sleep waits for (`_free_host_ram`).
+        self._host_freeing: list[asyncio.Task[None]] = []
         #: Why the health watcher killed it (UNHEALTHY): the reason counted for it.
         self.unhealthy_reason = ""
         self._changed = asyncio.Event()
@@ -876,7 +881,8 @@ class Instance:
             if guess is None:  # nothing known of what it pins: as asked
                 return chosen
             need = self.ctx.host.need_mb(self.id, key, chosen, guess)
-            if need and need + HOST_RAM_MARGIN_MB > room:
+            short = need + HOST_RAM_MARGIN_MB - room if need else 0
+            if short > 0 and not self._free_host_ram(short):
                 log.warning(
                     "%s: sleep level %d would pin ~%d MiB more in host RAM but only %d MiB are"
                     " available (cgroup limits and sleeps in flight counted)",
@@ -892,6 +898,20 @@ class Instance:
         log.warning("%s: no sleep level fits in host RAM; stopping the engine instead", self.id)
         return None
 
+    def _free_host_ram(self, short_mb: int) -> bool:
+        """Stop engines asleep that were used less recently than this one, least recently used
+        first, so that its sleep finds `short_mb` more of host RAM (their pinned memory goes
+        with them; the sleep waits for their stops: `_host_freeing`); False when they cannot
+        free that much (none is stopped then)."""
+        victims = self.ctx.host_victims(self, short_mb)
+        tasks = [t for t in (v.evict("host memory") for v in victims) if t is not None]
+        if not tasks:
+            return False
+        log.info("%s: stopping %s (asleep, used less recently) for the host RAM its sleep pins",
+                 self.id, ", ".join(v.id for v in victims))  # fmt: skip
+        self._host_freeing = tasks
+        return True
+
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
         device while it slept, and a start next to it must not see memory freed while it
@@ -902,6 +922,9 @@ class Instance:
         host_before = host_after = None
         failed = False
         try:
+            if self._host_freeing:  # engines stopped for the host RAM it pins: gone first
+                freeing, self._host_freeing = self._host_freeing, []
+                await asyncio.wait(freeing)
             async with self._devices_held(Use.SLEEP):
                 started = self.ctx.queue.clock()
                 try:

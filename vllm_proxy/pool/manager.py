@@ -23,7 +23,7 @@ from ..config import ModelSpec
 from ..engines.engine import EngineProcess
 from ..engines.instance import RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from ..engines.model import Model
-from ..engines.states import AWAKE
+from ..engines.states import AWAKE, State
 from ..errors import BadRequest, NotFound, Unavailable
 from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
 from ..planning.memory import Memory, same_engine
@@ -108,6 +108,7 @@ class Manager:
             ctx.grow_budget = memory.grow_budget
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
+        ctx.host_victims = self._host_victims
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
         self.removed: set[Model] = set()
@@ -147,6 +148,29 @@ class Manager:
         self.names = names
         #: LoRA adapters by name and alias: (the base model's name, the adapter).
         self.adapter_names = adapters
+
+    def _host_victims(self, inst: Instance, short_mb: int) -> list[Instance]:
+        """Engines asleep and idle, of models not pinned, used less recently than `inst`,
+        least recently used first, whose pinned host RAM together is at least `short_mb`
+        (empty: they do not hold that much)."""
+        retained = self.ctx.host.retained
+        asleep = sorted(
+            (
+                i for i in self.all_instances()
+                if i is not inst and i.state is State.SLEEPING and i.leases == 0
+                and not i.wake_asked and not i.retired and retained.get(i.id, 0) > 0
+                and i.last_used <= inst.last_used
+                and not (i.name in self.models and self.models[i.name].pinned)
+            ),
+            key=lambda i: i.last_used,
+        )  # fmt: skip
+        chosen, total = [], 0
+        for i in asleep:
+            chosen.append(i)
+            total += retained[i.id]
+            if total >= short_mb:
+                return chosen
+        return []
 
     def all_instances(self) -> list[Instance]:
         """Every live instance, of configured and of removed models."""
