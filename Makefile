@@ -47,7 +47,7 @@ system-deps:
 JOBS ?= 2
 
 test: system-deps lint
-	$(PY) -m pytest -n $(JOBS) --dist worksteal
+	$(PY) -m pytest -n $(JOBS) --dist worksteal --durations=30
 	$(MAKE) test-py312
 
 # The suite with one core kept busy by stress-ng: every bound in a test must hold there too.
