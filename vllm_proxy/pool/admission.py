@@ -78,6 +78,8 @@ class Admission:
         self._models = models
         #: Starts and wakes waiting for memory now, by instance id: whose turn it is.
         self._reclaiming: dict[str, Instance] = {}
+        #: When each of them gives up (its deadline as last computed by `_take_turn`).
+        self._give_up: dict[str, float] = {}
         #: Measured seconds of starts and wakes, by model and engine (the planner's prices).
         self.timings: dict[tuple[str, tuple[Any, ...]], dict[str, float]] = {}
 
@@ -221,9 +223,7 @@ class Admission:
         (`scheduler.settled`) waits for those engines, until the waiter has waited
         `queueing.spare_s` (then it stops: a 503 at the queue timeout would be worse)."""
         waiter = self._waiter(inst.name)
-        if waiter is None or now - waiter.since >= queueing.spare_s(
-            self.queue_timeout_for(inst.spec), self.queue.rules
-        ):
+        if waiter is None or now >= self._spare_until(inst, waiter):
             return decision
         views = self._views(None, drained=True)[0]
         later = plan(demand, *settled(demand, devices, views), now)
@@ -292,6 +292,15 @@ class Admission:
         if inst.state is State.WAKE_WAITING:
             return self._timing(inst.spec, "wake") or DEFAULT_WAKE_S
         return self._timing(inst.spec, "start") or DEFAULT_START_S
+
+    def _spare_until(self, inst: Instance, waiter: Waiter) -> float:
+        """Until when `inst` waits for busy and changing engines rather than stop idle ones:
+        `queueing.spare_s` after it began waiting, or one reorder window before it gives up
+        where the bring-ups ahead of it pushed that back (`_give_up`)."""
+        rules = self.queue.rules
+        plain = waiter.since + queueing.spare_s(self.queue_timeout_for(inst.spec), rules)
+        gives_up = self._give_up.get(inst.id)
+        return plain if gives_up is None else max(plain, gives_up - rules.window_s)
 
     def _turn_s(self, inst: Instance) -> float:
         """Seconds of work expected before `inst`'s turn: the bring-ups of the waiters before it
@@ -411,10 +420,7 @@ class Admission:
         rules = self.queue.rules
         at = queueing.next_deadline(self.queue.waiters(), residents, now, rules)
         # A waiter that spares stops stops waiting for them at its own moment.
-        spares = [
-            w.since + queueing.spare_s(self.queue_timeout_for(i.spec), rules)
-            for w, i in self._turns()
-        ]
+        spares = [self._spare_until(i, w) for w, i in self._turns()]
         later = [t for t in (*spares, at) if t is not None and t > now]
         return min(later) - now if later else None
 
@@ -465,6 +471,7 @@ class Admission:
             return await self._take_turn(inst, state, claim, unclaim)
         finally:
             del self._reclaiming[inst.id]
+            self._give_up.pop(inst.id, None)
             self.queue.leave(ticket)
 
     async def _take_turn(
@@ -498,6 +505,7 @@ class Admission:
             if ahead > 0:
                 expected_end = max(expected_end, loop.time() + ahead)
             deadline = queueing.give_up_at(started, expected_end, timeout_s, self.queue.rules)
+            self._give_up[inst.id] = deadline
             decision = self.plan_for(inst)
             need = self._need(inst)  # taken before the claim (a wake's)
             placement = None
