@@ -539,7 +539,8 @@ async def test_bursts_on_six_models_in_random_order_keep_every_invariant(
     an autoscaled one.
     Bursts of requests in a seeded random order, the next burst once half the last one is
     answered: every request gets a complete 200 or a 503 within the queue timeout, no engine
-    goes under a lease, the budget is never over-committed, the starts stay bounded."""
+    goes under a lease, the budget is never over-committed, the starts stay bounded. A wait
+    behind bring-ups may outlast the queue timeout, never the clients' patience (max_wait_s)."""
     rng = random.Random(20240607)
     models: dict[str, dict[str, Any]] = {f"m{i}": {"memory_mb": 300} for i in range(6)}
     models["m0"]["priority"] = -1
@@ -547,7 +548,7 @@ async def test_bursts_on_six_models_in_random_order_keep_every_invariant(
     models["m2"]["sleep"] = {"level": 1, "after_idle_s": 60}
     models["m3"]["pinned"] = True
     models["m4"]["autoscale"] = {"max_replicas": 2, "target_ongoing_requests": 1}
-    admission = {"max_reorder_s": 1, "queue_timeout_s": 6, "idle_grace_s": 0.3}
+    admission = {"max_reorder_s": 1, "queue_timeout_s": 6, "max_wait_s": 9, "idle_grace_s": 0.3}
     data = settings(tmp_path, models, admission, min_resident_s=2)
     proxy = await start(start_proxy, data)
     watch = Watch(proxy)
@@ -563,7 +564,7 @@ async def test_bursts_on_six_models_in_random_order_keep_every_invariant(
     answers = await asyncio.gather(*tasks)
     for a in answers:
         assert a.complete or (a.status, a.code) == (503, "insufficient_gpu_memory"), a
-        assert a.took < 6 + 4, a
+        assert a.took < 9 + 4, a
     served = sum(a.complete for a in answers)
     assert served >= len(answers) * 2 // 3, [(a.model, a.status) for a in answers]
     starts = sum(proxy.engine_starts(n) for n in names)
