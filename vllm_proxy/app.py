@@ -31,6 +31,7 @@ from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .frontend.admin import Admin, add_admin_routes
 from .frontend.connection import Listener, Runner, Site, listen
+from .frontend.console import Console, add_console_routes
 from .frontend.placement import Holdings, add_placement_routes
 from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
 from .frontend.realtime_route import RealtimeRoute, add_realtime_routes
@@ -316,6 +317,8 @@ async def create_app(
     add_routes(app, proxy)
     add_realtime_routes(app, realtime)
     add_admin_routes(app, admin)
+    console = Console(manager, proxy.recent, admin.snapshot, config.server.drain_timeout_s)
+    add_console_routes(app, console)
     add_placement_routes(app, Holdings(manager, admin))
     app.on_cleanup.append(_cleanup)
     return app

@@ -33,6 +33,7 @@ from ..engines.model import Model
 from ..engines.states import AWAKE
 from ..errors import BadRequest, NotFound
 from ..pool.manager import Manager
+from .console import PAGE_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +188,9 @@ class Admin:
     async def page(self, request: web.Request) -> web.Response:
         if self._page is None:
             self._page = resources.files("vllm_proxy").joinpath("static/status.html").read_bytes()
-        return web.Response(body=self._page, content_type="text/html", charset="utf-8")
+        resp = web.Response(body=self._page, content_type="text/html", charset="utf-8")
+        resp.headers.update(PAGE_HEADERS)
+        return resp
 
     async def engine_metrics(self, request: web.Request) -> web.Response:
         """Every running or sleeping engine's ``vllm:`` metrics, relabelled with ``model_id``
