@@ -663,6 +663,8 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
+            "sleep_levels": [] if self.spec.sleep is None else [1, 2] if self.spec.reloadable
+            else [1],
             "replicas": {
                 **self.autoscaler.status(),
                 "affinity_header": self.spec.affinity_header,
