@@ -574,6 +574,8 @@ class Model:
         self._drains_begun += 1
         try:
             while self.instances:
+                for inst in self.instances:
+                    inst.change_reason = "admin unload"
                 await asyncio.gather(*(i.drain_and_stop(timeout) for i in list(self.instances)))
         finally:
             self._drains -= 1
@@ -663,7 +665,10 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
-            "sleep_levels": [] if self.spec.sleep is None else [1, 2] if self.spec.reloadable
+            "sleep_levels": []
+            if self.spec.sleep is None
+            else [1, 2]
+            if self.spec.reloadable
             else [1],
             "replicas": {
                 **self.autoscaler.status(),

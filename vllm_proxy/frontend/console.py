@@ -140,6 +140,11 @@ class Console:
     async def _events(self, request: web.Request) -> web.StreamResponse:
         resp = _stream(request, "text/event-stream")
         await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the page went away
+            await self._send_events(request, resp)
+        return resp
+
+    async def _send_events(self, request: web.Request, resp: web.StreamResponse) -> None:
         journal = self.manager.journal
         origin = f"{request.scheme}://{request.host}"
         seq = _int_query(request, "after", 0)
@@ -274,6 +279,11 @@ class Console:
     async def _follow(self, request: web.Request, path: Path, tail: int) -> web.StreamResponse:
         resp = _stream(request, "text/plain")
         await resp.prepare(request)
+        with contextlib.suppress(ConnectionResetError):  # the page went away
+            await self._send_log(resp, path, tail)
+        return resp
+
+    async def _send_log(self, resp: web.StreamResponse, path: Path, tail: int) -> None:
         size, text = await asyncio.to_thread(_size_and_tail, path, tail)
         await resp.write((text + "\n").encode() if text else b"")
         pos, beat = size, time.monotonic()

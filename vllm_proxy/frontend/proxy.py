@@ -222,6 +222,9 @@ class Tap:
 
 
 _DECODER = json.JSONDecoder()
+#: Below this, the time from the first byte is no measure of generation (a whole answer in one
+#: write): tokens per second are counted from the lease instead.
+MIN_GEN_S = 0.05
 #: What a client's request id may be made of: no space, no control character.
 _TOKEN = re.compile(r"[A-Za-z0-9\-._:~+/=]+")
 #: Characters escaped in access-log fields: controls, space, backslash, quotes, non-ASCII.
@@ -407,7 +410,10 @@ class Proxy:
         usage = tap.tokens()
         ttft = tap.first_byte - tap.started if tap.first_byte is not None else None
         out = usage[1] if usage else None
+        # Generation time: from the first byte for a stream, else the whole time on the engine.
         gen_s = now - tap.first_byte if tap.first_byte is not None else None
+        if gen_s is not None and gen_s < MIN_GEN_S and tap.leased is not None:
+            gen_s = now - tap.leased
         self.recent.add(
             {
                 "id": rid, "t": time.time(), "model": tap.model, "instance": tap.instance,

@@ -454,7 +454,7 @@ class Manager:
         if inst.state.public is not old.public:
             reason = inst.change_reason
             self.journal.note(inst.name, inst.id, old.public.value, inst.state.public.value, reason)
-            if inst.state.public in (State.RUNNING, State.STOPPED, State.ERROR):
+            if inst.state.public in (State.RUNNING, State.SLEEPING, State.STOPPED, State.ERROR):
                 inst.change_reason = ""  # the change it explained is over
         else:
             self.journal.poke()

@@ -466,7 +466,7 @@ function patchRows(body, rows) {
     }
     if (cursor && cursor.dataset.key === row.dataset.key) {
       const next = cursor.nextElementSibling;
-      if (!cursor.isEqualNode(row)) cursor.replaceWith(row);
+      if (!cursor.isEqualNode(row)) patchRow(cursor, row);
       cursor = next;
       continue;
     }
@@ -478,6 +478,19 @@ function patchRows(body, rows) {
     cursor.remove();
     cursor = next;
   }
+}
+
+// A changed row keeps its cells that did not change: a button under the pointer is not
+// replaced by the clock ticking in another cell (a click would miss it).
+function patchRow(old, row) {
+  if (old.cells.length !== row.cells.length || old.className !== row.className) {
+    old.replaceWith(row);
+    return;
+  }
+  for (const a of [...old.attributes]) if (!row.hasAttribute(a.name)) old.removeAttribute(a.name);
+  for (const a of [...row.attributes]) old.setAttribute(a.name, a.value);
+  const fresh = [...row.cells];
+  [...old.cells].forEach((cell, i) => { if (!cell.isEqualNode(fresh[i])) cell.replaceWith(fresh[i]); });
 }
 
 function renderModels(models) {
