@@ -174,6 +174,21 @@ function colour(name) {
   return colours.get(name);
 }
 
+// Memory changes in steps (a start, a sleep): each sample's value holds until the next one,
+// and the last one until now.
+function steps(samples, value, x, y) {
+  const pts = [];
+  let prev = null;
+  for (const s of samples) {
+    const v = value(s);
+    if (prev !== null) pts.push(`${x(s.t).toFixed(1)},${y(prev).toFixed(1)}`);
+    pts.push(`${x(s.t).toFixed(1)},${y(v).toFixed(1)}`);
+    prev = v;
+  }
+  if (prev !== null) pts.push(`${x(Date.now() / 1000 + ui.clockOffset / 1000).toFixed(1)},${y(prev).toFixed(1)}`);
+  return pts.join(" ");
+}
+
 // Drawn here rather than with a charting library: a few polylines and markers per device are
 // less code than a library's adapter, and nothing has to be vendored or kept up to date.
 function renderChart() {
@@ -199,23 +214,18 @@ function renderChart() {
     g.append(svg("text", { x: 2, y: y(0) }, "0"));
     g.append(svg("text", { x: L, y: H - 4 }, clock(t0)));
     g.append(svg("text", { x: W - R - 50, y: H - 4 }, "now"));
-    const used = h.samples.map((s) => {
-      const d = s.gpus.find((gg) => gg.id === dev);
-      return `${x(s.t).toFixed(1)},${y(d ? d.used_mb : 0).toFixed(1)}`;
-    });
-    g.append(svg("polyline", { class: "used", points: used.join(" ") },
+    const used = steps(h.samples, (s) => s.gpus.find((gg) => gg.id === dev)?.used_mb || 0, x, y);
+    g.append(svg("polyline", { class: "used", points: used },
       svg("title", {}, "used on the device")));
     const models = new Set(h.samples.flatMap((s) =>
       Object.keys(s.gpus.find((gg) => gg.id === dev)?.models || {})));
     for (const name of models) {
       names.add(name);
       for (const kind of ["awake", "asleep"]) {
-        const pts = h.samples.map((s) => {
-          const m = s.gpus.find((gg) => gg.id === dev)?.models?.[name];
-          return `${x(s.t).toFixed(1)},${y(m ? m[kind] : 0).toFixed(1)}`;
-        });
+        const pts = steps(h.samples,
+          (s) => s.gpus.find((gg) => gg.id === dev)?.models?.[name]?.[kind] || 0, x, y);
         if (!h.samples.some((s) => s.gpus.find((gg) => gg.id === dev)?.models?.[name]?.[kind])) continue;
-        g.append(svg("polyline", { class: `${kind} ${colour(name)}`, points: pts.join(" ") },
+        g.append(svg("polyline", { class: `${kind} ${colour(name)}`, points: pts },
           svg("title", {}, `${name} (${kind})`)));
       }
     }
