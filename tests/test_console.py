@@ -196,6 +196,9 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
         await page.click("button[data-action=wake][data-model=alpha]")
         await wait_state(page, "alpha", "running")
         assert proxy.model("alpha").serving() is not None
+        # The wake's place in the queue is given back, and the live view shows it.
+        queue = f"{find('tr.model[data-model=alpha] td:nth-child(7)')}.textContent"
+        await page.until(f"{queue} === '0'", what="alpha's queue back to 0")
 
         # -- follow the engine's log ---------------------------------------------------------
         inst = proxy.model("alpha").serving()
@@ -216,6 +219,10 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
         assert await page.js("document.getElementById('pwned')") is None
         assert await page.js("document.querySelectorAll('#log *').length") == 0
 
+        await page.js(
+            "document.querySelectorAll('.table-wrap').forEach((e) => { e.scrollLeft = 0; });"
+            "window.scrollTo(0, 0)"
+        )
         await page.screenshot(shots / "console.png")
 
         # -- stop: asked first, because it serves -----------------------------------------------
@@ -254,7 +261,6 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
         assert await page.js("document.querySelectorAll('#log *, #models img').length") == 0
         assert await page.js("window.__xss") is None
 
-        await page.screenshot(shots / "console-full.png")
         assert await page.js("window.__csp") == [], "Content-Security-Policy violations"
         assert page.problems == [], page.problems
 
