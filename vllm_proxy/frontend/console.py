@@ -31,6 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
+from ..config import ServerConfig
 from ..engines.engine import read_tail
 from ..engines.instance import Instance
 from ..errors import BadRequest, NotFound, TooManyRequests
@@ -73,15 +74,19 @@ class Console:
     """Handlers for the console's routes, and the memory sampler."""
 
     def __init__(
-        self, manager: Manager, recent: Recent, snapshot: Snapshot, drain_timeout_s: float
+        self, manager: Manager, recent: Recent, snapshot: Snapshot, server: ServerConfig
     ) -> None:
         self.manager = manager
         self.recent = recent
         self.snapshot = snapshot
-        self.drain_timeout_s = drain_timeout_s
+        self.configure(server)
         self.streams = 0
         self._sampler: asyncio.Task[None] | None = None
         self._files: dict[str, bytes] = {}
+
+    def configure(self, server: ServerConfig) -> None:
+        """Apply the keys of a (re)loaded config."""
+        self.drain_timeout_s = server.drain_timeout_s
 
     # -- lifecycle -----------------------------------------------------------------------
 
