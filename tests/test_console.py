@@ -184,6 +184,16 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
         assert await page.js(f"{find(row)}") is None
         await choose(page, "req-status", "2xx")
         assert await page.js(f"{find(row)} !== null")
+        # Capture for one model, shown as on; then off again.
+        await choose(page, "req-model", "alpha")
+        await page.click("#capture-toggle")
+        await page.until(f"{find('#capture-state [data-capture=alpha]')} !== null",
+                         what="capture shown on")  # fmt: skip
+        assert proxy.server.runtime.proxy.recent.wants_body("alpha")
+        await page.click("#capture-toggle")
+        await page.until(f"{find('#capture-state [data-capture]')} === null", what="capture off")
+        assert not proxy.server.runtime.proxy.recent.wants_body("alpha")
+        await choose(page, "req-model", "")
 
         # -- sleep, then wake ----------------------------------------------------------------
         await page.click("button[data-action=sleep][data-model=alpha][data-level='1']")
