@@ -245,6 +245,14 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
         assert proxy.model("alpha").instances == []
         await page.until("document.getElementById('notice').textContent.includes('stop done')")
 
+        # -- reload: this proxy has no config file, and the page says so -----------------------
+        await page.click("#reload-config")
+        await page.until(
+            "document.getElementById('notice').textContent.includes('without a config file')",
+            what="the reload's refusal shown",
+        )
+        assert await page.js("document.getElementById('notice').dataset.kind") == "err"
+
         # -- the memory timeline: starts, sleeps, wakes and stops marked, with reasons ---------
         marks = "#chart svg[data-chart-gpu='0'] g.event title"
         for change in ("running → sleeping (admin)", "→ stopped (admin unload)"):
