@@ -25,7 +25,8 @@ class Journal:
 
     def __init__(self, max_events: int = MAX_EVENTS, window_s: float = WINDOW_S) -> None:
         self.events: deque[dict[str, Any]] = deque(maxlen=max_events)
-        self.samples: deque[dict[str, Any]] = deque(maxlen=int(window_s / SAMPLE_S) + 2)
+        # Room for a sample every SAMPLE_S and as many again after state changes.
+        self.samples: deque[dict[str, Any]] = deque(maxlen=2 * int(window_s / SAMPLE_S) + 2)
         self.window_s = window_s
         #: Bumped on every event; the live stream sends what came after the last one it sent.
         self.seq = 0
