@@ -11,8 +11,10 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
-from kit import RunningProxy, StartProxy, config_data
+from kit import RunningProxy, StartProxy, config_data, wait_for
+from kit.simgpu import sim_config
 
+from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import parse_config
 from vllm_proxy.frontend.console import CSP
 from vllm_proxy.frontend.recent import MAX_CAPTURE_COUNT, Recent
@@ -161,3 +163,35 @@ async def test_the_page_and_its_files_carry_a_content_security_policy(
     assert "'unsafe-inline'" not in CSP and "script-src 'self'" in CSP
     async with proxy.http.get(proxy.url + "/console.exe") as r:
         assert r.status == 404
+
+
+async def test_memory_timeline_on_a_measured_gpu(
+    start_proxy: StartProxy, tmp_path: Path, ledger: Ledger
+) -> None:
+    """On NVML (the simulated GPU): each sample has the device's use and the model's share,
+    awake, then asleep after a sleep (smaller), and none once stopped."""
+    models = {"a": {"model": "x", "memory_mb": 4000, "sleep": {"level": 1}}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models))
+    journal = proxy.manager.journal
+    assert (await proxy.chat("a")).status == 200
+
+    def share(kind: str) -> int:
+        gpu = proxy.manager.memory_sample()[0]
+        return int(gpu["models"].get("a", {}).get(kind, 0))
+
+    awake = share("awake")
+    assert awake > 0 and share("asleep") == 0
+    async with proxy.http.post(proxy.url + "/admin/models/a/sleep") as r:
+        assert r.status == 200, await r.text()
+    assert share("awake") == 0 and 0 < share("asleep") < awake
+
+    async def sampled() -> bool:  # the sampler took one since the sleep
+        return any(s["gpus"][0]["models"].get("a", {}).get("asleep") for s in journal.samples)
+
+    await wait_for(sampled, what="a sample with the model asleep")
+    async with proxy.http.post(proxy.url + "/admin/models/a/stop") as r:
+        assert r.status == 200 and (await r.json())["state"] == "stopped"
+    assert proxy.manager.memory_sample()[0]["models"] == {}
+    assert [e["new"] for e in journal.events] == [
+        "starting", "running", "sleeping", "stopping", "stopped",
+    ]  # fmt: skip
