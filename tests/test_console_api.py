@@ -16,7 +16,7 @@ from kit.simgpu import sim_config
 
 from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import parse_config
-from vllm_proxy.frontend.console import CSP
+from vllm_proxy.frontend.console import CSP, _read_from
 from vllm_proxy.frontend.recent import MAX_CAPTURE_COUNT, Recent
 from vllm_proxy.pool.journal import Journal
 
@@ -195,3 +195,13 @@ async def test_memory_timeline_on_a_measured_gpu(
     assert [e["new"] for e in journal.events] == [
         "starting", "running", "sleeping", "stopping", "stopped",
     ]  # fmt: skip
+
+
+def test_a_followed_log_starts_over_when_the_file_is_rotated(tmp_path: Path) -> None:
+    log = tmp_path / "m.1.log"
+    log.write_bytes(b"old line\n" * 10)
+    pos, chunk = _read_from(log, 0)
+    assert (pos, len(chunk)) == (0, 90)
+    log.write_bytes(b"new\n")  # rotated: a new, shorter file
+    assert _read_from(log, 90) == (0, b"new\n")
+    assert _read_from(tmp_path / "gone.log", 7) == (7, b"")

@@ -291,19 +291,16 @@ class Console:
     async def _send_log(self, resp: web.StreamResponse, path: Path, tail: int) -> None:
         size, text = await asyncio.to_thread(_size_and_tail, path, tail)
         await resp.write((text + "\n").encode() if text else b"")
-        pos, beat = size, time.monotonic()
+        pos = size
+        # Until the client goes: handler cancellation (app.py) ends this loop then.
         while True:
-            chunk = await asyncio.to_thread(_read_from, path, pos)
+            pos, chunk = await asyncio.to_thread(_read_from, path, pos)
             if chunk:
                 # Whole lines only: a partial last line waits for its end.
                 cut = chunk.rfind(b"\n") + 1 if len(chunk) < FOLLOW_CHUNK else len(chunk)
                 if cut:
                     await resp.write(chunk[:cut])
                     pos += cut
-                    beat = time.monotonic()
-            elif time.monotonic() - beat >= HEARTBEAT_S:
-                await resp.write(b"")  # an empty write: finds a client gone
-                beat = time.monotonic()
             if not chunk or len(chunk) < FOLLOW_CHUNK:
                 await asyncio.sleep(FOLLOW_POLL_S)  # a file has no change signal to wait on
 
@@ -316,15 +313,17 @@ def _size_and_tail(path: Path, tail: int) -> tuple[int, str]:
     return size, read_tail(path, lines=tail, max_bytes=tail * 1024)
 
 
-def _read_from(path: Path, pos: int) -> bytes:
+def _read_from(path: Path, pos: int) -> tuple[int, bytes]:
+    """What the file holds from `pos` on (at most `FOLLOW_CHUNK`), and where that began: from
+    the start when the file is now shorter (rotated at ``log_max_bytes``, a new file)."""
     try:
         with open(path, "rb") as fh:
             if os.fstat(fh.fileno()).st_size < pos:
-                return b""  # truncated: nothing new to show
+                pos = 0
             fh.seek(pos)
-            return fh.read(FOLLOW_CHUNK)
+            return pos, fh.read(FOLLOW_CHUNK)
     except OSError:
-        return b""
+        return pos, b""
 
 
 def _stream(request: web.Request, content_type: str) -> web.StreamResponse:
