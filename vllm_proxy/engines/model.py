@@ -665,11 +665,7 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
-            "sleep_levels": []
-            if self.spec.sleep is None
-            else [1, 2]
-            if self.spec.reloadable
-            else [1],
+            "sleep_levels": self._sleep_levels(),
             "replicas": {
                 **self.autoscaler.status(),
                 "affinity_header": self.spec.affinity_header,
@@ -694,6 +690,13 @@ class Model:
             "adapters_dir": self.spec.adapters_dir,
             "max_adapters": self.spec.max_adapters or None,
         }
+
+    def _sleep_levels(self) -> list[int]:
+        """The levels an operator may put it to sleep at (`sleep`): none without a policy, 2
+        only where the weights can be reloaded on wake."""
+        if self.spec.sleep is None:
+            return []
+        return [1, 2] if self.spec.reloadable else [1]
 
     def adapter_status(self) -> list[dict[str, object]]:
         """The model's LoRA adapters (configured ones, then those found in its folder that an
