@@ -106,3 +106,8 @@ def test_tables_line_up_and_show_what_is_missing() -> None:
     header, row = lines[2], lines[3]
     assert row.startswith("m [pinned]") and row.index("stopped") == header.index("STATE")
     assert requests_table([]).startswith("TIME")
+    row = {"t": 0, "id": "r", "model": "m", "key": None, "route": "/v1/\x1b[2Jx", "status": 404,
+           "wait_s": None, "ttft_s": None, "tokens_in": None, "tokens_out": None,
+           "tokens_per_s": None, "duration_s": 0.5}  # fmt: skip
+    shown = requests_table([row])
+    assert "\x1b" not in shown and "/v1/?[2Jx" in shown

@@ -143,6 +143,11 @@ def ps_table(data: dict[str, Any]) -> str:
     return "\n".join([head, *gpus, "", table(rows)])
 
 
+def _printable(text: str) -> str:
+    """A client's text (its path) without the control characters a terminal would obey."""
+    return "".join(c if c.isprintable() else "?" for c in text)
+
+
 def requests_table(rows: list[dict[str, Any]]) -> str:
     out = [["TIME", "REQUEST ID", "MODEL", "KEY", "ROUTE", "STATUS", "WAIT", "TTFT", "IN", "OUT",
             "TOK/S", "DURATION"]]  # fmt: skip
@@ -152,7 +157,7 @@ def requests_table(rows: list[dict[str, Any]]) -> str:
 
     for r in rows:
         out.append([time.strftime("%H:%M:%S", time.localtime(r["t"])), r["id"], r["model"],
-                    r["key"] or "-", r["route"], str(r["status"]), s(r["wait_s"]),
+                    r["key"] or "-", _printable(r["route"]), str(r["status"]), s(r["wait_s"]),
                     s(r["ttft_s"]), str(r["tokens_in"] or "-"), str(r["tokens_out"] or "-"),
                     str(r["tokens_per_s"] or "-"), s(r["duration_s"])])  # fmt: skip
     return table(out)
