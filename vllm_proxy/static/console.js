@@ -19,7 +19,6 @@ const ui = {
   stream: null,
   retry: null,
   busy: new Set(),
-  timeline: [],
   requests: [],
   log: null,
   history: null,
@@ -330,8 +329,7 @@ function actionButton(m, action, label, level) {
                   "data-level": level || null, disabled: !!reason,
                   title: reason || null, "data-reason": reason || null,
                   class: action === "stop" ? "danger" : null };
-  const b = el("button", attrs, label);
-  return b;
+  return el("button", attrs, label);
 }
 
 function actionsCell(m) {
