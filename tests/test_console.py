@@ -10,12 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, config_data
 from kit.browser import Page, chromium
 
@@ -281,9 +279,3 @@ async def test_console_in_a_browser(start_proxy: StartProxy, tmp_path: Path) -> 
 
         assert await page.js("window.__csp") == [], "Content-Security-Policy violations"
         assert page.problems == [], page.problems
-
-
-@pytest.fixture(autouse=True)
-def _chromium_present() -> None:
-    if shutil.which("chromium") is None and not os.access("/usr/bin/chromium", os.X_OK):
-        pytest.fail("/usr/bin/chromium missing: run scripts/system-deps.sh (make test does)")
