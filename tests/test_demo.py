@@ -1,11 +1,13 @@
 """`make demo-fake`: the demo's proxy, run as `python -m vllm_proxy_demo --fake` does it.
 
-What the demo prints must be true: the models answer, and the status page and the admin API it
-points to are open on its loopback listener without a key.
+What the demo prints must be true: the models answer, and the console, the admin API and the
+`ctl` command it points to work on its loopback listener without a key.
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import subprocess
 import sys
@@ -62,6 +64,17 @@ def demo(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], int]]:
         proc.stdout.close()
 
 
+def read_until(proc: subprocess.Popen[str], marker: str) -> str:
+    """What the demo printed, up to the line with `marker` (it prints before it serves)."""
+    assert proc.stdout is not None
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if marker in line:
+            return "".join(lines)
+    raise AssertionError("the demo ended before printing " + marker + ":\n" + "".join(lines))
+
+
 async def test_what_the_demo_prints_works(demo: tuple[subprocess.Popen[str], int]) -> None:
     proc, port = demo
     base = f"http://127.0.0.1:{port}"
@@ -75,6 +88,14 @@ async def test_what_the_demo_prints_works(demo: tuple[subprocess.Popen[str], int
             return False
 
     await wait_for(up, 30, "the demo's proxy to listen")
+    printed = await asyncio.to_thread(read_until, proc, "Engine logs:")
+    assert f"Console: {base}/ " in printed, printed
+    ctl = next(line for line in printed.splitlines() if " ctl ps" in line).split(":  ", 1)[1]
+    env_var, _, command = ctl.partition(" ")
+    name, _, value = env_var.partition("=")
+    out = subprocess.run(command.split(), env={**os.environ, name: value}, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 0 and MODELS[0] in out.stdout, out
     async with aiohttp.ClientSession() as s:
         async with s.get(base + "/admin/models") as r:
             assert r.status == 200, await r.text()

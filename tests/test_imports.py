@@ -19,7 +19,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "vllm_proxy"
 TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
 SHARED = {"config", "engine_args", "errors", "metrics", "adapters"}
 LAYERS = ["planning", "engines", "pool", "frontend"]
-ROOT_MODULES = {"app", "cli", "__main__", "__init__"}
+#: The composition root and the entry points (`ctl`: the operator's client, over HTTP only).
+ROOT_MODULES = {"app", "cli", "ctl", "__main__", "__init__"}
 TOOLS = {"fleet"}
 
 

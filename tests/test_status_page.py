@@ -210,7 +210,7 @@ async def test_status_page_serves_html(start_proxy: StartProxy, tmp_path: Path) 
         assert resp.status == 200
         assert resp.content_type == "text/html"
         page = await resp.text()
-    assert "admin/models" in page
+    assert 'src="console.js"' in page and 'data-events="admin/events"' in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "page must be self-contained"
 
 

@@ -31,6 +31,7 @@ from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
 from .frontend.admin import Admin, add_admin_routes
 from .frontend.connection import Listener, Runner, Site, listen
+from .frontend.console import Console, add_console_routes
 from .frontend.placement import Holdings, add_placement_routes
 from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
 from .frontend.realtime_route import RealtimeRoute, add_realtime_routes
@@ -56,6 +57,7 @@ class Runtime:
     config_path: str | None = None
     #: ``--host``/``--port`` from the command line: they win over the file at every reload.
     overrides: dict[str, Any] = field(default_factory=dict)
+    console: Console | None = None
 
     async def reload(self) -> dict[str, Any]:
         """Re-read the config file and reconcile model by model; all or nothing.
@@ -82,6 +84,8 @@ class Runtime:
         self.realtime.configure(new.server)
         self.gate.configure(new.server, hosts)
         self.admin.configure(new.server)
+        if self.console is not None:
+            self.console.configure(new.server)
         self.proxy.upstream.set_shares(specs)
         report["needs_restart"] = _restart_only(self.config, new)
         if report["needs_restart"]:
@@ -316,6 +320,8 @@ async def create_app(
     add_routes(app, proxy)
     add_realtime_routes(app, realtime)
     add_admin_routes(app, admin)
+    runtime.console = Console(manager, proxy.recent, admin.snapshot, config.server)
+    add_console_routes(app, runtime.console)
     add_placement_routes(app, Holdings(manager, admin))
     app.on_cleanup.append(_cleanup)
     return app

@@ -1,5 +1,7 @@
 """`vllm-proxy --config config.yaml`: exit 0 after a clean shutdown; 2 on a bad config, and on
-a state dir or port that another process holds (each with one line naming the key to change)."""
+a state dir or port that another process holds (each with one line naming the key to change).
+
+`vllm-proxy ctl ...` operates a running proxy over its admin API (`ctl`)."""
 
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    given = sys.argv[1:] if argv is None else argv
+    if given[:1] == ["ctl"]:  # the operator's client of a running proxy (`ctl`)
+        from .ctl import main as ctl
+
+        return ctl(given[1:])
     args = parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     try:

@@ -44,7 +44,10 @@ r = client.chat.completions.create(model="{first}", messages=[{{"role": "user", 
 print(r.choices[0].message.content)
 PY
 The first request for each model starts its engine ({cold}); later ones are served hot.
-Status page: http://127.0.0.1:{port}/   (the admin API: curl http://127.0.0.1:{port}/admin/models)
+Console: http://127.0.0.1:{port}/   (live state, start/sleep/wake/stop, engine logs, recent
+  requests, memory over time, a playground; open on loopback: no key asked)
+  the admin API: curl http://127.0.0.1:{port}/admin/models
+  from a shell:  VLLM_PROXY_URL=http://127.0.0.1:{port} {python} -m vllm_proxy ctl ps
 Engine logs: {logs}
 """
 
@@ -94,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             kind="fake engine" if args.fake else "vLLM CPU build",
             cold="~2 s" if args.fake else "20-30 s on 2 cores",
             logs=root.resolve() / "state" / "logs",
+            python=sys.executable,
         ),
         flush=True,
     )

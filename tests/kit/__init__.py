@@ -14,6 +14,8 @@
 * `simgpu` - the simulated GPU: the ledger fixture's setup and `sim_config`.
 * `gpumeasure` - the GPU check's readings of one engine (NVML, host memory, pinned memory).
 * `wait` - polling with deadlines, processes and ports.
+* `browser` - headless Chromium over its DevTools protocol (`chromium`, `Page`: navigate, click,
+  type, run script, wait for the page, screenshot); imported by the browser tests themselves.
 """
 
 from kit.chat import chat_body, chat_text, healthy, sse_events

@@ -186,6 +186,8 @@ class EngineContext:
     engine_factory: type[EngineProcess] = EngineProcess
     #: Weights read ahead into the page cache (None: never).
     read_ahead: ReadAhead | None = None
+    #: Told of every state change of every instance after its model was (the console's feed).
+    observe: Callable[[Instance, State], None] = lambda _inst, _old: None
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -240,6 +242,9 @@ class Instance:
         self._host_freeing: list[asyncio.Task[None]] = []
         #: Why the health watcher killed it (UNHEALTHY): the reason counted for it.
         self.unhealthy_reason = ""
+        #: Why the change under way was made (an eviction's or a sleep's reason), for the
+        #: console's timeline; "" when not known.
+        self.change_reason = ""
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
@@ -354,6 +359,7 @@ class Instance:
         self._changed.set()
         self._changed = asyncio.Event()
         self._on_state(self, old)
+        self.ctx.observe(self, old)
 
     def wait_change(self) -> Coroutine[Any, Any, Literal[True]]:
         """Until the next state change after this call: the change is bound now, not when the
@@ -796,6 +802,7 @@ class Instance:
         if self.state not in (*AWAKE, *ASLEEP_OR_FALLING) or self.leases > 0:
             return None
         self.ctx.metrics.evictions.labels(self.name, reason).inc()
+        self.change_reason = reason
         task = self._begin_stop()
         if reason == "idle":
             # Stopped for idleness, it may be asked for again; one stopped to make room for
@@ -853,10 +860,12 @@ class Instance:
             )
         if chosen is None:  # no host RAM to pin even the runtime pool: free the GPU anyway
             self.ctx.metrics.evictions.labels(self.name, reason).inc()
+            self.change_reason = f"{reason} (no host RAM to sleep)"
             return self._begin_stop()
         if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
             self._sleep_timer.cancel()
             self._sleep_timer = None
+        self.change_reason = reason
         self._set_state(State.FALLING_ASLEEP)
         self._sleep_call = asyncio.ensure_future(self._fall_asleep(self.engine, chosen, reason))
         self._sleep_call.add_done_callback(consume_exception)

@@ -574,6 +574,8 @@ class Model:
         self._drains_begun += 1
         try:
             while self.instances:
+                for inst in self.instances:
+                    inst.change_reason = "admin unload"
                 await asyncio.gather(*(i.drain_and_stop(timeout) for i in list(self.instances)))
         finally:
             self._drains -= 1
@@ -663,6 +665,7 @@ class Model:
             "name": self.name,
             "model": self.spec.model,
             "sleep": self.spec.sleep.status() if self.spec.sleep is not None else None,
+            "sleep_levels": self._sleep_levels(),
             "replicas": {
                 **self.autoscaler.status(),
                 "affinity_header": self.spec.affinity_header,
@@ -687,6 +690,13 @@ class Model:
             "adapters_dir": self.spec.adapters_dir,
             "max_adapters": self.spec.max_adapters or None,
         }
+
+    def _sleep_levels(self) -> list[int]:
+        """The levels an operator may put it to sleep at (`sleep`): none without a policy, 2
+        only where the weights can be reloaded on wake."""
+        if self.spec.sleep is None:
+            return []
+        return [1, 2] if self.spec.reloadable else [1]
 
     def adapter_status(self) -> list[dict[str, object]]:
         """The model's LoRA adapters (configured ones, then those found in its folder that an

@@ -1,7 +1,8 @@
 """Operator endpoints: the admin API, the status page and the engines' own metrics.
 
 Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``admin_open: true``);
-`Proxy.middleware` enforces it. The status page at ``/`` is static and reads ``/admin/models``.
+`Proxy.middleware` enforces it. The console at ``/`` is static (its routes: `console`), sent
+with the console's Content-Security-Policy.
 
 ``/metrics/engines`` reads every engine's own page, at most ``server.max_engine_metrics_mb`` of
 each (a larger one is left out, with a warning), parses and renders them in a worker thread (a
@@ -33,6 +34,7 @@ from ..engines.model import Model
 from ..engines.states import AWAKE
 from ..errors import BadRequest, NotFound
 from ..pool.manager import Manager
+from .console import PAGE_HEADERS
 
 log = logging.getLogger(__name__)
 
@@ -187,7 +189,9 @@ class Admin:
     async def page(self, request: web.Request) -> web.Response:
         if self._page is None:
             self._page = resources.files("vllm_proxy").joinpath("static/status.html").read_bytes()
-        return web.Response(body=self._page, content_type="text/html", charset="utf-8")
+        resp = web.Response(body=self._page, content_type="text/html", charset="utf-8")
+        resp.headers.update(PAGE_HEADERS)
+        return resp
 
     async def engine_metrics(self, request: web.Request) -> web.Response:
         """Every running or sleeping engine's ``vllm:`` metrics, relabelled with ``model_id``

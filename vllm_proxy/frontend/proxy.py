@@ -49,6 +49,7 @@ from .catalogue import Catalogue
 from .form import MISSING
 from .intake import MIB, Bodies, read_body, too_large
 from .keys import KeyLimits, KeyRing, Scope, bearer
+from .recent import MAX_CAPTURE_BYTES, Recent
 from .upload import open_upload
 from .upstream import (
     BodySource,
@@ -172,8 +173,8 @@ class Tap:
     """What the request path notes about a response without buffering it: first byte, usage,
     bytes sent, and whether the client went away."""
 
-    __slots__ = ("bytes", "client_gone", "ended", "first_byte", "instance", "key", "model",
-                 "started", "usage")  # fmt: skip
+    __slots__ = ("body", "bytes", "client_gone", "ended", "first_byte", "instance", "key",
+                 "leased", "model", "started", "usage")  # fmt: skip
 
     def __init__(self) -> None:
         self.started = time.monotonic()
@@ -188,6 +189,10 @@ class Tap:
         self.ended: int | None = None
         #: The request's API key: its label (the access log) and its series (its tokens).
         self.key: tuple[str, KeySeries] | None = None
+        #: When an engine was leased for it (the end of its wait in the queue).
+        self.leased: float | None = None
+        #: Its body, only while the console captures its model's (`Recent.capture`).
+        self.body: bytes | None = None
 
     def feed(self, chunk: bytes) -> None:
         """Keep the bytes from the last ``"usage":`` on (bounded), across chunk boundaries."""
@@ -217,6 +222,9 @@ class Tap:
 
 
 _DECODER = json.JSONDecoder()
+#: Below this, the time from the first byte is no measure of generation (a whole answer in one
+#: write): tokens per second are counted from the lease instead.
+MIN_GEN_S = 0.05
 #: What a client's request id may be made of: no space, no control character.
 _TOKEN = re.compile(r"[A-Za-z0-9\-._:~+/=]+")
 #: Characters escaped in access-log fields: controls, space, backslash, quotes, non-ASCII.
@@ -333,6 +341,8 @@ class Proxy:
         self.configure(server)
         #: What ``/v1/models`` lists.
         self.catalogue = Catalogue(manager, int(time.time()))
+        #: The last requests, for the console and ``vllm-proxy ctl``.
+        self.recent = Recent()
         #: Request ids made here: a random prefix per proxy process and a counter (cheap, unique).
         self._rid_prefix = secrets.token_hex(4)
         self._rid_seq = 0
@@ -377,16 +387,46 @@ class Proxy:
                 raise
             resp = error_response(_from_http_exception(exc, request, self.max_body_bytes), rid)
         except (asyncio.CancelledError, ConnectionResetError):
-            if guarded and self.access_log:
-                self._access(request, rid, tap, tap.ended or 499)
+            if guarded:
+                self._remember(request, rid, tap, tap.ended or 499)
+                if self.access_log:
+                    self._access(request, rid, tap, tap.ended or 499)
             raise
         except Exception:
             log.exception("unexpected error while handling %s %s (request %s)",
                           request.method, path, rid)  # fmt: skip
             resp = error_response(ProxyError("internal error in the proxy; see its log"), rid)
-        if guarded and self.access_log and ACCESS.isEnabledFor(logging.INFO):
-            self._access(request, rid, tap, resp.status)
+        if guarded:
+            self._remember(request, rid, tap, resp.status)
+            if self.access_log and ACCESS.isEnabledFor(logging.INFO):
+                self._access(request, rid, tap, resp.status)
         return resp
+
+    def _remember(self, request: web.Request, rid: str, tap: Tap, status: int) -> None:
+        """The request in the console's ring of recent ones (no body unless captured)."""
+        if tap.model in ("-", None):
+            return  # refused before it named a model (a bad key, a bad body): the log has it
+        now = time.monotonic()
+        usage = tap.tokens()
+        ttft = tap.first_byte - tap.started if tap.first_byte is not None else None
+        out = usage[1] if usage else None
+        # Generation time: from the first byte for a stream, else the whole time on the engine.
+        gen_s = now - tap.first_byte if tap.first_byte is not None else None
+        if gen_s is not None and gen_s < MIN_GEN_S and tap.leased is not None:
+            gen_s = now - tap.leased
+        self.recent.add(
+            {
+                "id": rid, "t": time.time(), "model": tap.model, "instance": tap.instance,
+                "key": tap.key[0] if tap.key is not None else None,
+                "route": request.path[:200], "status": 499 if tap.client_gone else status,
+                "wait_s": round(tap.leased - tap.started, 4) if tap.leased else None,
+                "ttft_s": round(ttft, 4) if ttft is not None else None,
+                "tokens_in": usage[0] if usage else None, "tokens_out": out,
+                "tokens_per_s": round(out / gen_s, 1) if out and gen_s else None,
+                "duration_s": round(now - tap.started, 4),
+            },
+            tap.body,
+        )  # fmt: skip
 
     def _access(self, request: web.Request, rid: str, tap: Tap, status: int) -> None:
         # The path and the model come from the client: escaped, so that no value can end the
@@ -521,6 +561,8 @@ class Proxy:
             # An alias goes to the engine as the name it serves (the adapter's, for an adapter).
             body = parsed.body_for(model.name if adapter is None else adapter.name)
             tap.model = model.name
+            if self.recent.wants_body(model.name):
+                tap.body = bytes(body)[: MAX_CAPTURE_BYTES + 1]
             affinity = model.spec.affinity_header
             session = request.headers.get(affinity) if affinity else None
             send = self._lease_and_relay(
@@ -549,11 +591,11 @@ class Proxy:
         if adapter is not None:
             lease = self.manager.lease(model, session, adapter.name, key_priority(request))
             async with lease as (i, e):
-                tap.instance = i.id
+                tap.instance, tap.leased = i.id, time.monotonic()
                 return await self._relay_adapter(request, path, body, i, e, tap, adapter)
         lease = self.manager.lease(model, session, None, key_priority(request))
         async with lease as (inst, engine):
-            tap.instance = inst.id
+            tap.instance, tap.leased = inst.id, time.monotonic()
             return await self._relay(request, path, body, inst, engine, tap)
 
     async def _counted(
@@ -663,7 +705,7 @@ class Proxy:
             await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
             return resp
         try:
-            tap.instance = inst.id
+            tap.instance, tap.leased = inst.id, time.monotonic()
             if adapter is not None:
                 return await self._relay_adapter(
                     request, path, body, inst, engine, tap, adapter, resp

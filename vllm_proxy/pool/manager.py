@@ -29,6 +29,7 @@ from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weight
 from ..planning.memory import Memory, same_engine
 from ..planning.queueing import Queue, Rules
 from .admission import Admission
+from .journal import Journal
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,9 @@ class Manager:
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
         ctx.host_victims = self._host_victims
+        #: State changes and memory over time, for the console.
+        self.journal = Journal()
+        ctx.observe = self._observe
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
         self.removed: set[Model] = set()
@@ -469,6 +473,37 @@ class Manager:
             self.ctx.metrics.forget_model(name)
 
     # -- views ---------------------------------------------------------------------------
+
+    def _observe(self, inst: Instance, old: State) -> None:
+        if inst.state.public is not old.public:
+            reason = inst.change_reason
+            self.journal.note(inst.name, inst.id, old.public.value, inst.state.public.value, reason)
+            if inst.state.public in (State.RUNNING, State.SLEEPING, State.STOPPED, State.ERROR):
+                inst.change_reason = ""  # the change it explained is over
+        else:
+            self.journal.poke()
+
+    def memory_sample(self) -> list[dict[str, Any]]:
+        """Per device: MiB in use and each model's share, awake and asleep (by what each
+        instance was measured or is held to hold there)."""
+        if self.memory is None:
+            return []
+        devices: dict[int, dict[str, Any]] = {
+            s.id: {"id": s.id, "used_mb": s.used_mb, "total_mb": s.total_mb, "models": {}}
+            for s in self.memory.snapshots
+        }
+        for inst in self.all_instances():
+            if not inst.devices or inst.state.public in (State.STOPPED, State.ERROR):
+                continue
+            seen = self.memory.describe_instance(inst.id)  # held: per device, asleep or not
+            mb = seen["held_mb"] if seen["held_mb"] is not None else seen["measured_mb"]
+            if not isinstance(mb, (int, float)):
+                continue
+            for dev in inst.devices:
+                if dev in devices:
+                    row = devices[dev]["models"].setdefault(inst.name, {"awake": 0, "asleep": 0})
+                    row["asleep" if inst.asleep else "awake"] += round(mb)
+        return list(devices.values())
 
     def snapshot(self) -> list[dict[str, Any]]:
         """Every configured model with its instances (and the memory each holds), for the admin
