@@ -141,6 +141,26 @@ def test_a_waiter_gives_up_a_timeout_after_the_bring_ups_ahead_of_it(
     assert give_up_at(100.0, expected_end, timeout_s, rules) == gives_up
 
 
+def test_a_waiter_behind_bring_ups_spares_stops_until_a_window_before_it_gives_up() -> None:
+    """A plan that stops engines which waiting would spare waits for busy ones until the queue
+    timeout less a window after the waiter began; where bring-ups ahead of it pushed its
+    give-up time back, until one window before that."""
+    from types import SimpleNamespace
+
+    from vllm_proxy.pool.admission import Admission
+
+    adm = Admission.__new__(Admission)
+    adm.queue = Queue(Rules(max_reorder_s=5.0, queue_timeout_s=30.0))
+    adm._give_up = {}
+    inst: Any = SimpleNamespace(id="b#1", spec=SimpleNamespace(queue_timeout_s=None))
+    waiter = Waiter("b", (0, 0), since=100.0)
+    assert adm._spare_until(inst, waiter) == 125.0
+    adm._give_up["b#1"] = 200.0  # a cold start ahead of it
+    assert adm._spare_until(inst, waiter) == 195.0
+    adm._give_up["b#1"] = 110.0  # never earlier than the plain rule
+    assert adm._spare_until(inst, waiter) == 125.0
+
+
 async def test_queue_groups_tickets_by_model_and_skips_held_ones() -> None:
     queue = Queue(RULES)
     queue.enter("a", (0, 0), since=5.0)
