@@ -325,7 +325,8 @@ async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
     rt.admin.close()
     await rt.manager.shutdown()
-    if rt.manager.ctx.read_ahead is not None:  # a worker thread each: none left at loop close
+    if rt.manager.ctx.read_ahead is not None:  # its thread: a read ends at its next window
+        rt.manager.ctx.read_ahead.close()
         await rt.manager.ctx.read_ahead.wait(READ_AHEAD_WAIT_S)
     rt.proxy.upstream.close()
     await rt.session.close()

@@ -877,6 +877,19 @@ class ModelSpec:
         return str(args.get("load_format") or "auto") not in NO_RELOAD_FORMATS
 
     @property
+    def expert_data_parallel(self) -> bool:
+        """Data-parallel ranks with expert parallelism: an idle rank runs dummy batches beside a
+        request, so the expert kernels' shapes (and their rounding) differ from one request to
+        the next; the wake check compares the first token only."""
+        args = {arg_name(k): v for k, v in self.args}
+        dp = args.get("data_parallel_size")
+        try:
+            ranks = int(str(dp)) if dp is not None and not isinstance(dp, bool) else 1
+        except ValueError:
+            ranks = 1
+        return ranks > 1 and bool(args.get("enable_expert_parallel"))
+
+    @property
     def sleep_mode(self) -> bool:
         """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
         return self.sleep is not None

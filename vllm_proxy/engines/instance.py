@@ -42,6 +42,7 @@ from ..planning.memory import (
     Usage,
 )
 from ..planning.queueing import Queue, Rank
+from .breaker import WakeBreaker
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
@@ -174,6 +175,8 @@ class EngineContext:
     engine_factory: type[EngineProcess] = EngineProcess
     #: Weights read ahead into the page cache (None: never).
     read_ahead: ReadAhead | None = None
+    #: Sleep levels whose wakes keep failing the wake check, per model and engine.
+    breaker: WakeBreaker = field(default_factory=WakeBreaker)
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -305,6 +308,15 @@ class Instance:
         changes the engine starts afresh)."""
         return self.name, repr(self.spec.engine_key())
 
+    def usable_level(self, level: int | None = None) -> int | None:
+        """The level a sleep asked at `level` (default: its policy's) may take, given the
+        levels whose wakes kept failing the wake check (`breaker`); None: it does not sleep
+        (no sleep policy, or every usable level barred: kept as with ``sleep: null``)."""
+        policy = self.spec.sleep
+        if policy is None:
+            return None
+        return self.ctx.breaker.allowed(self.host_key, level or policy.level, self.spec.reloadable)
+
     @property
     def wake_asked(self) -> bool:
         """A wake was asked for and has not ended (it may wait for the /sleep call in flight):
@@ -381,7 +393,7 @@ class Instance:
         loop = asyncio.get_running_loop()
         if spec.idle_timeout_s > 0:
             self._idle_timer = loop.call_later(spec.idle_timeout_s, self._idle_expired)
-        if policy is not None and self.state is State.RUNNING:
+        if policy is not None and self.state is State.RUNNING and self.usable_level() is not None:
             self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
         if scale is not None and self.state is State.RUNNING:
             self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
@@ -416,7 +428,12 @@ class Instance:
         if self.sleep("idle") is not None:
             assert policy is not None
             log.info("%s: idle for %gs, put to sleep", self.id, policy.after_idle_s)
-        elif policy is not None and self.state is State.RUNNING and self.leases == 0:
+        elif (
+            policy is not None
+            and self.state is State.RUNNING
+            and self.leases == 0
+            and self.usable_level() is not None
+        ):
             # Not now (a request of its model waits in admission): idle still, so ask again
             # after another period rather than stay awake until its next lease.
             loop = asyncio.get_running_loop()
@@ -800,7 +817,18 @@ class Instance:
             or self.engine is None
         ):
             return None
-        chosen = self._choose_level(level or self.spec.sleep.level)
+        asked = level or self.spec.sleep.level
+        usable = self.usable_level(asked)
+        if usable is None and reason == "admin":
+            raise Conflict(
+                f"model '{self.name}': its wakes from sleep level {asked} kept failing the wake"
+                " check, so it no longer sleeps there (clear with POST"
+                f" /admin/models/{self.name}/wake_check/clear)",
+                code="sleep_level_barred",
+            )
+        if usable is None:  # kept awake, as with sleep: null
+            return None
+        chosen = self._choose_level(usable)
         if chosen is None and reason == "admin":  # an operator asked for a sleep, not a stop
             raise Conflict(
                 f"model '{self.name}': no sleep level fits in the host RAM available (the proxy's"
@@ -831,6 +859,7 @@ class Instance:
         weights = self.ctx.weights_mb(self.spec)
         guesses = {1: None if weights is None else weights + runtime, 2: runtime}
         levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
+        levels = [v for v in levels if self.usable_level(v) == v]
         room = self.ctx.host.room_mb()
         for chosen in levels:
             guess = guesses.get(chosen)
@@ -1010,6 +1039,7 @@ class Instance:
                 failure = f"oracle mismatch: {err}"
                 self.ctx.metrics.wake_verify_failures.labels(self.name, str(level)).inc()
                 self._abandon_wake(failure, "wake_verify_failed")
+                self._check_failed(level)
             except (CallFailed, TimeoutError) as err:
                 failure = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
                 self._abandon_wake(failure)
@@ -1026,6 +1056,8 @@ class Instance:
         self.ctx.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
+        if self.oracle is not None:
+            self.ctx.breaker.passed(self.host_key, level)
         if level >= 2:  # the adapters' GPU copies went with the weights: registered again
             self.adapters.reset()
         self.sleep_level = 0
@@ -1036,12 +1068,34 @@ class Instance:
     async def _verify(
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
     ) -> None:
-        """Ask the woken engine the check request; `WrongAnswer` when it answers otherwise."""
+        """Ask the woken engine the check request, and once more when the answer differs (a
+        near-tie that flipped once must not cost a cold start); `WrongAnswer` when both
+        answers differ from the recording."""
         began = self.ctx.queue.clock()
-        why = mismatch(oracle, await take(engine, client))
+        first_only = self.spec.expert_data_parallel
+        why = mismatch(oracle, await take(engine, client), first_only=first_only)
+        if why is not None:
+            again = mismatch(oracle, await take(engine, client), first_only=first_only)
+            if again is None:
+                log.warning("%s: the wake check differed once (%s), then matched", self.id, why)
+            why = again
         self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
         if why is not None:
             raise WrongAnswer(why)
+
+    def _check_failed(self, level: int) -> None:
+        """Count a failed wake check; once that bars the level, say so (log, metric)."""
+        breaker = self.ctx.breaker
+        if not breaker.failed(self.host_key, level):
+            return
+        self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
+        usable = self.usable_level()
+        then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
+        log.error(
+            "model %s: its wakes from sleep level %d kept failing the wake check; it %s until"
+            " an operator clears it (POST /admin/models/%s/wake_check/clear)",
+            self.name, level, then, self.name,
+        )  # fmt: skip
 
     def _abandon_wake(self, why: str, reason: str = "wake_failed") -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""

@@ -640,6 +640,20 @@ class Model:
         inst, _ = await self.acquire()
         inst.release()
 
+    def clear_wake_check(self) -> list[int]:
+        """An operator's reset: the sleep levels barred because their wakes kept failing the
+        wake check are used again (their failures forgotten); returns those levels. Instances
+        idle now arm their sleep timers again."""
+        levels = self.ctx.breaker.clear(self.name)
+        for level in levels:
+            self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(0)
+        if levels:
+            log.warning("model %s: sleep levels %s cleared by an operator; used again",
+                        self.name, ", ".join(map(str, levels)))  # fmt: skip
+            for inst in self.instances:
+                inst.rearm_idle()
+        return levels
+
     def close(self) -> None:
         """The proxy is shutting down: requests still waiting (held, or for an unload) get
         503 now, and nothing new is started; those in flight go on."""
@@ -676,6 +690,7 @@ class Model:
             ),
             "restarts": self.restarts,
             "failures_in_a_row": self.failures,
+            "wake_check": self.ctx.breaker.status(self.name),
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,

@@ -119,8 +119,9 @@ class Admission:
                 continue
             held = memory.held_mb(i.id)
             state = i.state
-            # A draining instance is not put to sleep: it is about to stop.
-            sleepy = i.spec.sleep is not None and i.routable
+            # A draining instance is not put to sleep: it is about to stop; nor one whose
+            # wakes kept failing the wake check (`breaker`): it is stopped instead.
+            sleepy = i.usable_level() is not None and i.routable
             load = 0 if drained else i.leases + i.queued()
             kept = (
                 protect
