@@ -882,6 +882,14 @@ class Instance:
         log.warning("%s: no sleep level fits in host RAM; stopping the engine instead", self.id)
         return None
 
+    def _pin_guess(self, level: int) -> int | None:
+        """The estimate of what a sleep at `level` pins in host RAM (None: unknown)."""
+        runtime = self.ctx.runtime_mb(self.spec)
+        if level != 1:
+            return runtime
+        weights = self.ctx.weights_mb(self.spec)
+        return None if weights is None else weights + runtime
+
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
         device while it slept, and a start next to it must not see memory freed while it
@@ -889,7 +897,7 @@ class Instance:
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
         residue: int | None = None
-        host_before = host_after = None
+        host_before = host_after = shmem_before = shmem_after = None
         failed = False
         try:
             async with self._devices_held():
@@ -897,11 +905,13 @@ class Instance:
                 try:
                     before = await self.ctx.usage(engine.pid, self.devices)
                     host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
+                    shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
                     after = await self.ctx.usage(engine.pid, self.devices)
                     residue = self.ctx.residue(self.id, before, after)
                     host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
+                    shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -917,7 +927,8 @@ class Instance:
         self.ctx.timed(self.spec, self.next_sleep_kind, seconds)
         self.slept_at_1 = self.slept_at_1 or level == 1
         grown = None if host_before is None or host_after is None else host_after - host_before
-        self.ctx.host.slept(self.id, self.host_key, level, grown)
+        shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
+        self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), shmem)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
             self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)
