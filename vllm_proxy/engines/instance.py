@@ -177,6 +177,9 @@ class EngineContext:
     read_ahead: ReadAhead | None = None
     #: Sleep levels whose wakes keep failing the wake check, per model and engine.
     breaker: WakeBreaker = field(default_factory=WakeBreaker)
+    #: The awake instances beside this one (on its devices) below their claim now: each may
+    #: regrow its transient peak while this start profiles (memory managed only).
+    regrowing: Callable[[Instance], list[str]] = lambda _inst: []
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -249,6 +252,8 @@ class Instance:
         self._awaiting_devices = False
         #: Its wake failed and it is being stopped for that (not by someone else).
         self._woken_in_vain = False
+        #: Awake neighbours below their claim when its engine began (its profiling window).
+        self.profiled_beside: list[str] = []
         #: Its answer to the check request, recorded once started (None: no check after its
         #: wakes: verify_wake off, no sleep policy, or it could not be recorded).
         self.oracle: Oracle | None = None
@@ -604,6 +609,9 @@ class Instance:
             raise EngineFailed(msg, code="engine_start_failed") from None
         assert engine.pid is not None
         self.engine = engine
+        # vLLM's profiling measures the whole device: a neighbour that takes its peak back
+        # meanwhile shrinks this engine's KV cache (a "no room" there is not this model's).
+        self.profiled_beside = self.ctx.regrowing(self)
         self.ctx.registry.add(engine.pid, self.id)
         asyncio.get_running_loop().create_task(self._monitor(engine))
         if self.state is not State.STARTING:

@@ -396,6 +396,7 @@ class Model:
                 if self.removed or self.closed or self.draining:
                     raise  # the waiters' loop answers (an unload: they wait for its end)
         port_attempts, oom_retried, disturbed, grown = 0, False, 0, 0
+        plain = False  # retried once without a larger budget (a neighbour may have regrown)
         while True:
             if self.removed or self.closed or self.draining:  # between two attempts
                 raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
@@ -420,6 +421,15 @@ class Model:
                 self._failed(msg, "start_failed")
                 raise EngineFailed(msg, code="engine_start_failed") from err
             except KvCacheShort as err:
+                if inst.profiled_beside and not plain:
+                    # Another engine there was below its claim while this one profiled: its
+                    # peak may have come back inside the window. No boost learned from that;
+                    # the same budget once more.
+                    plain = True
+                    log.warning("%s: no room for the KV cache while %s could regrow beside it;"
+                                " retrying with the same budget", inst.id,
+                                ", ".join(inst.profiled_beside))  # fmt: skip
+                    continue
                 grown += 1
                 why = (
                     self.ctx.grow_budget(self.spec)

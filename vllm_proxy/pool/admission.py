@@ -249,6 +249,23 @@ class Admission:
         assert self.memory is not None
         return self.memory.device_views(_added(self._views(None)[1], self.queued()))
 
+    def regrowing(self, inst: Instance) -> list[str]:
+        """The awake instances on `inst`'s devices that hold less than their claim now (their
+        transient peak freed): any of them may take it back while `inst`'s start profiles."""
+        claim = self.memory.claims.get(inst.id)
+        if claim is None:
+            return []
+        out = []
+        for other in self._all():
+            theirs = self.memory.claims.get(other.id)
+            if other is inst or other.state not in AWAKE or theirs is None:
+                continue
+            pgid = other.engine.pid if other.engine is not None else None
+            shared = set(theirs.devices) & set(claim.devices)
+            if any(self.memory.unrealised_mb(other.id, pgid, d) > 0 for d in shared):
+                out.append(other.id)
+        return out
+
     def queued(self, but: str | None = None) -> dict[int, int]:
         """MiB per device that the first start or wake in the queue for memory will take, on
         the devices its plan chooses once requests in flight have ended ({} when none waits,

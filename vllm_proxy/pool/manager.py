@@ -106,6 +106,7 @@ class Manager:
             ctx.residue = memory.residue
             ctx.wait_released = memory.wait_released
             ctx.grow_budget = memory.grow_budget
+            ctx.regrowing = adm.regrowing
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
