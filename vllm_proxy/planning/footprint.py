@@ -373,7 +373,7 @@ def module_bytes(files: list[Path]) -> tuple[dict[str, int], bool]:
                 continue
             dtype = info["dtype"]
             floating = floating and dtype in FLOAT_DTYPES
-            size = math.prod(int(n) for n in info["shape"]) * DTYPE_BYTES.get(dtype, 2)
+            size = math.ceil(math.prod(int(n) for n in info["shape"]) * DTYPE_BYTES.get(dtype, 2))
             module = module_of(name)
             modules[module] = modules.get(module, 0) + size
     return modules, floating
