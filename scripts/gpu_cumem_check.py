@@ -194,6 +194,50 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+def import_allocator(torch: Any) -> Any:
+    """vLLM's `CuMemAllocator` from the throw-away package; where its library needs NVRTC
+    that torch did not load, NVRTC is loaded first (from torch's own ``nvidia`` packages)."""
+    import ctypes
+    import importlib
+    import site
+
+    try:
+        return importlib.import_module("vllm.device_allocator.cumem").CuMemAllocator
+    except ImportError as err:
+        if "nvrtc" not in str(err):
+            raise
+        for folder in [*site.getsitepackages(), os.path.dirname(os.path.dirname(torch.__file__))]:
+            for lib in sorted(Path(folder).glob("nvidia/**/libnvrtc.so*")):
+                ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
+                for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+                    del sys.modules[name]
+                return importlib.import_module("vllm.device_allocator.cumem").CuMemAllocator
+        raise
+
+
+def dry_import(cumem: Path) -> str | None:
+    """Import vLLM's allocator module from the package without its library (no CUDA driver
+    needed): every other import it makes must resolve to vLLM's files or the stand-ins. None
+    when it does, else why not."""
+    import importlib
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = build_package(cumem, Path(tmp))
+        (root / "cumem_allocator.abi3.so").unlink()  # the import takes its no-CUDA branch
+        sys.path.insert(0, tmp)
+        try:
+            module = importlib.import_module("vllm.device_allocator.cumem")
+            if not hasattr(module, "CuMemAllocator"):
+                return "vllm/device_allocator/cumem.py has no CuMemAllocator"
+        except Exception as err:
+            return f"importing vllm/device_allocator/cumem.py: {err!r}"
+        finally:
+            sys.path.remove(tmp)
+            for name in [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]:
+                del sys.modules[name]
+    return None
+
+
 def run(cumem: Path, vocab: int, out: Path | None) -> int:
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:20")
     import torch
@@ -205,8 +249,7 @@ def run(cumem: Path, vocab: int, out: Path | None) -> int:
     work = Path(tempfile.mkdtemp(prefix="vllm-cumem-"))
     build_package(cumem, work)
     sys.path.insert(0, str(work))
-    from vllm.device_allocator.cumem import CuMemAllocator
-
+    CuMemAllocator = import_allocator(torch)
     allocator = CuMemAllocator.get_instance()
     record: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -297,6 +340,10 @@ def main(argv: list[str] | None = None) -> int:
             if head != b"\x7fELF":
                 print("gpu-cumem-check: cumem_allocator.abi3.so is not an ELF library")
                 return 2
+        why = dry_import(args.cumem)
+        if why is not None:
+            print(f"gpu-cumem-check: {why}")
+            return 2
         print(f"gpu-cumem-check: dry run: files present, package builds, torch {torch.__version__}")
         return 0
     return run(args.cumem, args.vocab, args.out)

@@ -207,8 +207,9 @@ def _allocator_files(into: Path) -> Path:
         return cumem
     cumem.mkdir(parents=True)
     (cumem / "cumem_allocator.abi3.so").write_bytes(b"\x7fELF" + bytes(60))
-    for name in ("cumem.py", "alloc_conf.py", "device_allocator_init.py"):
+    for name in ("alloc_conf.py", "device_allocator_init.py"):
         (cumem / name).write_text("import torch\n")
+    (cumem / "cumem.py").write_text("import torch\n\n\nclass CuMemAllocator:\n    pass\n")
     return cumem
 
 
