@@ -96,7 +96,7 @@ async def test_wakes_that_always_fail_the_check_stop_costing_cold_starts(
             status, text = await proxy.reply("m", max_tokens=4)
             assert status == 200 and text == "tok0 tok1 tok2 tok3 ", "never a wrong answer"
             await serving_after_idle(proxy)
-    assert proxy.engine_starts("m") <= 4, proxy.engine_starts("m")
+    assert proxy.engine_starts("m") == 4, "1 + 2 failed level-1 wakes + 1 failed level-2 wake"
     inst = proxy.instance("m")
     assert inst.state is State.RUNNING and inst.usable_level() is None
     assert await failures(proxy, "1") == 2 and await failures(proxy, "2") == 1
