@@ -654,6 +654,29 @@ def test_a_pinned_measurement_far_below_the_estimate_needs_corroboration() -> No
     assert trusted(0, 40_000, 0) == 40_000, "shared memory that did not move shows nothing"
 
 
+def test_vllms_backed_up_lines_since_the_sleep_began_corroborate_a_pin(tmp_path: Path) -> None:
+    """Each rank logs what its sleep backed up in host memory (vLLM 0.33
+    device_allocator/cumem.py:282-289): the lines written since the sleep began are summed."""
+    from vllm_proxy.planning.hostmem import backed_up_mb, log_size
+
+    line = (
+        "(Worker_TP{r} pid=1) INFO [cumem.py:282] CuMemAllocator: sleep freed 40.00 GiB memory"
+        " in total, of which {gib} GiB is backed up in CPU and the rest 2.00 GiB is discarded"
+        " directly.\n"
+    )
+    log = tmp_path / "m.1.log"
+    log.write_text(line.format(r=0, gib="9.00"))  # an earlier sleep's
+    at = log_size(log)
+    assert backed_up_mb(log, at) is None, "nothing said since"
+    with log.open("a") as f:
+        f.write("other line\n" + line.format(r=0, gib="38.00") + line.format(r=1, gib="38.00"))
+    assert backed_up_mb(log, at) == 76 * 1024
+    log.rename(tmp_path / "m.1.log.1")  # rotated meanwhile: the new file from its start
+    log.write_text(line.format(r=0, gib="1.50"))
+    assert backed_up_mb(log, at) == 1536
+    assert backed_up_mb(tmp_path / "absent.log", (0, 0)) is None
+
+
 def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path: Path) -> None:
     """Under systemd's MemoryMax= the limit sits on the service's own cgroup
     (/proc/self/cgroup), not at the root of the hierarchy: every level from there up counts,

@@ -32,7 +32,7 @@ from prometheus_client import Gauge
 from ..config import ModelSpec
 from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
 from ..metrics import Metrics
-from ..planning.hostmem import HostRam
+from ..planning.hostmem import HostRam, backed_up_mb, log_size
 from ..planning.memory import (
     KV_SHORT_MARKERS,
     NOT_SIZED,
@@ -905,7 +905,7 @@ class Instance:
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
         residue: int | None = None
-        host_before = host_after = shmem_before = shmem_after = None
+        host_before = host_after = shmem_before = shmem_after = backed = None
         failed = False
         try:
             async with self._devices_held():
@@ -914,12 +914,14 @@ class Instance:
                     before = await self.ctx.usage(engine.pid, self.devices)
                     host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                     shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
+                    log_at = await asyncio.to_thread(log_size, engine.log_path)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
                     after = await self.ctx.usage(engine.pid, self.devices)
                     residue = self.ctx.residue(self.id, before, after)
                     host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                     shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
+                    backed = await asyncio.to_thread(backed_up_mb, engine.log_path, log_at)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -936,7 +938,8 @@ class Instance:
         self.slept_at_1 = self.slept_at_1 or level == 1
         grown = None if host_before is None or host_after is None else host_after - host_before
         shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
-        self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), shmem)
+        seen = max((v for v in (shmem, backed) if v is not None), default=None)
+        self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), seen)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
             self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)

@@ -14,9 +14,12 @@ of a model at a level pinned becomes the figure its later sleeps are planned wit
 A measurement is trusted where it is near the estimate, or where something else corroborates it:
 RSS may miss pinned pages (drivers differ in where they account ``cudaHostAlloc`` memory), and a
 sleep measured at 0 must not switch the host check off for every later sleep of its model. The
-corroboration is the growth of ``shmem`` (the cgroup's ``memory.stat``, else ``Shmem`` in
-``/proc/meminfo``) across the sleep: current kernels account ``pin_memory=True`` pages there.
-Without it, a figure far below the estimate is learned as ``max(estimate, measured)``.
+corroboration is the larger of the growth of ``shmem`` (the cgroup's ``memory.stat``, else
+``Shmem`` in ``/proc/meminfo``) across the sleep, where current kernels account
+``pin_memory=True`` pages, and what vLLM says it backed up (``CuMemAllocator: sleep freed ...
+of which X GiB is backed up in CPU``, one line per rank, ``device_allocator/cumem.py:282-289``)
+in the engine's log since the sleep began. Without either, a figure far below the estimate is
+learned as ``max(estimate, measured)``.
 
 Whether a sleep fits is judged against the smaller of the host's available memory and the room
 left in the proxy's cgroup and every cgroup above it (in a container, or under systemd's
@@ -31,6 +34,8 @@ file cache there, and is not added.
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -146,6 +151,40 @@ def shmem_mb(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int |
     return None
 
 
+#: vLLM's line at each rank's sleep (``device_allocator/cumem.py:282-289``).
+BACKED_UP = re.compile(
+    r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which ([\d.]+) GiB is backed"
+    r" up in CPU"
+)
+#: At most this much of an engine's log is read for one sleep's lines.
+LOG_READ_BYTES = 256 * 1024
+
+
+def log_size(path: Path) -> tuple[int, int]:
+    """Where an engine's log ends now, as (inode, size) ((0, 0) when unreadable): where a
+    sleep's lines begin."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0, 0
+    return st.st_ino, st.st_size
+
+
+def backed_up_mb(path: Path, mark: tuple[int, int]) -> int | None:
+    """MiB vLLM says its ranks backed up in host memory, from the lines written to the log at
+    `path` since `mark` (`log_size`; all ranks together); None when it said nothing there."""
+    try:
+        with path.open("rb") as f:
+            st = os.fstat(f.fileno())
+            same = (st.st_ino, min(st.st_size, mark[1])) == mark
+            f.seek(mark[1] if same else 0)  # rotated meanwhile: from its start
+            text = f.read(LOG_READ_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    found = [float(g) for g in BACKED_UP.findall(text)]
+    return round(sum(found) * 1024) if found else None
+
+
 def tree_rss_mb(pid: int | None) -> int | None:
     """The resident memory of process `pid` and all its descendants, in MiB (None: gone).
 
@@ -171,15 +210,15 @@ def tree_rss_mb(pid: int | None) -> int | None:
 TRUST_SHARE = 0.5
 
 
-def trusted(measured_mb: int, guess_mb: int | None, shmem_grown_mb: int | None) -> int:
+def trusted(measured_mb: int, guess_mb: int | None, corroborated_mb: int | None) -> int:
     """What a sleep is learned to pin: `measured_mb` where it is near the estimate (or there
-    is none); where it is far below, the larger of it and the shared memory's growth when that
-    was read (an independent reading: it confirms a small pin or shows what RSS missed), else
-    the estimate. Never 0 for a model whose estimate is not."""
+    is none); where it is far below, the larger of it and an independent reading when one was
+    had (it confirms a small pin or shows what RSS missed), else the estimate. Never 0 for a
+    model whose estimate is not."""
     if guess_mb is None or measured_mb >= guess_mb * TRUST_SHARE:
         return measured_mb
-    if shmem_grown_mb is not None and shmem_grown_mb > 0:
-        return max(measured_mb, shmem_grown_mb)
+    if corroborated_mb is not None and corroborated_mb > 0:
+        return max(measured_mb, corroborated_mb)
     return max(guess_mb, measured_mb)
 
 
@@ -229,14 +268,14 @@ class HostRam:
         level: int,
         grown_mb: int | None,
         guess_mb: int | None = None,
-        shmem_grown_mb: int | None = None,
+        corroborated_mb: int | None = None,
     ) -> None:
         """`instance_id`'s sleep at `level` returned, its host memory grown by `grown_mb` (None:
         not measured): that stays pinned for the engine's life, and what the engine now keeps
         is what a sleep at that level pins for its model. A figure far below `guess_mb` (the
-        estimate) is learned only where the growth of shared memory across the sleep,
-        `shmem_grown_mb`, corroborates it (the larger of the two is then learned); else the
-        estimate is kept (`trusted`)."""
+        estimate) is learned only where an independent reading across the sleep,
+        `corroborated_mb` (shared memory's growth, vLLM's own count), confirms it (the larger
+        of the two is then learned); else the estimate is kept (`trusted`)."""
         if grown_mb is None:
             return
         before = self.retained.get(instance_id, 0)
@@ -245,7 +284,7 @@ class HostRam:
         # A first sleep shows its level's figure; a later one only level 1's (it pins all a
         # level-2 sleep does and the weights), a later level-2 sleep reuses what is cached.
         if before == 0 or level == 1:
-            self.learned[(key, level)] = trusted(kept, guess_mb, shmem_grown_mb)
+            self.learned[(key, level)] = trusted(kept, guess_mb, corroborated_mb)
 
     def forget(self, instance_id: str) -> None:
         """The engine is gone: its pinned memory went with its process."""
