@@ -287,19 +287,31 @@ class GpuMemory:
 
     def pinned_bytes(self) -> dict[str, int]:
         """PyTorch's pinned host allocator: bytes it holds (in use and cached, rounded up to
-        powers of two) and bytes in use; what this torch does not count is left out."""
+        powers of two) and bytes in use; what this torch does not count is left out.
+
+        The keys differ by PyTorch version and are read by presence: newer ones count the
+        blocks held in ``allocated_bytes`` and those in use in ``active_bytes``; older ones the
+        blocks held in ``reserved_bytes`` and those in use in ``allocated_bytes``."""
+        stats = self.host_memory_stats()
+        if "active_bytes.current" in stats:
+            keys = {"pinned_bytes": "allocated_bytes.current",
+                    "pinned_in_use_bytes": "active_bytes.current"}  # fmt: skip
+        else:
+            keys = {"pinned_bytes": "reserved_bytes.current",
+                    "pinned_in_use_bytes": "allocated_bytes.current"}  # fmt: skip
+        return {name: int(stats[key]) for name, key in keys.items() if key in stats}
+
+    def host_memory_stats(self) -> dict[str, int]:
+        """``torch.cuda.host_memory_stats()``'s current figures, whatever their names ({}
+        where this torch has none)."""
         stats_of = getattr(self.torch.cuda, "host_memory_stats", None)
         if stats_of is None:
             return {}
-        stats = stats_of()
-        keys = {
-            "pinned_bytes": "allocated_bytes.current",
-            "pinned_in_use_bytes": "active_bytes.current",
-        }
-        return {name: int(stats[key]) for name, key in keys.items() if key in stats}
+        return {k: int(v) for k, v in stats_of().items() if k.endswith(".current")}
 
     def _log_state(self, after: str) -> None:
         """One line the GPU check reads back from the engine's log."""
-        state = {"device_bytes": self.held_bytes(), **self.pinned_bytes()}
+        state: dict[str, object] = {"device_bytes": self.held_bytes(), **self.pinned_bytes()}
+        state["host_memory_stats"] = self.host_memory_stats()
         state["backup_bytes"] = sum(sum(self.sizes[tag]) for tag, _ in tuple(self.backups.items()))
         log(f"fake GPU memory after {after}: {json.dumps(state)}")

@@ -2,8 +2,9 @@
 
 Reads, from the results folder: ``smi.csv`` (``nvidia-smi --query-gpu=name,memory.total,
 driver_version --format=csv,noheader``), ``torch.txt`` (torch's version, its CUDA and the
-device it sees), ``junit.xml`` (pytest's outcome per test) and ``measure.json`` (what the
-measurement test read, `tests/kit/gpumeasure.py`). Writes the section between `BEGIN` and
+device it sees), ``junit.xml`` (pytest's outcome per test), ``measure.json`` (what the
+measurement test read, `tests/kit/gpumeasure.py`) and ``cumem.json`` (the real allocator
+check, `scripts/gpu_cumem_check.py`). Writes the section between `BEGIN` and
 `END` in the document (replacing an earlier run's), and prints the outcome line.
 
     python scripts/gpu_report.py RESULTS_DIR DOC --rc N --seconds S --command TEXT
@@ -80,9 +81,9 @@ def readings_table(measure: dict[str, Any]) -> list[str]:
     lines = [
         "| step | took (s) | device used, + since before start (MiB) | NVML, engine's processes "
         "(MiB) | engine holds (MiB) | host RSS, engine tree (MiB) | + RSS since ready (MiB) "
-        "| pinned by torch: held / in use (MiB) | VmPin / VmLck (kB) | - MemAvailable since "
-        "ready (MiB) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| pinned by torch: held / in use (MiB) | VmPin / VmLck (kB) | RssShmem, engine tree "
+        "(kB) | Shmem, host (kB) | cgroup shmem (MiB) | - MemAvailable since ready (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         used = r.get("device_used_mb")
@@ -101,10 +102,45 @@ def readings_table(measure: dict[str, Any]) -> list[str]:
             _cell(None if rss is None or rss0 is None else rss - rss0),
             pinned,
             locked,
+            _cell(r.get("rss_shmem_kb")),
+            _cell(r.get("shmem_kb")),
+            _cell(r.get("cgroup_shmem_mb"), 1),
             _cell(None if avail is None or avail0 is None else avail0 - avail),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+def cumem_lines(cumem: dict[str, Any]) -> list[str]:
+    """The real allocator check's figures (`scripts/gpu_cumem_check.py`), one row a step."""
+    steps = cumem.get("steps") or []
+    if not steps:
+        return ["The allocator check wrote no figures (see gpu-check-results/cumem.log)."]
+    sizes = cumem.get("allocation_sizes") or []
+    lines = [
+        f"The allocator check (vLLM 0.33's CuMem allocator, torch {cumem.get('torch')},"
+        f" `{cumem.get('alloc_conf')}`): {len(sizes)} allocations in the `weights` pool for"
+        f" {_mib(cumem.get('tensor_bytes'))} MiB of tensors (vocabulary {cumem.get('vocab')},"
+        f" `[1024, vocab]` int32 included), {_mib(sum(sizes))} MiB allocated; as power-of-two"
+        f" blocks {_mib(cumem.get('pow2_blocks_bytes'))} MiB; contents survived two sleeps:"
+        f" {cumem.get('contents_survived')}.",
+        "",
+        "| step | took (s) | on the device (MiB) | pinned held by torch (MiB) | RssShmem (kB) "
+        "| RssAnon (kB) | VmPin (kB) | Shmem, host (kB) | cgroup shmem (MiB) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in steps:
+        shmem = r.get("cgroup_shmem")
+        cells = [r.get("step", "?"), _cell(r.get("seconds"), 2), _mib(r.get("allocated_bytes")),
+                 _mib(r.get("pinned_held_bytes")), _cell(r.get("rss_shmem_kb")),
+                 _cell(r.get("rss_anon_kb")), _cell(r.get("vm_pin_kb")),
+                 _cell(r.get("shmem_kb")), _mib(shmem)]  # fmt: skip
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return lines
+
+
+def _mib(value: Any) -> str:
+    return "n/a" if value is None else f"{int(value) / 1048576:.0f}"
 
 
 def engine_line(measure: dict[str, Any]) -> str:
@@ -123,7 +159,7 @@ def engine_line(measure: dict[str, Any]) -> str:
 
 def render(
     smi: str, torch_info: str, outcomes: list[Outcome], measure: dict[str, Any], rc: int,
-    seconds: float, command: str,
+    seconds: float, command: str, cumem: dict[str, Any] | None = None,
 ) -> str:  # fmt: skip
     """The dated section, markers included."""
     date = measure.get("date") or time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
@@ -158,6 +194,8 @@ def render(
         lines += ["", "Nothing was measured: every test was skipped."]
     else:
         lines += ["", engine_line(measure), "", *readings_table(measure)]
+    if cumem is not None:
+        lines += ["", *cumem_lines(cumem)]
     return "\n".join([*lines, "", END]) + "\n"
 
 
@@ -194,9 +232,13 @@ def main(argv: list[str] | None = None) -> int:
         measure = json.loads(_read(args.results / "measure.json") or "{}")
     except ValueError:
         measure = {}
+    try:
+        cumem = json.loads(_read(args.results / "cumem.json") or "{}")
+    except ValueError:
+        cumem = {}
     section = render(
         _read(args.results / "smi.csv"), _read(args.results / "torch.txt"), outcomes, measure,
-        args.rc, args.seconds, args.command,
+        args.rc, args.seconds, args.command, cumem,
     )  # fmt: skip
     (args.results / "section.md").write_text(section)
     args.doc.write_text(replace_section(_read(args.doc), section))

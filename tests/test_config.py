@@ -383,6 +383,57 @@ def test_the_changelog_names_every_removed_key_with_its_new_name() -> None:
         assert new in notes, new
 
 
+def test_a_models_compile_cache_never_leaves_the_cache_folder(tmp_path: Path) -> None:
+    """Regression (F10): VLLM_CACHE_ROOT was built from the raw model name: ``..`` escaped
+    ``<state_dir>/vllm-cache``, ``a/b`` nested in it and an absolute name replaced it."""
+    names = ["..", "a/b", "/etc/x", ".hidden", "ok"]
+    cfg = parse_config({
+        "server": {"state_dir": str(tmp_path)},
+        "models": {n: {"model": "x"} for n in names},
+    })  # fmt: skip
+    root = tmp_path / "vllm-cache"
+    dirs = {n: Path(cfg.specs()[n].cache_dir) for n in names}
+    for name, d in dirs.items():
+        assert d.parent == root, (name, d)
+        assert d.resolve().parent == root.resolve(), (name, d)
+    assert dirs["ok"].name == "ok" and dirs["a/b"].name == "a_b" and dirs[".."].name == "_.."
+    assert len(set(dirs.values())) == len(names)
+
+
+def test_a_stored_startup_plan_is_refused(tmp_path: Path) -> None:
+    """VLLM_ENABLE_STARTUP_PLAN=1 makes vLLM skip its memory profiling with a KV size stored
+    by an earlier start: refused in a model's env or the engine's, and set to 0 for every
+    engine whatever the proxy's own environment says."""
+    for where in ("model", "engine"):
+        env = {"VLLM_ENABLE_STARTUP_PLAN": "1"}
+        data: dict[str, Any] = {"models": {"m": {"model": "x"}}}
+        if where == "model":
+            data["models"]["m"]["env"] = env
+        else:
+            data["engine"] = {"env": env}
+        with pytest.raises(ConfigError, match="VLLM_ENABLE_STARTUP_PLAN"):
+            parse_config(data)
+    spec = parse_config({"models": {"m": {"model": "x"}}}).specs()["m"]
+    assert spec.engine_env()["VLLM_ENABLE_STARTUP_PLAN"] == "0"
+
+
+def test_old_compile_caches_of_models_no_longer_configured_are_pruned(tmp_path: Path) -> None:
+    import time
+
+    from vllm_proxy.engines.engine import CACHE_MAX_AGE_S, prune_caches
+
+    root = tmp_path / "vllm-cache"
+    for name in ("kept", "gone", "recent"):
+        (root / name / "torch_compile_cache").mkdir(parents=True)
+    (root / "file").write_text("x")
+    old = time.time() - CACHE_MAX_AGE_S - 60
+    for name in ("kept", "gone"):
+        for p in (root / name / "torch_compile_cache", root / name):
+            os.utime(p, (old, old))
+    assert prune_caches(root, {"kept"}) == ["gone"]
+    assert sorted(p.name for p in root.iterdir()) == ["file", "kept", "recent"]
+
+
 def test_each_model_keeps_its_compile_cache_under_the_state_dir(tmp_path: Path) -> None:
     """VLLM_CACHE_ROOT is <state_dir>/vllm-cache/<model>, stable across starts, unless the
     operator sets one (the model's env here)."""

@@ -814,21 +814,80 @@ def test_a_level_2_model_claims_no_reload_buffer(tmp_path: Path) -> None:
     assert memory.wake_need("l1#1") == 10_000 - 1_000
 
 
+def write_sparse_safetensors(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """`write_safetensors` with the data a hole (the planner reads headers only)."""
+    sizes = {"F32": 4, "F16": 2, "BF16": 2, "I32": 4, "I8": 1}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, (dtype, shape) in tensors.items():
+        n = sizes[dtype] * math.prod(shape)
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
+
+
 def test_a_level_2_policy_whose_reload_cannot_fit_in_its_kv_room_is_refused(
     tmp_path: Path,
 ) -> None:
-    """The reload materialises each module while the KV cache is unmapped, in its room
-    (model_loader/reload/layerwise.py:344-402): a largest tensor larger than the KV cache
-    planned would fail every wake. Refused at load, naming the key; level 1 is fine."""
+    """The reload materialises each module while the KV cache is unmapped, in the room of the
+    KV cache and the transient peak (model_loader/reload/layerwise.py:344-402): a module larger
+    than that would fail every wake. Refused at load, naming the key; level 1 is fine."""
     model = tmp_path / "m"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(CONFIG))
-    write_safetensors(model / "model.safetensors", {"huge": ("F32", [2048, 1024])})  # 8 MiB
+    write_sparse_safetensors(model / "model.safetensors", {"huge": ("F32", [1024, 160_000])})
     fake = FakeNvml([(24_000, 0)])
-    with pytest.raises(ConfigError, match=r"models\.m\.sleep\.level: .*largest tensor \(8 MiB"):
+    with pytest.raises(ConfigError, match=r"models\.m\.sleep\.level: .*largest module \(625 MiB"):
         _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 2}}})
     memory = _nvml_memory(tmp_path, fake, {"m": {"model": str(model), "sleep": {"level": 1}}})
-    assert memory.estimates["m"].detail["kv_cache_mb"] < 8
+    detail = memory.estimates["m"].detail
+    assert detail["kv_cache_mb"] + detail["activations_mb"] < 625
+
+
+def test_the_level_2_reload_peak_is_a_whole_moe_layer_not_its_largest_tensor(
+    tmp_path: Path,
+) -> None:
+    """Regression (F6): the reload's peak was the largest tensor, but vLLM materialises a whole
+    module: a fused MoE layer holds every local expert at once (Mixtral-8x7B at TP2: about 56
+    MiB checked against about 1.3 GiB needed), so every level-2 wake of such a model with
+    little KV room failed and cold-started. Each expert tensor here fits; the layer does not."""
+    from vllm_proxy.planning.footprint import module_bytes, module_of, reload_peak_mb
+
+    model = tmp_path / "moe"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(CONFIG))
+    experts = {
+        f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight": ("BF16", [4096, 8192])
+        for e in range(8)
+        for w in ("w1", "w2", "w3")
+    }  # 64 MiB each, 1536 MiB the layer
+    experts["model.layers.0.self_attn.q_proj.weight"] = ("BF16", [1024, 1024])
+    experts["model.layers.0.self_attn.k_proj.weight"] = ("BF16", [1024, 1024])
+    write_sparse_safetensors(model / "model.safetensors", experts)
+    assert module_of("model.layers.0.block_sparse_moe.experts.3.w1.weight") == (
+        "model.layers.0.block_sparse_moe.experts"
+    )
+    assert (
+        module_of("model.layers.0.self_attn.k_proj.weight") == "model.layers.0.self_attn.qkv_proj"
+    )
+    modules, floating = module_bytes([model / "model.safetensors"])
+    assert modules["model.layers.0.self_attn.qkv_proj"] == 4 * MIB and floating
+    kv = {"kv_cache_memory_bytes": 600 * MIB}
+    level2 = {"model": str(model), "sleep": {"level": 2}, "args": kv}
+    fake = FakeNvml([(80_000, 0)])
+    with pytest.raises(ConfigError, match=r"largest module \(1536 MiB per GPU"):
+        _nvml_memory(tmp_path, fake, {"m": level2})
+    spec = parse_config({"models": {"m": {**level2, "sleep": {"level": 1}}}}).specs()["m"]
+    assert reload_peak_mb(spec) == 1536
+    quantised = {**level2, "sleep": {"level": 1}, "args": {**kv, "quantization": "fp8"}}
+    spec = parse_config({"models": {"m": quantised}}).specs()["m"]
+    assert reload_peak_mb(spec) == 2 * 1536, "online quantisation holds both copies"
+    tp2 = {**level2, "sleep": {"level": 1}, "args": {**kv, "tensor_parallel_size": 2}}
+    assert reload_peak_mb(parse_config({"models": {"m": tp2}}).specs()["m"]) == 768
 
 
 # -- the device lock: what runs beside what ---------------------------------------------------

@@ -7,12 +7,15 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import struct
 import subprocess
 import sys
 import time
 from pathlib import Path
 from types import ModuleType
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "gpu-check.sh"
@@ -47,6 +50,8 @@ def reading(step: str, used: int, rss: float, pinned: float | None, **more: floa
         "engine_gpu_mb": 4096.0, "rss_mb": rss, "vm_pin_kb": 0, "vm_lck_kb": 0,
         "cgroup_mb": None, "mem_available_mb": 100000.0 - rss, "pinned_mb": pinned,
         "pinned_in_use_mb": pinned, "seconds": more.get("seconds"),
+        "rss_shmem_kb": more.get("rss_shmem_kb"), "shmem_kb": more.get("shmem_kb"),
+        "cgroup_shmem_mb": more.get("cgroup_shmem_mb"),
     }  # fmt: skip
 
 
@@ -67,10 +72,20 @@ MEASURE = {
     "readings": [
         reading("ready", 5200, 900.0, None, seconds=9.5),
         reading("first request", 5700, 900.0, None),
-        reading("sleep level 1", 1600, 4300.0, 3456.0, seconds=1.8),
+        reading(
+            "sleep level 1",
+            1600,
+            4300.0,
+            3456.0,
+            seconds=1.8,
+            rss_shmem_kb=3538944,
+            shmem_kb=3600000,
+            cgroup_shmem_mb=3456.0,
+        ),
     ],
 }
 
+MIB_ = 1024 * 1024
 DOC = "# GPU\n\n## Results\n\nIntro.\n\n{section}\n## Next\n\nKept.\n"
 
 
@@ -91,13 +106,26 @@ def test_the_report_renders_outcomes_and_figures_and_replaces_the_last_run(
         section
     )
     assert "(as pinned power-of-two blocks: 3328 MiB)" in section
-    # step, took, device used (+ since before start), NVML, holds, RSS, + RSS, pinned, Vm, avail
+    # step, took, device used (+ since before start), NVML, holds, RSS, + RSS, pinned, Vm,
+    # RssShmem, Shmem, cgroup shmem, avail
     assert "| sleep level 1 | 1.80 | 1600 (+1000) | 1100 | 4096 | 4300 | 3400 | 3456 / 3456 |" in (
         section
     )
-    assert "| ready | 9.50 | 5200 (+4600) | 4700 | 4096 | 900 | 0 | n/a / n/a | 0 / 0 | 0 |" in (
+    assert "| 0 / 0 | 3538944 | 3600000 | 3456.0 | 3400 |" in section, "where pinned pages show"
+    assert "| ready | 9.50 | 5200 (+4600) | 4700 | 4096 | 900 | 0 | n/a / n/a | 0 / 0 | n/a |" in (
         section
     )
+    cumem = {
+        "torch": "2.11.0+cu130", "alloc_conf": "max_split_size_mb:20", "vocab": 151936,
+        "allocation_sizes": [2 * MIB_, 20 * MIB_], "tensor_bytes": 21 * MIB_,
+        "pow2_blocks_bytes": 34 * MIB_, "contents_survived": True,
+        "steps": [{"step": "sleep", "seconds": 1.5, "allocated_bytes": 22 * MIB_,
+                   "pinned_held_bytes": 34 * MIB_, "rss_shmem_kb": 34816, "rss_anon_kb": 1,
+                   "vm_pin_kb": 0, "shmem_kb": 40000, "cgroup_shmem": 34 * MIB_}],
+    }  # fmt: skip
+    with_cumem = report.render("x", "y", outcomes, MEASURE, 1, 300.0, "c", cumem)
+    assert "2 allocations in the `weights` pool for 21 MiB of tensors" in with_cumem
+    assert "| sleep | 1.50 | 22 | 34 | 34816 | 1 | 0 | 40000 | 34 |" in with_cumem
 
     doc = tmp_path / "gpu.md"
     doc.write_text(DOC.format(section=f"{report.BEGIN}\nold run\n{report.END}\n"))
@@ -162,6 +190,62 @@ def test_the_check_with_a_torch_without_cuda_says_no_gpu(tmp_path: Path) -> None
     assert done.returncode == NO_GPU, done.stdout + done.stderr
     assert "torch 0.0-stub sees no CUDA device" in done.stdout
     assert (tmp_path / "gpu.md").read_text() == "unchanged\n"
+
+
+def _torch_importable(python: str) -> bool:
+    done = subprocess.run([python, "-c", "import torch"], capture_output=True, timeout=120)
+    return done.returncode == 0
+
+
+def _allocator_files(into: Path) -> Path:
+    """The files `gpu-wheels.sh` takes out of the vLLM wheel: this checkout's own where it has
+    fetched them, else stand-ins of the same names (the dry run loads no library)."""
+    cumem = into / "vllm-cumem"
+    fetched = ROOT / "wheels" / "vllm-cumem"
+    if (fetched / "cumem_allocator.abi3.so").is_file():
+        shutil.copytree(fetched, cumem)
+        return cumem
+    cumem.mkdir(parents=True)
+    (cumem / "cumem_allocator.abi3.so").write_bytes(b"\x7fELF" + bytes(60))
+    for name in ("alloc_conf.py", "device_allocator_init.py"):
+        (cumem / name).write_text("import torch\n")
+    (cumem / "cumem.py").write_text("import torch\n\n\nclass CuMemAllocator:\n    pass\n")
+    return cumem
+
+
+@pytest.mark.timeout(420)
+def test_the_dry_run_sets_up_inside_a_venv_made_inside_a_venv_with_torch(tmp_path: Path) -> None:
+    """Regression (review 3, section 4): where python3 is itself a venv with torch installed,
+    the check's `venv --system-site-packages` saw the base interpreter's packages only, not
+    torch, and set-up stopped with exit 2. The dry run does all of the set-up short of CUDA."""
+    outer = sys.executable
+    if sys.prefix == sys.base_prefix:  # not a venv: make one that sees this torch
+        made = tmp_path / "outer"
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(made)],
+                       check=True, capture_output=True, timeout=120)  # fmt: skip
+        outer = str(made / "bin" / "python")
+    if not _torch_importable(outer):
+        pytest.skip("no torch here to run the dry run against (pip install torch, a CPU build)")
+    wheels = tmp_path / "wheels"
+    _allocator_files(wheels)
+    inner = tmp_path / "venv-gpu"
+    env = {"PYTHON": outer, "GPU_CHECK_WHEELS": str(wheels), "GPU_CHECK_VENV": str(inner),
+           "NVIDIA_SMI": str(tmp_path / "no-nvidia-smi")}  # fmt: skip
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_CHECK_", "OUT"))}
+    base.pop("PYTHONPATH", None)
+    more = {"GPU_CHECK_RESULTS": str(tmp_path / "results"), **env}
+    done = subprocess.run(["sh", str(SCRIPT), "--dry-run"], env={**base, **more},
+                          capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "dry run passed" in done.stdout
+    assert "is a venv" in done.stdout, "the inner venv was given the outer one's site-packages"
+    pth = list(inner.glob("lib/python*/site-packages/gpu_check_parent.pth"))
+    assert pth and pth[0].read_text().strip()
+    missing = subprocess.run(["sh", str(SCRIPT), "--dry-run"],
+                             env={**base, **more, "GPU_CHECK_WHEELS": str(tmp_path / "none")},
+                             capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert missing.returncode == 2, missing.stdout + missing.stderr
+    assert "cumem_allocator.abi3.so" in missing.stdout, "names the allocator files missing"
 
 
 # -- the real-vLLM check's pure parts ---------------------------------------------------------

@@ -7,6 +7,7 @@ real GPU where there is one.
 import importlib.util
 import json
 import os
+import types
 from pathlib import Path
 from typing import Any
 
@@ -445,3 +446,27 @@ async def test_real_gpu_memory_is_freed_by_sleep_and_taken_back_by_wake(
         0
     ] == 200
     assert await chat_text(session, fake) == NORMAL_TEXT
+
+
+@pytest.mark.parametrize(
+    ("stats", "expected"),
+    [
+        # Newer torch: allocated = held (in use and cached), active = in use.
+        ({"allocated_bytes.current": 8, "active_bytes.current": 2, "reserved_bytes.current": 9},
+         {"pinned_bytes": 8, "pinned_in_use_bytes": 2}),
+        # Older torch: reserved = held, allocated = in use (no active_bytes).
+        ({"allocated_bytes.current": 2, "reserved_bytes.current": 8},
+         {"pinned_bytes": 8, "pinned_in_use_bytes": 2}),
+        ({}, {}),
+    ],
+)  # fmt: skip
+def test_host_memory_stats_keys_are_read_by_presence(
+    stats: dict[str, int], expected: dict[str, int]
+) -> None:
+    """Regression (review 3, section 4): the keys were those of one PyTorch version only."""
+    from fake_vllm.gpu import GpuMemory
+
+    gpu = GpuMemory.__new__(GpuMemory)
+    gpu.torch = types.SimpleNamespace(cuda=types.SimpleNamespace(host_memory_stats=lambda: stats))
+    assert gpu.pinned_bytes() == expected
+    assert gpu.host_memory_stats() == stats

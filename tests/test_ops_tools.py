@@ -64,6 +64,7 @@ EXPORTED: dict[str, Series] = {
     "vllm_proxy_engine_start_duration_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_engine_restarts_total": Series("counter", ("model_id", "reason")),
     "vllm_proxy_wake_verify_failures_total": Series("counter", ("model_id", "level")),
+    "vllm_proxy_sleep_level_barred": Series("gauge", ("model_id", "level")),
     "vllm_proxy_wake_verify_seconds": Series("histogram", ("model_id",)),
     "vllm_proxy_evictions_total": Series("counter", ("model_id", "reason")),
     "vllm_proxy_read_ahead_bytes_total": Series("counter", ("model_id",)),

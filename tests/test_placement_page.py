@@ -152,3 +152,43 @@ async def test_without_managed_memory_every_model_fits(
     (info,) = (await page(proxy))["vllm:lora_requests_info"]
     assert info.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "",
                            "max_lora": "1"}  # fmt: skip
+
+
+async def test_placement_counts_the_start_the_queue_is_about_to_make(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """Regression (F9): a start waiting in the admission queue holds no claim, so /placement
+    offered the fleet its room: here 200 MiB free and a 150 MiB model fitting, while c (400
+    MiB) waits to take a's place the moment a's stream ends."""
+    import asyncio
+
+    from kit import FakeEngine, wait_for
+
+    slow = FakeEngine(tokens=400, token_delay=0.05).env()  # streams that last 20 s
+    models = {
+        "a": {"model": "fake/a", "memory_mb": 400, "env": slow},
+        "b": {"model": "fake/b", "memory_mb": 400, "env": slow},
+        "c": {"model": "fake/c", "memory_mb": 400},
+        "d": {"model": "fake/d", "memory_mb": 150},
+    }
+    config = make_config(tmp_path, models, server={"admin_open": True}, budget_mb=1000)
+    proxy = await start_proxy(config)
+    streams = [await proxy.open_stream("a"), await proxy.open_stream("b")]
+    try:
+        view = await placement(proxy)
+        assert view["gpus"][0]["free_mb"] == 200 and models_of(view)["d"]["fits_now"]
+        assert [i["leases"] for m in ("a", "b") for i in models_of(view)[m]["instances"]] == [1, 1]
+        waiting = asyncio.ensure_future(proxy.reply("c"))
+        await wait_for(lambda: proxy.model("c").waiting == 1, what="c waiting for memory")
+        view = await placement(proxy)
+        assert view["queue"]["waiting"] == 1
+        assert view["gpus"][0]["free_mb"] == 0, "c's 400 MiB are about to be taken"
+        assert not models_of(view)["d"]["fits_now"]
+    finally:
+        for s in streams:
+            s.close()
+    assert (await waiting)[0] == 200
+
+
+def models_of(view: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["name"]: m for m in view["models"]}

@@ -21,6 +21,7 @@ Tests wait on states and on the ledger with deadlines, never on time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 from pathlib import Path
@@ -335,6 +336,31 @@ async def test_an_estimate_without_room_for_the_kv_cache_is_grown_and_retried(
     utils = utils_started(proxy, "a")
     assert len(utils) >= 2 and utils == sorted(utils) and utils[-1] > utils[0]
     assert "No available memory for the cache blocks" in proxy.engine_log("a")
+
+
+async def test_no_budget_boost_is_learned_beside_a_neighbour_below_its_claim(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (F7): vLLM's profiling measures the whole device, so a neighbour that takes
+    its transient peak back inside a start's profiling window leaves that start no room for
+    the KV cache; the proxy then learned a +25 % budget for the life of the proxy. Where an
+    awake neighbour was below its claim when the start began, the same budget is tried once
+    more before any boost."""
+    env = FakeEngine(sim_weights_mb=900, sim_peak_mb=300).env()
+    models = {
+        "a": {"model": tiny_checkpoint(tmp_path), "params_b": 0.05, "env": env},
+        "n": {"model": "x", "memory_mb": 4_000, "env": FakeEngine(sim_peak_mb=800).env()},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, [0]))
+    neighbour, _ = await proxy.model("n").acquire()  # started, its peak freed: below its claim
+    neighbour.release()
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.engines.model"):
+        status, text = await chat(proxy, "a")
+    assert status == 200, text
+    utils = utils_started(proxy, "a")
+    assert len(utils) >= 3 and utils[1] == utils[0], utils
+    assert utils[-1] > utils[0], "then grown, as before"
+    assert any("retrying with the same budget" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_fixed_budget_without_room_for_the_kv_cache_names_the_key(

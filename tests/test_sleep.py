@@ -650,6 +650,84 @@ def test_host_ram_room_comes_from_the_cgroup_limit(tmp_path: Path) -> None:
     assert cgroup_room_mb(v1, v1_self) == 1024
 
 
+@pytest.mark.parametrize("version", ["v2", "v1"])
+def test_the_cgroup_room_counts_reclaimable_page_cache_as_room(
+    tmp_path: Path, version: str
+) -> None:
+    """Regression (F4): room was ``memory.max - memory.current``, which counts the page cache
+    (the engines' checkpoint reads, the read-ahead) as used: under MemoryMax=8G, after a 6 GiB
+    file was read, a level-1 sleep that fits was refused. Now the file cache counts as room, as
+    the host's MemAvailable counts it; shared memory (pinned backups) does not."""
+    from vllm_proxy.planning.hostmem import cgroup_room_mb
+
+    gib = 2**30
+    if version == "v2":
+        own = tmp_path / "self"
+        own.write_text("0::/\n")
+        (tmp_path / "memory.max").write_text(f"{8 * gib}\n")
+        (tmp_path / "memory.current").write_text(f"{7 * gib}\n")
+        stat = f"anon {gib // 2}\nfile {6 * gib}\nactive_file {2 * gib}\ninactive_file {4 * gib}\n"
+        stat += f"shmem {gib // 2}\n"
+        (tmp_path / "memory.stat").write_text(stat)
+        root = tmp_path
+    else:
+        own = tmp_path / "self"
+        own.write_text("2:memory:/\n")
+        root = tmp_path / "v1"
+        (root / "memory").mkdir(parents=True)
+        (root / "memory" / "memory.limit_in_bytes").write_text(f"{8 * gib}\n")
+        (root / "memory" / "memory.usage_in_bytes").write_text(f"{7 * gib}\n")
+        (root / "memory" / "memory.stat").write_text(
+            f"cache {6 * gib}\ntotal_active_file {2 * gib}\ntotal_inactive_file {4 * gib}\n"
+            f"total_shmem {gib // 2}\n"
+        )
+    # 8 GiB limit, 7 used of which 6 are file cache: 7 GiB of room, not 1.
+    assert cgroup_room_mb(root, own) == 7 * 1024
+
+
+def test_a_pinned_measurement_far_below_the_estimate_needs_corroboration() -> None:
+    """Regression (F5): a sleep measured at 0 (RSS that misses pinned pages, as the fake engine
+    without GPU shows) was learned, and every later level-1 sleep of the model was admitted
+    with no host-RAM check at all."""
+    from vllm_proxy.planning.hostmem import HostRam, trusted
+
+    key = ("m", "engine")
+    host = HostRam(reader=lambda: 100_000)
+    host.slept("m#1", key, 1, 0, guess_mb=40_000)
+    assert host.learned[(key, 1)] == 40_000, "kept at the estimate"
+    assert host.need_mb("m#2", key, 1, 40_000) == 40_000, "the next sleep is still checked"
+    assert host.need_mb("m#1", key, 1, 40_000) == 40_000, "its own next sleep too"
+    # Corroborated: shared memory grew by what RSS missed, or confirms a small pin.
+    assert trusted(0, 40_000, 41_000) == 41_000
+    assert trusted(1_000, 40_000, 1_200) == 1_200
+    assert trusted(30_000, 40_000, None) == 30_000, "near the estimate: trusted as it is"
+    assert trusted(500, None, None) == 500, "no estimate: as measured"
+    assert trusted(0, 40_000, 0) == 40_000, "shared memory that did not move shows nothing"
+
+
+def test_vllms_backed_up_lines_since_the_sleep_began_corroborate_a_pin(tmp_path: Path) -> None:
+    """Each rank logs what its sleep backed up in host memory (vLLM 0.33
+    device_allocator/cumem.py:282-289): the lines written since the sleep began are summed."""
+    from vllm_proxy.planning.hostmem import backed_up_mb, log_size
+
+    line = (
+        "(Worker_TP{r} pid=1) INFO [cumem.py:282] CuMemAllocator: sleep freed 40.00 GiB memory"
+        " in total, of which {gib} GiB is backed up in CPU and the rest 2.00 GiB is discarded"
+        " directly.\n"
+    )
+    log = tmp_path / "m.1.log"
+    log.write_text(line.format(r=0, gib="9.00"))  # an earlier sleep's
+    at = log_size(log)
+    assert backed_up_mb(log, at) is None, "nothing said since"
+    with log.open("a") as f:
+        f.write("other line\n" + line.format(r=0, gib="38.00") + line.format(r=1, gib="38.00"))
+    assert backed_up_mb(log, at) == 76 * 1024
+    log.rename(tmp_path / "m.1.log.1")  # rotated meanwhile: the new file from its start
+    log.write_text(line.format(r=0, gib="1.50"))
+    assert backed_up_mb(log, at) == 1536
+    assert backed_up_mb(tmp_path / "absent.log", (0, 0)) is None
+
+
 def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path: Path) -> None:
     """Under systemd's MemoryMax= the limit sits on the service's own cgroup
     (/proc/self/cgroup), not at the root of the hierarchy: every level from there up counts,

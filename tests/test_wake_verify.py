@@ -18,6 +18,8 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric
 
 from vllm_proxy.config import parse_config
+from vllm_proxy.engines import instance as instance_module
+from vllm_proxy.engines.breaker import WakeBreaker
 from vllm_proxy.engines.instance import Instance
 from vllm_proxy.engines.oracle import LOGPROB_TOLERANCE, VECTOR_TOLERANCE, Oracle, mismatch
 from vllm_proxy.engines.states import State
@@ -67,6 +69,109 @@ async def test_a_wake_that_corrupts_output_never_reaches_a_client(
     assert "model m:" in line and f"level {level}" in line
     assert "first differing token at position 0" in line
     assert "<garbage>" not in line, "the engine's output stays out of the log"
+
+
+async def serving_after_idle(proxy: RunningProxy) -> Instance:
+    """The model's instance once idle has done what it does: asleep, or (a level no longer
+    used) kept awake."""
+    inst = proxy.instance("m")
+    await wait_for(
+        lambda: inst.asleep or (inst.state is State.RUNNING and inst.usable_level() is None),
+        what=f"{inst.id} asleep, or awake with no sleep level left",
+    )
+    return inst
+
+
+async def test_wakes_that_always_fail_the_check_stop_costing_cold_starts(
+    tmp_path: Path, start_proxy: StartProxy, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression (F2): every wake of a model whose wakes all answer wrongly cost a wake, a stop
+    and a cold start, for ever (8 request-then-idle cycles: 9 engine starts). Now level 1 is
+    barred after two failures in a row, level 2 (it reloads) after its first, and the model is
+    then kept awake as with ``sleep: null``; an operator can clear it."""
+    env = FakeEngine(wake_corrupts="all").env()
+    proxy = await start_proxy(config(tmp_path, {"m": sleepy(env=env)}))
+    with caplog.at_level(logging.ERROR, logger="vllm_proxy.engines.instance"):
+        for _cycle in range(8):
+            status, text = await proxy.reply("m", max_tokens=4)
+            assert status == 200 and text == "tok0 tok1 tok2 tok3 ", "never a wrong answer"
+            await serving_after_idle(proxy)
+    assert proxy.engine_starts("m") == 4, "1 + 2 failed level-1 wakes + 1 failed level-2 wake"
+    inst = proxy.instance("m")
+    assert inst.state is State.RUNNING and inst.usable_level() is None
+    assert await failures(proxy, "1") == 2 and await failures(proxy, "2") == 1
+    barred = "vllm_proxy_sleep_level_barred"
+    assert await proxy_metric(proxy, barred, model_id="m", level="1") == 1
+    assert await proxy_metric(proxy, barred, model_id="m", level="2") == 1
+    said = [
+        r.getMessage() for r in caplog.records if "kept failing the wake check" in r.getMessage()
+    ]
+    assert any("level 1" in m and "sleeps at level 2 instead" in m for m in said), said
+    assert any("level 2" in m and "no longer sleeps" in m for m in said), said
+    async with proxy.http.get(proxy.url + "/admin/models/m") as resp:
+        row = await resp.json()
+    assert row["wake_check"]["barred_levels"] == [1, 2]
+    status, answer = await post(proxy, "/admin/models/m/sleep", {})
+    assert status == 409 and answer["error"]["code"] == "sleep_level_barred", answer
+    # An operator clears it: the idle engine is put to sleep again.
+    status, answer = await post(proxy, "/admin/models/m/wake_check/clear", {})
+    assert status == 200 and answer["cleared_levels"] == [1, 2]
+    assert await proxy_metric(proxy, barred, model_id="m", level="1") == 0
+    await asleep(inst)
+    assert inst.sleep_level == 1
+
+
+async def test_a_check_that_differs_once_is_asked_again(
+    tmp_path: Path, start_proxy: StartProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A near-tie that flips once must not cost a cold start: the check is asked once more."""
+    proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy()}), "m")
+    await asleep(inst)
+    real = instance_module.take
+    answers: list[Oracle] = []
+
+    async def flips_once(engine: Any, client: Any) -> Oracle:
+        got = await real(engine, client)
+        answers.append(got)
+        return Oracle(tokens=(-1,)) if len(answers) == 1 else got
+
+    monkeypatch.setattr(instance_module, "take", flips_once)
+    assert (await proxy.reply("m"))[0] == 200
+    assert len(answers) == 2, "asked twice"
+    assert proxy.instance("m") is inst and proxy.engine_starts("m") == 1, "woken, not restarted"
+    assert await failures(proxy, "1") is None
+
+
+def test_the_breaker() -> None:
+    key = ("m", "engine")
+    b = WakeBreaker()
+    assert b.allowed(key, 1, reloadable=True) == 1
+    assert not b.failed(key, 1)
+    b.passed(key, 1)  # a verified wake: the failures in a row start again
+    assert not b.failed(key, 1)
+    assert b.failed(key, 1), "two in a row bar level 1"
+    assert b.allowed(key, 1, reloadable=True) == 2
+    assert b.allowed(key, 1, reloadable=False) is None, "no reload: no sleep at all"
+    assert b.allowed(("m", "other engine"), 1, reloadable=True) == 1, "per engine"
+    assert b.failed(key, 2), "the level standing in is barred at its first failure"
+    assert b.allowed(key, 1, reloadable=True) is None and b.allowed(key, 2, True) is None
+    assert b.status("m") == {"barred_levels": [1, 2], "failures_in_a_row": {"1": 2, "2": 1}}
+    assert b.clear("m") == [1, 2] and b.allowed(key, 1, reloadable=True) == 1
+    assert b.status("m") == {"barred_levels": [], "failures_in_a_row": {}}
+
+
+def test_data_parallel_experts_compare_the_first_token_only() -> None:
+    base = Oracle(tokens=(1, 2, 3), logprobs=(-0.1, -0.2, -0.3))
+    drifted = Oracle(tokens=(1, 5, 6), logprobs=(-0.1, -0.9, -0.3))
+    assert mismatch(base, drifted) is not None
+    assert mismatch(base, drifted, first_only=True) is None
+    assert mismatch(base, Oracle(tokens=(4, 2, 3)), first_only=True) is not None
+    spec = parse_config(
+        {"models": {"m": {"model": "x", "args": {"data_parallel_size": 2,
+                                                  "enable_expert_parallel": True}}}}
+    ).specs()["m"]  # fmt: skip
+    assert spec.expert_data_parallel
+    assert not parse_config({"models": {"m": {"model": "x"}}}).specs()["m"].expert_data_parallel
 
 
 async def test_a_normal_wake_passes_the_check(tmp_path: Path, start_proxy: StartProxy) -> None:

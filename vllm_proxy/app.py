@@ -17,6 +17,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -24,7 +25,7 @@ import aiohttp
 from aiohttp import web
 
 from .config import AdmissionConfig, Config, ModelSpec, ServerConfig, load_for_reload, state_dir
-from .engines.engine import PortAllocator
+from .engines.engine import PortAllocator, prune_caches
 from .engines.instance import EngineContext
 from .engines.readahead import ReadAhead
 from .engines.registry import EngineRegistry, StateDirBusy, StateLock
@@ -290,6 +291,11 @@ async def create_app(
     specs = config.specs()
     memory = build_memory(config, specs, metrics)  # a model that can never fit stops us here
     registry = EngineRegistry(state_dir(config.server))
+    pruned = prune_caches(Path(state_dir(config.server)) / "vllm-cache",
+                          {Path(s.cache_dir).name for s in specs.values()})  # fmt: skip
+    if pruned:
+        log.info("deleted the compile caches of models no longer configured: %s",
+                 ", ".join(pruned))  # fmt: skip
     swept = registry.sweep()
     if swept:
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
@@ -331,7 +337,8 @@ async def _cleanup(app: web.Application) -> None:
     rt = app[RUNTIME]
     rt.admin.close()
     await rt.manager.shutdown()
-    if rt.manager.ctx.read_ahead is not None:  # a worker thread each: none left at loop close
+    if rt.manager.ctx.read_ahead is not None:  # its thread: a read ends at its next window
+        rt.manager.ctx.read_ahead.close()
         await rt.manager.ctx.read_ahead.wait(READ_AHEAD_WAIT_S)
     rt.proxy.upstream.close()
     await rt.session.close()

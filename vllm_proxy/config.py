@@ -627,6 +627,18 @@ def file_stem(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name)
 
 
+def cache_stem(name: str) -> str:
+    """A model's name as the folder of its compile caches (``<state_dir>/vllm-cache/<stem>``):
+    `file_stem`, and a leading ``.`` made ``_.``, so that no name (``..``, ``a/b``, ``/abs``)
+    reaches outside that folder or nests in it."""
+    stem = file_stem(name)
+    return "_" + stem if stem.startswith(".") or not stem else stem
+
+
+#: Truthy values of ``VLLM_ENABLE_STARTUP_PLAN`` (vLLM reads it as ``bool(int(...))``).
+STARTUP_PLAN = "VLLM_ENABLE_STARTUP_PLAN"
+
+
 class Config(_Strict):
     server: ServerConfig = ServerConfig()
     engine: EngineConfig = EngineConfig()
@@ -687,6 +699,7 @@ class Config(_Strict):
             keys = merged_engine_keys(m, self.engine)
             args = {arg_name(k): v for k, v in keys["args"].items()}
             problems += [f"@models.{name}.{p}" for p in _conflicts(m, args, keys["sleep"])]
+            problems += [f"@models.{name}.{p}" for p in _startup_plan(dict(keys["env"]))]
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -889,6 +902,19 @@ class ModelSpec:
         return str(args.get("load_format") or "auto") not in NO_RELOAD_FORMATS
 
     @property
+    def expert_data_parallel(self) -> bool:
+        """Data-parallel ranks with expert parallelism: an idle rank runs dummy batches beside a
+        request, so the expert kernels' shapes (and their rounding) differ from one request to
+        the next; the wake check compares the first token only."""
+        args = {arg_name(k): v for k, v in self.args}
+        dp = args.get("data_parallel_size")
+        try:
+            ranks = int(str(dp)) if dp is not None and not isinstance(dp, bool) else 1
+        except ValueError:
+            ranks = 1
+        return ranks > 1 and bool(args.get("enable_expert_parallel"))
+
+    @property
     def sleep_mode(self) -> bool:
         """Started with ``--enable-sleep-mode`` and the dev routes (a sleep policy is set)."""
         return self.sleep is not None
@@ -931,6 +957,9 @@ class ModelSpec:
         then); with adapters, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`` (vLLM serves
         /v1/load_lora_adapter and /v1/unload_lora_adapter only then)."""
         dev = {"VLLM_SERVER_DEV_MODE": "1"} if self.sleep_mode else {}
+        # Never a stored startup plan (profiling skipped, a KV size from another time), even
+        # where the proxy's own environment sets one: the config refuses it in `env`.
+        dev[STARTUP_PLAN] = "0"
         if self.lora:
             dev["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
         # One compile cache per model, kept across restarts (a second cold start reuses the
@@ -963,6 +992,18 @@ def _conflicts(m: ModelConfig, args: dict[str, ArgValue], sleep: SleepPolicy | N
             )
     if m.adapters or m.adapters_dir:
         out += _lora_conflicts(m, args)
+    return out
+
+
+def _startup_plan(env: dict[str, str]) -> list[str]:
+    """A stored startup plan asked for in an engine's environment: refused."""
+    out = []
+    if str(env.get(STARTUP_PLAN, "0")).strip() not in ("", "0"):
+        out.append(
+            f"env.{STARTUP_PLAN}: vLLM would skip its memory profiling and reuse a KV cache size"
+            " stored by an earlier start, which the proxy's memory planning cannot follow"
+            " (another engine may hold that memory now); remove it"
+        )
     return out
 
 
@@ -1050,7 +1091,7 @@ def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> 
         **keys,
         memory_mb=m.memory_mb,
         socket_dir=os.path.abspath(state / "sockets"),
-        cache_dir=os.path.abspath(state / "vllm-cache" / name),
+        cache_dir=os.path.abspath(state / "vllm-cache" / cache_stem(name)),
         pinned=m.pinned,
         priority=m.priority,
         devices=tuple(m.devices) if m.devices is not None else None,

@@ -248,6 +248,13 @@ class Metrics:
             ["model_id", "level"],
             registry=r,
         )
+        self.sleep_level_barred = Gauge(
+            "vllm_proxy_sleep_level_barred",
+            "1 while a model no longer uses a sleep level because its wakes from it kept failing"
+            " the wake check (cleared by POST /admin/models/{name}/wake_check/clear)",
+            ["model_id", "level"],
+            registry=r,
+        )
         self.wake_verify = Histogram(
             "vllm_proxy_wake_verify_seconds",
             "Time the check of a wake took (part of wake_l1/wake_l2)",
@@ -258,13 +265,14 @@ class Metrics:
 
         self.read_ahead_bytes = Counter(
             "vllm_proxy_read_ahead_bytes_total",
-            "Bytes of weight files the proxy asked the kernel to read ahead into the page cache",
+            "Bytes of weight files that the proxy's read-ahead brought into the page cache"
+            " (resident afterwards less before, by mincore; never the files' sizes)",
             ["model_id"],
             registry=r,
         )
         self.read_ahead_files = Counter(
             "vllm_proxy_read_ahead_files_total",
-            "Weight files the proxy asked the kernel to read ahead into the page cache",
+            "Weight files the proxy read ahead into the page cache",
             ["model_id"],
             registry=r,
         )

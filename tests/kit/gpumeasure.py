@@ -2,10 +2,12 @@
 
 `measure` reads NVML (per process and the whole device), the resident memory of the engine's
 process tree (psutil), the kernel's pinned and locked counts (``VmPin``/``VmLck`` in
-``/proc/<pid>/status``), the cgroup's ``memory.current`` and ``MemAvailable``; the pinned bytes
-PyTorch's host allocator holds are read from the engine's own log (the fake engine's GPU mode
-logs them after each sleep and wake). `Record` collects the readings and writes them as JSON
-to ``GPU_CHECK_OUT`` after every step, so a failed assertion still leaves what was measured.
+``/proc/<pid>/status``), the cgroup's ``memory.current`` and ``MemAvailable``, and where
+pinned pages are accounted (``RssShmem``, ``/proc/meminfo`` ``Shmem``, the cgroup's
+``shmem``); the pinned bytes PyTorch's host allocator holds are read from the engine's own log
+(the fake engine's GPU mode logs them after each sleep and wake). `Record` collects the
+readings and writes them as JSON to ``GPU_CHECK_OUT`` after every step, so a failed assertion
+still leaves what was measured.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class Reading:
     pinned_mb: float | None
     pinned_in_use_mb: float | None
     seconds: float | None = None
+    #: Where ``pin_memory=True`` pages are accounted on current kernels: the engine tree's
+    #: ``RssShmem``, the host's ``Shmem`` (``/proc/meminfo``) and the cgroup's ``shmem``.
+    rss_shmem_kb: int | None = None
+    shmem_kb: int | None = None
+    cgroup_shmem_mb: float | None = None
 
 
 @dataclass
@@ -129,6 +136,29 @@ def _cgroup_mb() -> float | None:
         return None
 
 
+def _cgroup_shmem_mb() -> float | None:
+    """The cgroup's ``shmem`` (v2 ``memory.stat``; v1 ``total_shmem``)."""
+    for path, key in (("/sys/fs/cgroup/memory.stat", "shmem"),
+                      ("/sys/fs/cgroup/memory/memory.stat", "total_shmem")):  # fmt: skip
+        try:
+            text = Path(path).read_text()
+        except OSError:
+            continue
+        match = re.search(rf"^{key} (\d+)$", text, re.M)
+        if match:
+            return round(int(match.group(1)) / MIB, 1)
+    return None
+
+
+def _meminfo_kb(key: str) -> int | None:
+    try:
+        text = Path("/proc/meminfo").read_text()
+    except OSError:
+        return None
+    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.M)
+    return int(match.group(1)) if match else None
+
+
 def _available_mb() -> float | None:
     try:
         text = Path("/proc/meminfo").read_text()
@@ -188,4 +218,7 @@ def measure(
         pinned_mb=pinned,
         pinned_in_use_mb=in_use,
         seconds=None if seconds is None else round(seconds, 3),
+        rss_shmem_kb=_sum([_status_kb(p, "RssShmem") for p in procs]),
+        shmem_kb=_meminfo_kb("Shmem"),
+        cgroup_shmem_mb=_cgroup_shmem_mb(),
     )

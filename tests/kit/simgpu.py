@@ -38,6 +38,9 @@ def sim_ledger(
     monkeypatch.setattr(
         "vllm_proxy.planning.hostmem.tree_rss_mb", lambda pid: pinned_rss(ledger, pid)
     )
+    # Pinned pages are shared memory to the kernel (RssShmem, Shmem): what corroborates a
+    # measured pin.
+    monkeypatch.setattr("vllm_proxy.planning.hostmem.shmem_mb", lambda: ledger.pinned_mb())
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     return ledger
 

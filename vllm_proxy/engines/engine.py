@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import signal
 import socket
 import stat
@@ -198,6 +199,36 @@ def prune_logs(spec: ModelSpec, keep: set[int], newest: int) -> None:
         for path in [base, *base.parent.glob(base.name + ".*")]:
             with contextlib.suppress(OSError):
                 path.unlink()
+
+
+#: A compile cache of a model no longer configured is deleted once unused this long.
+CACHE_MAX_AGE_S = 7 * 24 * 3600
+
+
+def prune_caches(
+    root: Path, keep: set[str], max_age_s: float = CACHE_MAX_AGE_S, now: float | None = None
+) -> list[str]:
+    """Delete the folders under `root` (``<state_dir>/vllm-cache``) that belong to no model in
+    `keep` (their `config.cache_stem`s) and that nothing wrote to for `max_age_s` (the newest
+    mtime of the folder and its entries); returns their names. A renamed or removed model's
+    torch.compile, FlashInfer and DeepGEMM caches would otherwise stay for ever."""
+    now = time.time() if now is None else now
+    gone = []
+    try:
+        entries = list(root.iterdir())
+    except OSError:
+        return []
+    for entry in entries:
+        if entry.name in keep or not entry.is_dir() or entry.is_symlink():
+            continue
+        try:
+            newest = max([entry.stat().st_mtime, *(c.lstat().st_mtime for c in entry.iterdir())])
+        except OSError:
+            continue
+        if now - newest >= max_age_s:
+            shutil.rmtree(entry, ignore_errors=True)
+            gone.append(entry.name)
+    return gone
 
 
 def read_tail(path: Path, lines: int = LOG_TAIL_LINES, max_bytes: int = 16384) -> str:

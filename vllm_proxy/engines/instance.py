@@ -32,7 +32,7 @@ from prometheus_client import Gauge
 from ..config import ModelSpec
 from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
 from ..metrics import Metrics
-from ..planning.hostmem import HostRam
+from ..planning.hostmem import HostRam, backed_up_mb, log_size
 from ..planning.memory import (
     KV_SHORT_MARKERS,
     NOT_SIZED,
@@ -45,6 +45,7 @@ from ..planning.memory import (
 )
 from ..planning.memory import sized as memory_sized
 from ..planning.queueing import Queue, Rank
+from .breaker import WakeBreaker
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
@@ -188,6 +189,11 @@ class EngineContext:
     read_ahead: ReadAhead | None = None
     #: Told of every state change of every instance after its model was (the console's feed).
     observe: Callable[[Instance, State], None] = lambda _inst, _old: None
+    #: Sleep levels whose wakes keep failing the wake check, per model and engine.
+    breaker: WakeBreaker = field(default_factory=WakeBreaker)
+    #: The awake instances beside this one (on its devices) below their claim now: each may
+    #: regrow its transient peak while this start profiles (memory managed only).
+    regrowing: Callable[[Instance], list[str]] = lambda _inst: []
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -265,6 +271,8 @@ class Instance:
         self._awaiting_devices = False
         #: Its wake failed and it is being stopped for that (not by someone else).
         self._woken_in_vain = False
+        #: Awake neighbours below their claim when its engine began (its profiling window).
+        self.profiled_beside: list[str] = []
         #: Its answer to the check request, recorded once started (None: no check after its
         #: wakes: verify_wake off, no sleep policy, or it could not be recorded).
         self.oracle: Oracle | None = None
@@ -323,6 +331,15 @@ class Instance:
         """What the host RAM a sleep pins is learned by: the model and its engine (a reload that
         changes the engine starts afresh)."""
         return self.name, repr(self.spec.engine_key())
+
+    def usable_level(self, level: int | None = None) -> int | None:
+        """The level a sleep asked at `level` (default: its policy's) may take, given the
+        levels whose wakes kept failing the wake check (`breaker`); None: it does not sleep
+        (no sleep policy, or every usable level barred: kept as with ``sleep: null``)."""
+        policy = self.spec.sleep
+        if policy is None:
+            return None
+        return self.ctx.breaker.allowed(self.host_key, level or policy.level, self.spec.reloadable)
 
     @property
     def wake_asked(self) -> bool:
@@ -401,7 +418,7 @@ class Instance:
         loop = asyncio.get_running_loop()
         if spec.idle_timeout_s > 0:
             self._idle_timer = loop.call_later(spec.idle_timeout_s, self._idle_expired)
-        if policy is not None and self.state is State.RUNNING:
+        if policy is not None and self.state is State.RUNNING and self.usable_level() is not None:
             self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
         if scale is not None and self.state is State.RUNNING:
             self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
@@ -436,7 +453,12 @@ class Instance:
         if self.sleep("idle") is not None:
             assert policy is not None
             log.info("%s: idle for %gs, put to sleep", self.id, policy.after_idle_s)
-        elif policy is not None and self.state is State.RUNNING and self.leases == 0:
+        elif (
+            policy is not None
+            and self.state is State.RUNNING
+            and self.leases == 0
+            and self.usable_level() is not None
+        ):
             # Not now (a request of its model waits in admission): idle still, so ask again
             # after another period rather than stay awake until its next lease.
             loop = asyncio.get_running_loop()
@@ -637,6 +659,9 @@ class Instance:
             raise EngineFailed(msg, code="engine_start_failed") from None
         assert engine.pid is not None
         self.engine = engine
+        # vLLM's profiling measures the whole device: a neighbour that takes its peak back
+        # meanwhile shrinks this engine's KV cache (a "no room" there is not this model's).
+        self.profiled_beside = self.ctx.regrowing(self)
         self.ctx.registry.add(engine.pid, self.id)
         asyncio.get_running_loop().create_task(self._monitor(engine))
         if self.state is not State.STARTING:
@@ -851,7 +876,18 @@ class Instance:
             or self.engine is None
         ):
             return None
-        chosen = self._choose_level(level or self.spec.sleep.level)
+        asked = level or self.spec.sleep.level
+        usable = self.usable_level(asked)
+        if usable is None and reason == "admin":
+            raise Conflict(
+                f"model '{self.name}': its wakes from sleep level {asked} kept failing the wake"
+                " check, so it no longer sleeps there (clear with POST"
+                f" /admin/models/{self.name}/wake_check/clear)",
+                code="sleep_level_barred",
+            )
+        if usable is None:  # kept awake, as with sleep: null
+            return None
+        chosen = self._choose_level(usable)
         if chosen is None and reason == "admin":  # an operator asked for a sleep, not a stop
             raise Conflict(
                 f"model '{self.name}': no sleep level fits in the host RAM available (the proxy's"
@@ -884,6 +920,7 @@ class Instance:
         weights = self.ctx.weights_mb(self.spec)
         guesses = {1: None if weights is None else weights + runtime, 2: runtime}
         levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
+        levels = [v for v in levels if self.usable_level(v) == v]
         room = self.ctx.host.room_mb()
         for chosen in levels:
             guess = guesses.get(chosen)
@@ -921,6 +958,14 @@ class Instance:
         self._host_freeing = tasks
         return True
 
+    def _pin_guess(self, level: int) -> int | None:
+        """The estimate of what a sleep at `level` pins in host RAM (None: unknown)."""
+        runtime = self.ctx.runtime_mb(self.spec)
+        if level != 1:
+            return runtime
+        weights = self.ctx.weights_mb(self.spec)
+        return None if weights is None else weights + runtime
+
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
         device while it slept, and a start next to it must not see memory freed while it
@@ -928,7 +973,7 @@ class Instance:
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
         residue: int | None = None
-        host_before = host_after = None
+        host_before = host_after = shmem_before = shmem_after = backed = None
         failed = False
         try:
             if self._host_freeing:  # engines stopped for the host RAM it pins: gone first
@@ -939,11 +984,15 @@ class Instance:
                 try:
                     before = await self.ctx.usage(engine.pid, self.devices)
                     host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
+                    shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
+                    log_at = await asyncio.to_thread(log_size, engine.log_path)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
                     after = await self.ctx.usage(engine.pid, self.devices)
                     residue = self.ctx.residue(self.id, before, after)
                     host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
+                    shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
+                    backed = await asyncio.to_thread(backed_up_mb, engine.log_path, log_at)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -959,7 +1008,9 @@ class Instance:
         self.ctx.timed(self.spec, self.next_sleep_kind, seconds)
         self.slept_at_1 = self.slept_at_1 or level == 1
         grown = None if host_before is None or host_after is None else host_after - host_before
-        self.ctx.host.slept(self.id, self.host_key, level, grown)
+        shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
+        seen = max((v for v in (shmem, backed) if v is not None), default=None)
+        self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), seen)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
             self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)
@@ -1082,6 +1133,7 @@ class Instance:
                 failure = f"oracle mismatch: {err}"
                 self.ctx.metrics.wake_verify_failures.labels(self.name, str(level)).inc()
                 self._abandon_wake(failure, "wake_verify_failed")
+                self._check_failed(level)
             except (CallFailed, TimeoutError) as err:
                 failure = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
                 self._abandon_wake(failure)
@@ -1098,6 +1150,8 @@ class Instance:
         self.ctx.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
+        if self.oracle is not None:
+            self.ctx.breaker.passed(self.host_key, level)
         if level >= 2:  # the adapters' GPU copies went with the weights: registered again
             self.adapters.reset()
         self.sleep_level = 0
@@ -1108,12 +1162,34 @@ class Instance:
     async def _verify(
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
     ) -> None:
-        """Ask the woken engine the check request; `WrongAnswer` when it answers otherwise."""
+        """Ask the woken engine the check request, and once more when the answer differs (a
+        near-tie that flipped once must not cost a cold start); `WrongAnswer` when both
+        answers differ from the recording."""
         began = self.ctx.queue.clock()
-        why = mismatch(oracle, await take(engine, client))
+        first_only = self.spec.expert_data_parallel
+        why = mismatch(oracle, await take(engine, client), first_only=first_only)
+        if why is not None:
+            again = mismatch(oracle, await take(engine, client), first_only=first_only)
+            if again is None:
+                log.warning("%s: the wake check differed once (%s), then matched", self.id, why)
+            why = again
         self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
         if why is not None:
             raise WrongAnswer(why)
+
+    def _check_failed(self, level: int) -> None:
+        """Count a failed wake check; once that bars the level, say so (log, metric)."""
+        breaker = self.ctx.breaker
+        if not breaker.failed(self.host_key, level):
+            return
+        self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
+        usable = self.usable_level()
+        then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
+        log.error(
+            "model %s: its wakes from sleep level %d kept failing the wake check; it %s until"
+            " an operator clears it (POST /admin/models/%s/wake_check/clear)",
+            self.name, level, then, self.name,
+        )  # fmt: skip
 
     def _abandon_wake(self, why: str, reason: str = "wake_failed") -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""

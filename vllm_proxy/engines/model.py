@@ -396,6 +396,7 @@ class Model:
                 if self.removed or self.closed or self.draining:
                     raise  # the waiters' loop answers (an unload: they wait for its end)
         port_attempts, oom_retried, disturbed, grown = 0, False, 0, 0
+        plain = False  # retried once without a larger budget (a neighbour may have regrown)
         while True:
             if self.removed or self.closed or self.draining:  # between two attempts
                 raise Stopped(f"model '{self.name}' is no longer served", code="stopped")
@@ -420,6 +421,15 @@ class Model:
                 self._failed(msg, "start_failed")
                 raise EngineFailed(msg, code="engine_start_failed") from err
             except KvCacheShort as err:
+                if inst.profiled_beside and not plain:
+                    # Another engine there was below its claim while this one profiled: its
+                    # peak may have come back inside the window. No boost learned from that;
+                    # the same budget once more.
+                    plain = True
+                    log.warning("%s: no room for the KV cache while %s could regrow beside it;"
+                                " retrying with the same budget", inst.id,
+                                ", ".join(inst.profiled_beside))  # fmt: skip
+                    continue
                 grown += 1
                 why = (
                     self.ctx.grow_budget(self.spec)
@@ -642,6 +652,20 @@ class Model:
         inst, _ = await self.acquire()
         inst.release()
 
+    def clear_wake_check(self) -> list[int]:
+        """An operator's reset: the sleep levels barred because their wakes kept failing the
+        wake check are used again (their failures forgotten); returns those levels. Instances
+        idle now arm their sleep timers again."""
+        levels = self.ctx.breaker.clear(self.name)
+        for level in levels:
+            self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(0)
+        if levels:
+            log.warning("model %s: sleep levels %s cleared by an operator; used again",
+                        self.name, ", ".join(map(str, levels)))  # fmt: skip
+            for inst in self.instances:
+                inst.rearm_idle()
+        return levels
+
     def close(self) -> None:
         """The proxy is shutting down: requests still waiting (held, or for an unload) get
         503 now, and nothing new is started; those in flight go on."""
@@ -679,6 +703,7 @@ class Model:
             ),
             "restarts": self.restarts,
             "failures_in_a_row": self.failures,
+            "wake_check": self.ctx.breaker.status(self.name),
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,

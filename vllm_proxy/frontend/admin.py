@@ -151,6 +151,12 @@ class Admin:
         await self._model(request).wake()
         return web.json_response(self._row(request))
 
+    async def clear_wake_check(self, request: web.Request) -> web.Response:
+        """Use again the sleep levels a model stopped using after failed wake checks."""
+        model = self._model(request)
+        cleared = model.clear_wake_check()
+        return web.json_response({"model": model.name, "cleared_levels": cleared})
+
     async def pin(self, request: web.Request) -> web.Response:
         self._model(request).pinned = request.match_info["action"] == "pin"
         return web.json_response(self._row(request))
@@ -351,5 +357,6 @@ def add_admin_routes(app: web.Application, admin: Admin) -> None:
     app.router.add_post("/admin/models/{name}/{action:pin|unpin}", admin.pin)
     app.router.add_post("/admin/models/{name}/sleep", admin.sleep)
     app.router.add_post("/admin/models/{name}/wake", admin.wake)
+    app.router.add_post("/admin/models/{name}/wake_check/clear", admin.clear_wake_check)
     app.router.add_get("/admin/models/{name}/logs", admin.logs)
     app.router.add_post("/admin/reload", admin.reload)

@@ -311,24 +311,72 @@ def lora_host_mb(spec: ModelSpec) -> int:
 def reload_peak_mb(spec: ModelSpec) -> int:
     """The largest buffer a level-2 wake's weight reload materialises on each device.
 
-    vLLM reloads layer by layer, each module in torch's default allocator, while the weights are
-    mapped and the KV cache is not yet; the final ``wake_up?tags=kv_cache`` empties torch's cache
-    before it maps the KV cache (vLLM 0.33 ``model_loader/reload/layerwise.py:344-402``,
-    ``device_allocator/cumem.py:342-343``). So the reload needs no memory beyond the engine's
-    footprint, as long as its peak fits in the room the KV cache will take. Sized as the
-    checkpoint's largest tensor over the tensor-parallel size when its safetensors headers are
-    local (a fused module can be larger: a lower bound), else `RELOAD_PEAK_MB`.
+    vLLM reloads layer by layer: it materialises a whole module, loads all of its buffered
+    weights and runs ``process_weights_after_loading`` (vLLM 0.33
+    ``model_loader/reload/layerwise.py:344-402``), in torch's default allocator, while the
+    weights are mapped and the KV cache is not yet; the final ``wake_up?tags=kv_cache`` empties
+    torch's cache before it maps the KV cache (``device_allocator/cumem.py:342-343``). So the
+    reload needs no memory beyond the engine's footprint, as long as its peak fits in the room
+    the KV cache and the transient peak will take. Sized as the checkpoint's largest module
+    (`module_bytes`: a fused MoE layer holds every expert, q/k/v and gate/up are fused) over
+    the tensor-parallel size, twice that for online quantisation (``quantization`` set on a
+    floating-point checkpoint: the original and the quantised copy), when the safetensors
+    headers are local; else `RELOAD_PEAK_MB`.
     """
     model_dir = _local_dir(spec.model)
     files = safetensors_files(model_dir) if model_dir is not None else []
     try:
-        largest = max((numel * DTYPE_BYTES.get(dtype, 2) for f in files
-                       for dtype, numel in tensor_sizes(f)), default=0)  # fmt: skip
-    except (ValueError, OSError):
-        largest = 0
+        modules, floating = module_bytes(files)
+    except (ValueError, OSError, KeyError, TypeError):
+        modules, floating = {}, False
+    largest = max(modules.values(), default=0)
     if not largest:
         return RELOAD_PEAK_MB
-    return _ceil_mb(largest / parallel_sizes(spec)[0])
+    args = {k.replace("-", "_"): v for k, v in spec.args}
+    online = floating and args.get("quantization") not in (None, "", False)
+    return _ceil_mb(largest * (2 if online else 1) / parallel_sizes(spec)[0])
+
+
+#: Checkpoint names vLLM fuses into one module (``qkv_proj``, ``gate_up_proj``; Mixtral's
+#: ``w1``/``w3``).
+FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+         "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}  # fmt: skip
+FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}
+
+
+def module_of(tensor: str) -> str:
+    """The module a reload materialises `tensor` with: a MoE layer's experts together (the
+    part of the name before ``.experts.``), fused projections together, else its own module
+    (the name less ``.weight``, ``.bias``, ``.weight_scale``...)."""
+    if ".experts." in tensor:
+        return tensor.split(".experts.", 1)[0] + ".experts"
+    prefix, _, leaf = tensor.rpartition(".")[0].rpartition(".")
+    return f"{prefix}.{FUSED.get(leaf, leaf)}"
+
+
+def module_bytes(files: list[Path]) -> tuple[dict[str, int], bool]:
+    """Bytes of each module (`module_of`) in safetensors files, from their headers alone, and
+    whether every tensor is floating-point (an unquantised checkpoint)."""
+    modules: dict[str, int] = {}
+    floating = True
+    for path in files:
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise ValueError(f"{path}: not a safetensors file (too short)")
+            (length,) = struct.unpack("<Q", raw)
+            if length > _MAX_HEADER_BYTES:
+                raise ValueError(f"{path}: safetensors header of {length} bytes, file is corrupt")
+            header = json.loads(f.read(length))
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info["dtype"]
+            floating = floating and dtype in FLOAT_DTYPES
+            size = math.ceil(math.prod(int(n) for n in info["shape"]) * DTYPE_BYTES.get(dtype, 2))
+            module = module_of(name)
+            modules[module] = modules.get(module, 0) + size
+    return modules, floating
 
 
 def pinned_weights_mb(spec: ModelSpec) -> int | None:

@@ -11,15 +11,31 @@ each engine's host memory (the resident set of its process tree) is measured acr
 what it grew by stays counted against that engine (`HostRam.retained`), and what the first sleep
 of a model at a level pinned becomes the figure its later sleeps are planned with.
 
+A measurement is trusted where it is near the estimate, or where something else corroborates it:
+RSS may miss pinned pages (drivers differ in where they account ``cudaHostAlloc`` memory), and a
+sleep measured at 0 must not switch the host check off for every later sleep of its model. The
+corroboration is the larger of the growth of ``shmem`` (the cgroup's ``memory.stat``, else
+``Shmem`` in ``/proc/meminfo``) across the sleep, where current kernels account
+``pin_memory=True`` pages, and what vLLM says it backed up (``CuMemAllocator: sleep freed ...
+of which X GiB is backed up in CPU``, one line per rank, ``device_allocator/cumem.py:282-289``)
+in the engine's log since the sleep began. Without either, a figure far below the estimate is
+learned as ``max(estimate, measured)``.
+
 Whether a sleep fits is judged against the smaller of the host's available memory and the room
 left in the proxy's cgroup and every cgroup above it (in a container, or under systemd's
 ``MemoryMax=`` on the proxy's own unit, the host's figure is not the limit), less what sleeps
 already under way were promised: two victims put to sleep together must not both count the same
-free memory.
+free memory. A cgroup's usage counts its page cache (the engines' checkpoint reads, the proxy's
+read-ahead), which the kernel reclaims before it fails an allocation; the room adds it back, as
+the host's ``MemAvailable`` does: ``active_file + inactive_file`` from ``memory.stat`` (v1:
+``total_active_file + total_inactive_file``). Shared memory (pinned backups among it) is not
+file cache there, and is not added.
 """
 
 from __future__ import annotations
 
+import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,8 +73,31 @@ def _levels(base: Path, path: str | None) -> list[Path]:
     return [base.joinpath(*parts[:n]) for n in range(len(parts), -1, -1)]
 
 
+#: The page cache a cgroup's ``memory.stat`` counts, by version: reclaimable before an
+#: allocation fails.
+FILE_CACHE_KEYS = {
+    "memory.current": ("active_file", "inactive_file"),
+    "memory.usage_in_bytes": ("total_active_file", "total_inactive_file"),
+}
+
+
+def read_stat(path: Path) -> dict[str, int]:
+    """A ``memory.stat`` file as {key: bytes} ({} when unreadable)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return {}
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if value.strip().isdigit():
+            out[key] = int(value)
+    return out
+
+
 def _room(directory: Path, limit_file: str, usage_file: str) -> int | None:
-    """MiB a cgroup may still take, None when unlimited or unreadable."""
+    """MiB a cgroup may still take, its reclaimable page cache counted as room; None when
+    unlimited or unreadable."""
     try:
         limit = (directory / limit_file).read_text().strip()
         usage = (directory / usage_file).read_text().strip()
@@ -68,7 +107,10 @@ def _room(directory: Path, limit_file: str, usage_file: str) -> int | None:
         return None
     if int(limit) >= 2**60:  # v1 writes "no limit" as a huge number
         return None
-    return max(int(limit) - int(usage), 0) // MIB
+    stat = read_stat(directory / "memory.stat")
+    cache = sum(stat.get(k, 0) for k in FILE_CACHE_KEYS[usage_file])
+    used = max(int(usage) - min(cache, int(usage)), 0)
+    return max(int(limit) - used, 0) // MIB
 
 
 def cgroup_room_mb(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
@@ -89,6 +131,58 @@ def available_mb(root: Path = CGROUP_ROOT) -> int:
     host = int(psutil.virtual_memory().available) // MIB
     room = cgroup_room_mb(root)
     return host if room is None else min(host, room)
+
+
+def shmem_mb(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int | None:
+    """Shared memory (where pinned host pages are accounted) of the proxy's own cgroup (v2
+    ``shmem``, v1 ``total_shmem``), else the host's (``Shmem`` in /proc/meminfo), in MiB."""
+    v2, v1 = own_cgroups(proc_cgroup)
+    for directory, key in ((_levels(root, v2)[0], "shmem"),
+                           (_levels(root / "memory", v1)[0], "total_shmem")):  # fmt: skip
+        stat = read_stat(directory / "memory.stat")
+        if key in stat and (v2 if key == "shmem" else v1) not in (None, "/"):
+            return stat[key] // MIB
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+#: vLLM's line at each rank's sleep (``device_allocator/cumem.py:282-289``).
+BACKED_UP = re.compile(
+    r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which ([\d.]+) GiB is backed"
+    r" up in CPU"
+)
+#: At most this much of an engine's log is read for one sleep's lines.
+LOG_READ_BYTES = 256 * 1024
+
+
+def log_size(path: Path) -> tuple[int, int]:
+    """Where an engine's log ends now, as (inode, size) ((0, 0) when unreadable): where a
+    sleep's lines begin."""
+    try:
+        st = path.stat()
+    except OSError:
+        return 0, 0
+    return st.st_ino, st.st_size
+
+
+def backed_up_mb(path: Path, mark: tuple[int, int]) -> int | None:
+    """MiB vLLM says its ranks backed up in host memory, from the lines written to the log at
+    `path` since `mark` (`log_size`; all ranks together); None when it said nothing there."""
+    try:
+        with path.open("rb") as f:
+            st = os.fstat(f.fileno())
+            same = (st.st_ino, min(st.st_size, mark[1])) == mark
+            f.seek(mark[1] if same else 0)  # rotated meanwhile: from its start
+            text = f.read(LOG_READ_BYTES).decode("utf-8", "replace")
+    except OSError:
+        return None
+    found = [float(g) for g in BACKED_UP.findall(text)]
+    return round(sum(found) * 1024) if found else None
 
 
 def tree_rss_mb(pid: int | None) -> int | None:
@@ -112,6 +206,22 @@ def tree_rss_mb(pid: int | None) -> int | None:
     return total // MIB
 
 
+#: A measurement below this share of the estimate needs corroboration to be learned.
+TRUST_SHARE = 0.5
+
+
+def trusted(measured_mb: int, guess_mb: int | None, corroborated_mb: int | None) -> int:
+    """What a sleep is learned to pin: `measured_mb` where it is near the estimate (or there
+    is none); where it is far below, the larger of it and an independent reading when one was
+    had (it confirms a small pin or shows what RSS missed), else the estimate. Never 0 for a
+    model whose estimate is not."""
+    if guess_mb is None or measured_mb >= guess_mb * TRUST_SHARE:
+        return measured_mb
+    if corroborated_mb is not None and corroborated_mb > 0:
+        return max(measured_mb, corroborated_mb)
+    return max(guess_mb, measured_mb)
+
+
 class HostRam:
     """The one owner of host RAM figures for sleeps: what sleeps in flight were promised, what
     each engine keeps pinned, and what a sleep of each model was measured to pin."""
@@ -120,10 +230,13 @@ class HostRam:
         self,
         reader: Callable[[], int] | None = None,
         rss: Callable[[int | None], int | None] | None = None,
+        shmem: Callable[[], int | None] | None = None,
     ) -> None:
         self._read = reader or available_mb
-        #: The host memory of an engine's process tree (by its pid), for measurements.
+        #: The host memory of an engine's process tree (by its pid), for measurements ...
         self.rss = rss or tree_rss_mb
+        #: ... and the shared memory that corroborates them (None: unknown).
+        self.shmem = shmem or shmem_mb
         self.promised: dict[str, int] = {}
         #: Host MiB each live instance keeps pinned (grown across its sleeps), by instance id.
         self.retained: dict[str, int] = {}
@@ -148,10 +261,21 @@ class HostRam:
         """The sleep returned (its pinned memory now shows as used) or failed."""
         self.promised.pop(instance_id, None)
 
-    def slept(self, instance_id: str, key: LearnKey, level: int, grown_mb: int | None) -> None:
+    def slept(
+        self,
+        instance_id: str,
+        key: LearnKey,
+        level: int,
+        grown_mb: int | None,
+        guess_mb: int | None = None,
+        corroborated_mb: int | None = None,
+    ) -> None:
         """`instance_id`'s sleep at `level` returned, its host memory grown by `grown_mb` (None:
         not measured): that stays pinned for the engine's life, and what the engine now keeps
-        is what a sleep at that level pins for its model."""
+        is what a sleep at that level pins for its model. A figure far below `guess_mb` (the
+        estimate) is learned only where an independent reading across the sleep,
+        `corroborated_mb` (shared memory's growth, vLLM's own count), confirms it (the larger
+        of the two is then learned); else the estimate is kept (`trusted`)."""
         if grown_mb is None:
             return
         before = self.retained.get(instance_id, 0)
@@ -160,7 +284,7 @@ class HostRam:
         # A first sleep shows its level's figure; a later one only level 1's (it pins all a
         # level-2 sleep does and the weights), a later level-2 sleep reuses what is cached.
         if before == 0 or level == 1:
-            self.learned[(key, level)] = kept
+            self.learned[(key, level)] = trusted(kept, guess_mb, corroborated_mb)
 
     def forget(self, instance_id: str) -> None:
         """The engine is gone: its pinned memory went with its process."""

@@ -930,13 +930,16 @@ def _reload_misfit(spec: ModelSpec, fp: Footprint) -> str | None:
     kv = fp.detail.get("kv_cache_mb")
     if not isinstance(kv, int):
         return None
+    act = fp.detail.get("activations_mb")
+    room = kv + (act if isinstance(act, int) else 0)
     peak = reload_peak_mb(spec)
-    if peak <= kv:
+    if peak <= room:
         return None
     return (
         f"a level-2 wake reloads the weights before the KV cache is mapped, in its room: the"
-        f" largest tensor ({peak} MiB per GPU) does not fit in the {kv} MiB planned for the KV"
-        " cache; use level 1, or a longer max_model_len / memory_mb"
+        f" largest module ({peak} MiB per GPU: a MoE layer holds all of its experts) does not"
+        f" fit in the {room} MiB planned for the KV cache and the transient peak; use level 1,"
+        " or a longer max_model_len / memory_mb"
     )
 
 

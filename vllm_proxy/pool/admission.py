@@ -121,8 +121,9 @@ class Admission:
                 continue
             held = memory.held_mb(i.id)
             state = i.state
-            # A draining instance is not put to sleep: it is about to stop.
-            sleepy = i.spec.sleep is not None and i.routable
+            # A draining instance is not put to sleep: it is about to stop; nor one whose
+            # wakes kept failing the wake check (`breaker`): it is stopped instead.
+            sleepy = i.usable_level() is not None and i.routable
             load = 0 if drained else i.leases + i.queued()
             kept = (
                 protect
@@ -244,9 +245,44 @@ class Admission:
 
     def devices(self) -> list[DeviceView]:
         """Each device as the planner sees it now (memory promised to starts and wakes
-        counted)."""
+        counted, and what the first start or wake waiting for memory is about to take)."""
         assert self.memory is not None
-        return self.memory.device_views(self._views(None)[1])
+        return self.memory.device_views(_added(self._views(None)[1], self.queued()))
+
+    def regrowing(self, inst: Instance) -> list[str]:
+        """The awake instances on `inst`'s devices that hold less than their claim now (their
+        transient peak freed): any of them may take it back while `inst`'s start profiles."""
+        claim = self.memory.claims.get(inst.id)
+        if claim is None:
+            return []
+        out = []
+        for other in self._all():
+            theirs = self.memory.claims.get(other.id)
+            if other is inst or other.state not in AWAKE or theirs is None:
+                continue
+            pgid = other.engine.pid if other.engine is not None else None
+            shared = set(theirs.devices) & set(claim.devices)
+            if any(self.memory.unrealised_mb(other.id, pgid, d) > 0 for d in shared):
+                out.append(other.id)
+        return out
+
+    def queued(self, but: str | None = None) -> dict[int, int]:
+        """MiB per device that the first start or wake in the queue for memory will take, on
+        the devices its plan chooses once requests in flight have ended ({} when none waits,
+        it is of model `but`, or it cannot be placed). Waiting instances hold no claim, so
+        without this `/placement` offered the fleet room the queue's head was about to take."""
+        turns = self._turns()
+        if not turns or turns[0][1].name == but:
+            return {}
+        head = turns[0][1]
+        try:
+            demand, devices, views = self._inputs(head, drained=True, protect=False)
+        except KeyError:  # its claim went meanwhile (stopped while waiting)
+            return {}
+        decision = plan(demand, devices, views, self.queue.clock())
+        if not isinstance(decision, Plan):
+            return {}
+        return {d: demand.footprint_mb for d in decision.devices}
 
     def fit(self, spec: ModelSpec) -> Plan | NoFit:
         """What starting one more instance of `spec` would take now (pure: nothing is claimed
@@ -261,6 +297,7 @@ class Admission:
         avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
         demand = memory.demand(spec, f"{spec.name}#fit", avoid)
         demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
+        pending = _added(pending, self.queued(but=spec.name))
         return plan(demand, memory.device_views(pending), views, self.queue.clock())
 
     def _leaves_first(
@@ -658,3 +695,11 @@ async def _settled(tasks: list[asyncio.Task[None]]) -> bool:
 def _retrieved(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def _added(a: Mapping[int, int], b: Mapping[int, int]) -> dict[int, int]:
+    """Two per-device figures added."""
+    out = dict(a)
+    for d, mb in b.items():
+        out[d] = out.get(d, 0) + mb
+    return out

@@ -107,6 +107,7 @@ class Manager:
             ctx.residue = memory.residue
             ctx.wait_released = memory.wait_released
             ctx.grow_budget = memory.grow_budget
+            ctx.regrowing = adm.regrowing
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
         ctx.host_victims = self._host_victims

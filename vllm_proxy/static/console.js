@@ -267,6 +267,16 @@ function phaseNote(i) {
   return [el("span", { class: "unit", "data-phase": i.phase }, i.phase.replace("_", " "))];
 }
 
+// Sleep levels a model no longer uses: its wakes from them kept failing the wake check
+// (cleared with POST /admin/models/{name}/wake_check/clear).
+function barredNote(m) {
+  const levels = (m.wake_check && m.wake_check.barred_levels) || [];
+  if (!levels.length) return [];
+  const text = `no sleep L${levels.join(", L")}`;
+  return [el("span", { class: "unit", "data-barred": levels.join(","),
+                       title: "its wakes kept failing the wake check" }, text)];
+}
+
 function errorCell(text) {
   return text ? el("td", { class: "error", title: text }, text) : el("td", { class: "muted" }, "–");
 }
@@ -370,7 +380,7 @@ function modelRow(m) {
   return el("tr", { class: "model", "data-key": `m:${m.name}`, "data-model": m.name,
                     "data-state": m.state, "data-removed": m.removed ? "true" : null },
     name,
-    el("td", {}, badge(m.state)),
+    el("td", {}, badge(m.state), ...barredNote(m)),
     el("td", {}), el("td", {}),
     memCell,
     el("td", { class: "num" }, m.leases),
