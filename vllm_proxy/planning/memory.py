@@ -563,10 +563,8 @@ class Memory:
             if est.source != "utilization":
                 total = min(self.totals[d] for d in devices)
                 overrides["gpu_memory_utilization"] = utilization_for(self.budget(spec.name), total)
-            if est.source == "estimate" and "max_num_seqs" not in _arg_names(spec):
-                # The estimate's sampler pass and KV sizing assume this many: vLLM must agree
-                # whatever device it believes it runs on.
-                overrides["max_num_seqs"] = int(est.detail["max_num_seqs"])
+            if est.source == "estimate":
+                overrides |= _batch_overrides(spec, est)
         return Placement(devices, mb, overrides, env)
 
     def claim(self, instance_id: str, placement: Placement) -> None:
@@ -796,6 +794,22 @@ def _reload_misfit(spec: ModelSpec, fp: Footprint) -> str | None:
         f" largest tensor ({peak} MiB per GPU) does not fit in the {kv} MiB planned for the KV"
         " cache; use level 1, or a longer max_model_len / memory_mb"
     )
+
+
+def _batch_overrides(spec: ModelSpec, est: Footprint) -> dict[str, ArgValue]:
+    """The batch an estimate was made for, where the model's args leave it to vLLM: the
+    sampler's state and passes, the activations and the KV sizing assume it, so vLLM must
+    agree whatever device it believes it runs on, in ``performance_mode: throughput`` (which
+    doubles vLLM's defaults, ``engine/arg_utils.py:3184-3188``) and where the estimate chose a
+    smaller batch than the device's default (``detail["batch_from"] == "tight"``). A pooling
+    model keeps vLLM's own token budget (without chunked prefill it is at least its length)."""
+    names = _arg_names(spec)
+    out: dict[str, ArgValue] = {}
+    if "max_num_seqs" not in names:
+        out["max_num_seqs"] = int(est.detail["max_num_seqs"])
+    if "max_num_batched_tokens" not in names and not spec.pooling:
+        out["max_num_batched_tokens"] = int(est.detail["activation_tokens"])
+    return out
 
 
 def _arg_names(spec: ModelSpec) -> set[str]:
