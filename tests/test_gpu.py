@@ -946,6 +946,35 @@ def test_placement_passes_the_max_num_seqs_the_estimate_assumed(
     assert "max_num_seqs" not in memory.placement(specs["own"], (0,)).overrides
 
 
+def test_placement_passes_the_tight_batch_and_its_token_budget(tmp_path: Path) -> None:
+    """Regression: only max_num_seqs was passed, at the device default, so a small model with a
+    large vocabulary started with 1024 sequences and V2's sampler took its KV cache; and vLLM's
+    own token budget could differ from the estimate's (``performance_mode: throughput``
+    doubles it, engine/arg_utils.py:3184-3188). Where the estimate is tight the engine gets the
+    small batch, and every estimated engine gets the token budget it was planned for; a pooling
+    model keeps vLLM's (without chunked prefill it is at least the model's length)."""
+    small = tmp_path / "qwen-0.5b"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps(QWEN_05B))
+    fake = FakeNvml([(81_559, 0)])
+    fake.names = ["NVIDIA H100 80GB HBM3"]
+    models = {
+        "small": {"model": str(small), "params_b": 0.494},
+        "own": {"model": str(small), "params_b": 0.494, "args": {"max_num_batched_tokens": 4096}},
+        "embed": {"model": str(small), "params_b": 0.494, "args": {"runner": "pooling"}},
+    }
+    memory = _nvml_memory(tmp_path, fake, models)
+    specs = memory_specs(tmp_path, models)
+    assert memory.estimates["small"].detail["batch_from"] == "tight"
+    overrides = memory.placement(specs["small"], (0,)).overrides
+    assert (overrides["max_num_seqs"], overrides["max_num_batched_tokens"]) == (256, 2_048)
+    own = memory.placement(specs["own"], (0,)).overrides
+    assert own["max_num_seqs"] == 256 and "max_num_batched_tokens" not in own
+    embed = memory.placement(specs["embed"], (0,)).overrides
+    assert embed["max_num_seqs"] == 1_024 and "max_num_batched_tokens" not in embed
+    assert memory.estimates["embed"].detail["sampler_state_mb"] == 0
+
+
 def test_a_level_2_model_claims_no_reload_buffer(tmp_path: Path) -> None:
     """The final wake_up(tags=kv_cache) empties torch's cache before it maps the KV cache
     (device_allocator/cumem.py:342-343): the reload's temporaries are gone once the wake ends,
