@@ -444,7 +444,7 @@ def test_v2_pins_a_token_buffer_in_host_ram_at_start() -> None:
         model_config=VOCAB_128K, params_b=7, tensor_parallel_size=2, max_num_seqs=1_024,
         device_total_mb=81_559, device_name="NVIDIA H100",
     )  # fmt: skip
-    assert fp.detail["host_pinned_mb"] == 2 * 16  # 1024 x 4096 x 4 bytes on each of 2 ranks
+    assert fp.detail["token_buffer_mb"] == 2 * 16  # 1024 x 4096 x 4 bytes on each of 2 ranks
 
 
 @pytest.mark.parametrize(

@@ -180,7 +180,7 @@ def estimate_footprint_mb(
          and KV cache (``detail["batch_from"]`` is then "tight"); without ``chunked_prefill``
          the tokens are at least max_model_len, as in vLLM.
 
-       ``detail["host_pinned_mb"]`` is the host RAM V2 pins at start, all devices together
+       ``detail["token_buffer_mb"]`` is the host RAM V2 pins at start, all devices together
        (`token_buffer_mb`).
 
        The architecture comes from ``model_config`` or ``config.json`` in ``model_path``
@@ -241,7 +241,7 @@ def estimate_footprint_mb(
     detail |= {"kv_sequences": min(DEFAULT_KV_SEQUENCES, seqs), "batch_from": batch_from}
     detail |= {"activation_tokens": tokens, "sampler_mb": _ceil_mb(sampler)}
     detail |= {"prompt_logprobs_mb": _ceil_mb(logprobs), "vocab_size": vocab}
-    detail["host_pinned_mb"] = token_buffer_mb(seqs, max_len) * gpus
+    detail["token_buffer_mb"] = token_buffer_mb(seqs, max_len) * gpus
     detail |= {"tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
     if kv_cache_memory_bytes is not None:
         detail["kv_from"] = "kv_cache_memory_bytes"

@@ -108,6 +108,7 @@ class Manager:
             ctx.grow_budget = memory.grow_budget
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
+        ctx.start_host_mb = self._start_host_mb
         self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
         #: Models removed by a reload whose instances still drain or stop.
         self.removed: set[Model] = set()
@@ -353,6 +354,14 @@ class Manager:
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
             return fp.budget_mb * fp.gpus + lora
         return None
+
+    def _start_host_mb(self, spec: ModelSpec) -> int:
+        """Host RAM an engine of `spec` pins as it starts, all ranks together: Model Runner V2's
+        token buffer for the batch its estimate planned (`footprint.token_buffer_mb`); 0 where
+        the footprint was not estimated."""
+        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
+        pinned = fp.detail.get("token_buffer_mb", 0) if fp is not None else 0
+        return int(pinned) if isinstance(pinned, int) else 0
 
     def _runtime_mb(self, spec: ModelSpec) -> int:
         """Host RAM a sleep of either level pins for the ``runtime`` pool, all devices
