@@ -33,8 +33,8 @@ sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
   empties the cache again (``device_allocator/cumem.py:297-298,342-343``); the wake does not
   bring the peak back. The engine's first batch of at least ``FAKE_ENGINE_SIM_PEAK_TOKENS``
   tokens (running requests' prompts and replies; default 0: its first request) regrows it.
-  vLLM's start-up warm-up regrows part of it (``gpu_worker.py:1071-1090``); the fake leaves that
-  out, as every sleep releases it anyway.
+  vLLM's start-up warm-up regrows part of it (V2's ``warmup_kernels`` before the graph capture,
+  ``gpu_worker.py:984-989``); the fake leaves that out, as every sleep releases it anyway.
 * A peak that cannot be regrown (a neighbour took the room) is a ``torch.OutOfMemoryError`` in
   the forward pass: the EngineCore dies ("EngineCore encountered a fatal error.",
   ``v1/engine/core.py:1582-1587``), the request gets vLLM's 500 ("The server had an error while

@@ -564,8 +564,8 @@ async def test_the_peak_is_released_after_profiling_and_regrown_by_the_first_req
 async def test_only_a_batch_of_peak_tokens_regrows_the_peak(
     tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
 ) -> None:
-    """The peak is the ``max_num_batched_tokens`` forward plus the sampler
-    (``v1/worker/gpu_model_runner.py:6132-6140``): with ``FAKE_ENGINE_SIM_PEAK_TOKENS`` only a
+    """The peak is the ``max_num_batched_tokens`` forward plus the sampler passes
+    (``v1/worker/gpu/model_runner.py:993-1048``): with ``FAKE_ENGINE_SIM_PEAK_TOKENS`` only a
     batch that large takes it back."""
     ledger = make_ledger(tmp_path, 16384)
     knobs = FakeEngine(sim_peak_tokens=500).env()

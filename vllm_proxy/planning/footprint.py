@@ -150,8 +150,8 @@ def estimate_footprint_mb(
     2. ``gpu_memory_utilization`` x ``device_total_mb``, rounded up, is the budget: vLLM sizes
        itself to that fraction of the device's total memory on each of its devices, and holds
        the overhead on top.
-    3. The estimate of the budget, per device: ``weights / (tp x pp) + kv_cache / (tp x pp x
-       pcp) + activations``, where
+    3. The estimate of the budget, per device: ``weights / (tp x pp) + sampler state +
+       kv_cache / (tp x pp x pcp) + activations``, where
 
        * weights = parameters x bytes per parameter. With ``params_b`` (billions) they are
          ``params_b x dtype``; otherwise, for a local model directory, the safetensors headers
