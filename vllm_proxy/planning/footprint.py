@@ -20,6 +20,7 @@ much free before it starts one.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
@@ -482,15 +483,14 @@ def torch_segments(sizes: Iterable[int]) -> list[int]:
     `sizes` bytes made in that order, with ``max_split_size_mb=20``: each request goes into the
     smallest free remainder that holds it, else into a new segment."""
     segments: list[int] = []
-    free: dict[bool, list[int]] = {True: [], False: []}
+    free: dict[bool, list[int]] = {True: [], False: []}  # sorted free remainders per pool
     for n in sizes:
         size = max(512, -(-n // 512) * 512)
         small = size <= _SMALL_SIZE
         pool = free[small]
-        fits = [b for b in pool if b >= size] if small or size < _MAX_SPLIT else []
-        if fits:
-            block = min(fits)
-            pool.remove(block)
+        at = bisect.bisect_left(pool, size) if small or size < _MAX_SPLIT else len(pool)
+        if at < len(pool):
+            block = pool.pop(at)
         else:
             if small:
                 block = _SMALL_BUFFER
@@ -501,7 +501,7 @@ def torch_segments(sizes: Iterable[int]) -> list[int]:
             segments.append(block)
         rest = block - size
         if rest >= 512 if small else (size < _MAX_SPLIT and rest > _SMALL_SIZE):
-            pool.append(rest)
+            bisect.insort(pool, rest)
     return segments
 
 
