@@ -963,7 +963,9 @@ def test_placement_passes_the_max_num_seqs_the_estimate_assumed(
     assert "max_num_seqs" not in memory.placement(specs["own"], (0,)).overrides
 
 
-def test_placement_passes_the_tight_batch_and_its_token_budget(tmp_path: Path) -> None:
+def test_placement_passes_the_tight_batch_and_its_token_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """Regression: only max_num_seqs was passed, at the device default, so a small model with a
     large vocabulary started with 1024 sequences and V2's sampler took its KV cache; and vLLM's
     own token budget could differ from the estimate's (``performance_mode: throughput``
@@ -980,9 +982,11 @@ def test_placement_passes_the_tight_batch_and_its_token_budget(tmp_path: Path) -
         "own": {"model": str(small), "params_b": 0.494, "args": {"max_num_batched_tokens": 4096}},
         "embed": {"model": str(small), "params_b": 0.494, "args": {"runner": "pooling"}},
     }
+    caplog.set_level("INFO", "vllm_proxy.planning.memory")
     memory = _nvml_memory(tmp_path, fake, models)
     specs = memory_specs(tmp_path, models)
     assert memory.estimates["small"].detail["batch_from"] == "tight"
+    assert "small: planned and started with 256 sequences and 2048 batched tokens" in caplog.text
     overrides = memory.placement(specs["small"], (0,)).overrides
     assert (overrides["max_num_seqs"], overrides["max_num_batched_tokens"]) == (256, 2_048)
     own = memory.placement(specs["own"], (0,)).overrides

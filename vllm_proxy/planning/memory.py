@@ -281,6 +281,13 @@ class Memory:
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
                 continue
+            if fp.detail.get("batch_from") == "tight":
+                log.info(
+                    "%s: planned and started with %s sequences and %s batched tokens: at the"
+                    " device's default batch vLLM's sampler would crowd its memory (set"
+                    " args.max_num_seqs to choose)",
+                    name, fp.detail["max_num_seqs"], fp.detail["activation_tokens"],
+                )  # fmt: skip
             why = _reload_misfit(spec, fp)
             if why:
                 problems.append(f"models.{name}.sleep.level: {why}")
