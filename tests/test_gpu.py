@@ -971,16 +971,21 @@ def test_placement_passes_the_tight_batch_and_its_token_budget(
     own token budget could differ from the estimate's (``performance_mode: throughput``
     doubles it, engine/arg_utils.py:3184-3188). Where the estimate is tight the engine gets the
     small batch, and every estimated engine gets the token budget it was planned for; a pooling
-    model keeps vLLM's (without chunked prefill it is at least the model's length)."""
+    model keeps vLLM's (without chunked prefill it is at least the model's length), and so does
+    a multimodal one (vLLM raises it to hold one item, engine/arg_utils.py:3201-3218)."""
     small = tmp_path / "qwen-0.5b"
     small.mkdir()
     (small / "config.json").write_text(json.dumps(QWEN_05B))
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"text_config": QWEN_05B, "vision_config": {}}))
     fake = FakeNvml([(81_559, 0)])
     fake.names = ["NVIDIA H100 80GB HBM3"]
     models = {
         "small": {"model": str(small), "params_b": 0.494},
         "own": {"model": str(small), "params_b": 0.494, "args": {"max_num_batched_tokens": 4096}},
         "embed": {"model": str(small), "params_b": 0.494, "args": {"runner": "pooling"}},
+        "vlm": {"model": str(vlm), "params_b": 0.494},
     }
     caplog.set_level("INFO", "vllm_proxy.planning.memory")
     memory = _nvml_memory(tmp_path, fake, models)
@@ -994,6 +999,11 @@ def test_placement_passes_the_tight_batch_and_its_token_budget(
     embed = memory.placement(specs["embed"], (0,)).overrides
     assert embed["max_num_seqs"] == 1_024 and "max_num_batched_tokens" not in embed
     assert memory.estimates["embed"].detail["sampler_state_mb"] == 0
+    # a multimodal model: the small batch, vLLM's token budget (it may raise it for an item)
+    assert memory.estimates["vlm"].detail["batch_from"] == "tight"
+    assert memory.estimates["vlm"].detail["activation_tokens"] == 8_192
+    vlm_args = memory.placement(specs["vlm"], (0,)).overrides
+    assert vlm_args["max_num_seqs"] == 256 and "max_num_batched_tokens" not in vlm_args
 
 
 def test_a_level_2_model_claims_no_reload_buffer(tmp_path: Path) -> None:

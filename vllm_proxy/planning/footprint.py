@@ -178,8 +178,9 @@ def estimate_footprint_mb(
          Where they are not given, ``max_num_seqs`` and ``max_num_batched_tokens`` are vLLM's
          defaults for the device (`batch_defaults`: 1024 and 8192 on an H100 or H200), or the
          small-GPU ones where the sampler would take more than `SAMPLER_SHARE` of the weights
-         and KV cache (``detail["batch_from"]`` is then "tight"); without ``chunked_prefill``
-         the tokens are at least max_model_len, as in vLLM.
+         and KV cache (``detail["batch_from"]`` is then "tight"; a multimodal model keeps the
+         device's token budget, which vLLM may raise for it); without ``chunked_prefill`` the
+         tokens are at least max_model_len, as in vLLM.
 
        ``detail["token_buffer_mb"]`` is the host RAM V2 pins at start, all devices together
        (`token_buffer_mb`).
@@ -220,9 +221,15 @@ def estimate_footprint_mb(
         kv_seqs = min(DEFAULT_KV_SEQUENCES, seqs)
         return _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
 
+    # vLLM keeps its own token budget for a multimodal model (the proxy passes none)
+    multimodal = any(k in arch for k in ("vision_config", "audio_config", "text_config"))
     rest = weights / (tp * pp) + kv_for(seqs)
     if max_num_seqs is None and _sampler_bytes(seqs, tokens, vocab) > SAMPLER_SHARE * rest:
-        small = _batch(SMALL_GPU_DEFAULTS, None, max_num_batched_tokens, max_len, chunked_prefill)
+        small_seqs = SMALL_GPU_DEFAULTS[0] if multimodal else None
+        small = _batch(
+            defaults if multimodal else SMALL_GPU_DEFAULTS,
+            small_seqs, max_num_batched_tokens, max_len, chunked_prefill,
+        )  # fmt: skip
         if small[0] < seqs:
             (seqs, tokens), batch_from = small, "tight"
     kv = kv_for(seqs)
@@ -243,6 +250,7 @@ def estimate_footprint_mb(
     detail |= {"activation_tokens": tokens, "sampler_mb": _ceil_mb(sampler)}
     detail |= {"prompt_logprobs_mb": _ceil_mb(logprobs), "vocab_size": vocab}
     detail["token_buffer_mb"] = token_buffer_mb(seqs, max_len) * gpus
+    detail["multimodal"] = multimodal
     detail |= {"tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
     if kv_cache_memory_bytes is not None:
         detail["kv_from"] = "kv_cache_memory_bytes"

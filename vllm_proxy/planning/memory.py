@@ -809,12 +809,15 @@ def _batch_overrides(spec: ModelSpec, est: Footprint) -> dict[str, ArgValue]:
     agree whatever device it believes it runs on, in ``performance_mode: throughput`` (which
     doubles vLLM's defaults, ``engine/arg_utils.py:3184-3188``) and where the estimate chose a
     smaller batch than the device's default (``detail["batch_from"] == "tight"``). A pooling
-    model keeps vLLM's own token budget (without chunked prefill it is at least its length)."""
+    model keeps vLLM's own token budget (without chunked prefill it is at least its length),
+    and so does a multimodal one (vLLM raises it to hold one item of a prefix-LM model,
+    ``:3201-3218``, but never a budget it was given)."""
     names = _arg_names(spec)
     out: dict[str, ArgValue] = {}
     if "max_num_seqs" not in names:
         out["max_num_seqs"] = int(est.detail["max_num_seqs"])
-    if "max_num_batched_tokens" not in names and not spec.pooling:
+    own = spec.pooling or est.detail.get("multimodal")
+    if "max_num_batched_tokens" not in names and not own:
         out["max_num_batched_tokens"] = int(est.detail["activation_tokens"])
     return out
 
