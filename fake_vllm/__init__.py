@@ -164,10 +164,16 @@ process read the same ledger through NVML calls.
     Path of a simulated-GPU ledger: turns on simulated-GPU mode (see above). Its sizes, in MiB
     per device: ``FAKE_ENGINE_SIM_CONTEXT_MB`` (512, CUDA context, outside the budget),
     ``FAKE_ENGINE_SIM_WEIGHTS_MB`` (1024) or ``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB`` (the
-    weights' allocations, whole MiB, comma-separated; default one of the weights' size),
+    weights' tensors, whole MiB, comma-separated, packed into torch's segments; default one of
+    the weights' size), ``FAKE_ENGINE_SIM_VOCAB`` (0: none; the vocabulary of Model Runner V2's
+    sampler state, ``--max-num-seqs`` x vocab int32 in the weights pool),
     ``FAKE_ENGINE_SIM_RUNTIME_MB`` (64, the CuMem ``runtime`` pool),
+    ``FAKE_ENGINE_SIM_WORKSPACE_MB`` (0, the CuMem ``workspace`` pool, discarded by sleeps),
+    ``FAKE_ENGINE_SIM_BUFFERS_MB`` (0, what a level-2 sleep copies to pageable host memory),
     ``FAKE_ENGINE_SIM_PEAK_MB`` (256, the transient peak, tag ``activation``; also read as
-    ``FAKE_ENGINE_SIM_ACTIVATION_MB``), ``FAKE_ENGINE_SIM_GRAPHS_MB`` (256, tag ``cudagraph``),
+    ``FAKE_ENGINE_SIM_ACTIVATION_MB``), ``FAKE_ENGINE_SIM_GRAPHS_MB`` (256, tag ``cudagraph``,
+    captured after the KV cache), ``FAKE_ENGINE_SIM_GRAPHS_ESTIMATE_MB`` (the profile's estimate
+    of the graphs, taken from the KV cache; default ``FAKE_ENGINE_SIM_GRAPHS_MB``),
     ``FAKE_ENGINE_SIM_MIN_KV_MB`` (64, less KV fails the start), ``FAKE_ENGINE_SIM_RELOAD_TEMP_MB``
     (128, taken by ``reload_weights`` until the ``kv_cache`` wake); ``FAKE_ENGINE_SIM_PEAK_TOKENS``
     (0: the first request regrows the peak; N: the first time the running requests' prompt and

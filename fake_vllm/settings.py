@@ -38,15 +38,25 @@ class SimKnobs:
     ledger: str
     context_mb: int = 512
     weights_mb: int = 1024
-    #: The weights' CuMem allocations (they sum to ``weights_mb``); empty: one allocation.
+    #: The weights' tensors as torch allocates them (they sum to ``weights_mb``; empty: one),
+    #: packed into torch's segments, one CuMem allocation each.
     weight_segments_mb: tuple[int, ...] = ()
+    #: The vocabulary of Model Runner V2's sampler state (``--max-num-seqs`` rows of int32 in the
+    #: weights pool); 0: no sampler state.
+    vocab: int = 0
     #: The CuMem ``runtime`` pool: model-runner state and LoRA slots.
     runtime_mb: int = 64
+    #: The CuMem ``workspace`` pool: scratch, discarded by every sleep, never pinned.
+    workspace_mb: int = 0
+    #: Model buffers and preserved parameters a level-2 sleep copies to pageable host memory.
+    buffers_mb: int = 0
     #: The transient peak of a full batch, held in torch's cache.
     peak_mb: int = 256
     #: The batch (tokens of the running requests) that regrows the peak; 0: any request.
     peak_tokens: int = 0
     graphs_mb: int = 256
+    #: What the profile estimates the CUDA graphs to take (None: ``graphs_mb``, exact).
+    graphs_estimate_mb: int | None = None
     profile_s: float = 0.3
     #: From the end of profiling to ready (the KV cache and CUDA-graph capture).
     after_profile_s: float = 0.0
@@ -270,10 +280,14 @@ def _sim_knobs(environ: Mapping[str, str]) -> SimKnobs | None:
         weights_mb=sum(segments)
         or _env_mb(environ, "FAKE_ENGINE_SIM_WEIGHTS_MB", defaults.weights_mb),
         weight_segments_mb=segments,
+        vocab=_env_mb(environ, "FAKE_ENGINE_SIM_VOCAB", defaults.vocab),
         runtime_mb=_env_mb(environ, "FAKE_ENGINE_SIM_RUNTIME_MB", defaults.runtime_mb),
+        workspace_mb=_env_mb(environ, "FAKE_ENGINE_SIM_WORKSPACE_MB", defaults.workspace_mb),
+        buffers_mb=_env_mb(environ, "FAKE_ENGINE_SIM_BUFFERS_MB", defaults.buffers_mb),
         peak_mb=_env_mb(environ, peak_name, defaults.peak_mb),
         peak_tokens=_env_mb(environ, "FAKE_ENGINE_SIM_PEAK_TOKENS", defaults.peak_tokens),
         graphs_mb=_env_mb(environ, "FAKE_ENGINE_SIM_GRAPHS_MB", defaults.graphs_mb),
+        graphs_estimate_mb=_env_int(environ, "FAKE_ENGINE_SIM_GRAPHS_ESTIMATE_MB"),
         profile_s=_env_number(environ, "FAKE_ENGINE_SIM_PROFILE_S", defaults.profile_s),
         after_profile_s=_env_number(
             environ, "FAKE_ENGINE_SIM_AFTER_PROFILE_S", defaults.after_profile_s

@@ -8,9 +8,10 @@ before the port is bound.
 Memory is held in the ledger under these tags:
 
 * ``context``: CUDA context, cuBLAS, NCCL; outside the budget, never released;
-* CuMem pool allocations, released by a sleep: ``weights`` (one allocation per weight segment),
-  ``runtime`` (the model runner's persistent state and LoRA slots), ``cudagraph`` (pooled only
-  with ``--sleep-mode-offload-cudagraph``, else outside the pool and never released) and
+* CuMem pool allocations, released by a sleep: ``weights`` (one allocation per torch segment of
+  the weights' tensors and V2's sampler state), ``runtime`` (the model runner's persistent
+  state and LoRA slots), ``workspace`` (scratch, discarded), ``cudagraph`` (pooled only with
+  ``--sleep-mode-offload-cudagraph``, else outside the pool and never released) and
   ``kv_cache``;
 * torch's caching allocator, emptied by every sleep and wake: ``activation`` (the transient
   peak of a full batch) and ``reload_temp`` (what ``reload_weights`` materialises).
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from .gpu import MIB, GpuError
 from .log import log
 from .settings import Settings, SimKnobs
-from .simgpu import DeviceSpec, Ledger, SimOutOfMemory, ceil_mb
+from .simgpu import PAGEABLE, DeviceSpec, Ledger, SimOutOfMemory, ceil_mb
 
 DEFERRABLE = ("weights", "kv_cache")
 """Tags a ``/wake_up?tags=`` may leave asleep; every other pooled tag comes back with any wake
@@ -73,6 +74,42 @@ def pinned_size(mb: int) -> int:
     """The host block torch's CachingHostAllocator pins for ``mb`` MiB: the next power of two
     (PyTorch's ``CachingHostAllocator``; unverified for torch 2.14)."""
     return 1 << max(0, mb - 1).bit_length() if mb > 0 else 0
+
+
+def segments_mb(tensors_mb: Iterable[int]) -> list[int]:
+    """The segments torch's CUDA caching allocator takes from the CuMem pool for tensors of
+    ``tensors_mb`` made in that order, under vLLM's ``max_split_size_mb=20`` for the weights
+    (``v1/worker/gpu_worker.py:594-600``; ``c10/cuda/CUDACachingAllocator.cpp``): up to 1 MiB in
+    2 MiB segments, under 10 MiB in 20 MiB ones, larger alone rounded up to 2 MiB; a tensor
+    under 20 MiB goes into the smallest free remainder (over 1 MiB) that holds it. Each segment
+    is one CuMem allocation, so one pinned block at a level-1 sleep."""
+    out: list[int] = []
+    free: dict[bool, list[int]] = {True: [], False: []}
+    for mb in tensors_mb:
+        small = mb <= 1
+        fits = [b for b in free[small] if b >= mb] if small or mb < 20 else []
+        if fits:
+            block = min(fits)
+            free[small].remove(block)
+        else:
+            block = 2 if small else 20 if mb < 10 else mb + mb % 2
+            out.append(block)
+        rest = block - mb
+        if rest > (0 if small else 1) and (small or mb < 20):
+            free[small].append(rest)
+    return out
+
+
+def sampler_state_mb(max_num_seqs: int, vocab: int) -> list[int]:
+    """Model Runner V2's sampler state, built by ``load_model`` inside the ``weights`` pool
+    (``v1/worker/gpu/model_runner.py:467-495``): ``prompt_bin_mask``, ``max_num_seqs x
+    ceil(vocab / 32)`` int32, then ``output_bin_counts``, ``max_num_seqs x vocab`` int32
+    (``v1/worker/gpu/sample/penalties.py:43-50``), in whole MiB; [] without a vocabulary."""
+    if vocab <= 0:
+        return []
+    mask = max_num_seqs * -(-vocab // 32) * 4
+    counts = max_num_seqs * vocab * 4
+    return [ceil_mb(mask), ceil_mb(counts)]
 
 
 class SimGpu:
@@ -128,6 +165,26 @@ class SimGpu:
         for device in self.devices:
             self._allocate_at_start(device, kv_mb, "kv_cache")
             self.pool.append(Allocation(device, "kv_cache", kv_mb))
+        self._capture_graphs()
+
+    def _capture_graphs(self) -> None:
+        """Capture the CUDA graphs after the KV cache (``v1/worker/gpu_worker.py:995-1010``):
+        they take what they take, which may exceed the profile's estimate, the budget, and
+        what the device has left."""
+        graphs = self.knobs.graphs_mb
+        for device in self.devices:
+            self._allocate_at_start(device, graphs, "cudagraph")
+            if self.settings.sleep_mode_offload_cudagraph:
+                self.pool.append(Allocation(device, "cudagraph", graphs))
+        estimate = self._graphs_estimate()
+        log(
+            f"CUDA graph pool memory: {graphs / 1024:.2f} GiB (actual), {estimate / 1024:.2f} "
+            f"GiB (estimated), difference: {abs(graphs - estimate) / 1024:.2f} GiB."
+        )
+
+    def _graphs_estimate(self) -> int:
+        knobs = self.knobs
+        return knobs.graphs_mb if knobs.graphs_estimate_mb is None else knobs.graphs_estimate_mb
 
     def _choose_devices(self) -> list[int]:
         """The first world-size devices of ``CUDA_VISIBLE_DEVICES`` (ledger indices or UUIDs)."""
@@ -157,26 +214,27 @@ class SimGpu:
         return requested
 
     def _profile(self) -> dict[int, int]:
-        """Load the weights and the runtime pool, run the profile (the transient peak) and
-        estimate graphs; then empty torch's cache, which frees the peak. Returns the non-KV
-        MiB per device: the device-wide consumption plus the peak (``utils/mem_utils.py:
-        298-321``)."""
+        """Load the weights (with V2's sampler state), the runtime and workspace pools, run the
+        profile (the transient peak) and estimate the graphs; then empty torch's cache, which
+        frees the peak. Returns the non-KV MiB per device: the device-wide consumption plus the
+        peak (``utils/mem_utils.py:298-321``) plus the graphs' estimate
+        (``v1/worker/gpu_worker.py:705-757``)."""
         before = self._free()
         knobs = self.knobs
+        tensors = [*knobs.segments, *sampler_state_mb(self.settings.max_num_seqs, knobs.vocab)]
         for device in self.devices:
-            for mb in knobs.segments:
+            for mb in segments_mb(tensors):
                 self._allocate_at_start(device, mb, "weights")
                 self.pool.append(Allocation(device, "weights", mb))
         log(f"Model loading took {knobs.weights_mb / 1024:.4f} GiB memory (simulated)")
         for device in self.devices:
             self._allocate_at_start(device, knobs.runtime_mb, "runtime")
             self.pool.append(Allocation(device, "runtime", knobs.runtime_mb))
+            if knobs.workspace_mb:
+                self._allocate_at_start(device, knobs.workspace_mb, "workspace")
+                self.pool.append(Allocation(device, "workspace", knobs.workspace_mb))
         for device in self.devices:
             self._allocate_at_start(device, knobs.peak_mb, "activation")
-        for device in self.devices:
-            self._allocate_at_start(device, knobs.graphs_mb, "cudagraph")
-            if self.settings.sleep_mode_offload_cudagraph:
-                self.pool.append(Allocation(device, "cudagraph", knobs.graphs_mb))
         time.sleep(knobs.profile_s)
         for device in self.devices:
             self.ledger.free(self.owner, device, "activation")
@@ -193,7 +251,8 @@ class SimGpu:
                     "initialization. To fix this, ensure consistent GPU memory allocation or "
                     "isolate vLLM in its own container."
                 )
-        return {d: before[d] - after[d] + knobs.peak_mb for d in self.devices}
+        estimate = self._graphs_estimate()
+        return {d: before[d] - after[d] + knobs.peak_mb + estimate for d in self.devices}
 
     def _kv_size(self, requested: dict[int, int], non_kv: dict[int, int]) -> int:
         """KV MiB per device: ``--kv-cache-memory-bytes``, else the smallest budget left."""
@@ -267,6 +326,8 @@ class SimGpu:
         if offload:
             self._offload(level)
             self._empty_torch_cache()
+            if level == 2 and self.knobs.buffers_mb and "weights" in self.asleep_tags():
+                self._save_buffers()
         after = self._free()
         if any(after[d] < before[d] for d in self.devices):
             message = "AssertionError: Memory usage increased after sleeping."
@@ -286,8 +347,8 @@ class SimGpu:
         """``CuMemAllocator.sleep``: allocation by allocation, back up the offloaded tags into
         pinned host memory, then unmap (``device_allocator/cumem.py:256-280``). Level 1
         offloads the weights, ``runtime`` and pooled graphs, level 2 only ``runtime`` and
-        pooled graphs (``device_allocator/sleep_mode_backend.py:133-137``); the KV cache is
-        discarded."""
+        pooled graphs (``device_allocator/sleep_mode_backend.py:133-137``); the KV cache and
+        the ``workspace`` pool are discarded (``v1/worker/gpu_worker.py:557-564``)."""
         offload = ("runtime", "cudagraph") + (("weights",) if level == 1 else ())
         for allocation in self.pool:
             if allocation.asleep:
@@ -302,6 +363,16 @@ class SimGpu:
                     raise GpuError(str(exc)) from None
             self.ledger.free(self.owner, allocation.device, allocation.tag, allocation.mb)
             allocation.asleep = True
+
+    def _save_buffers(self) -> None:
+        """A level-2 sleep copies the model's buffers (and parameters named by
+        ``sleep_preserve_parameter_names``) to pageable host memory, per rank, until the
+        weights wake (``v1/worker/gpu_worker.py:287-312,352-357``)."""
+        mb = self.knobs.buffers_mb * len(self.devices)
+        try:
+            self.ledger.pin(self.owner, mb, PAGEABLE)
+        except SimOutOfMemory as exc:
+            raise GpuError(str(exc)) from None
 
     def _pin(self, mb: int) -> int:
         """A pinned host block for ``mb`` MiB: a cached one of the rounded size if torch has
@@ -341,6 +412,8 @@ class SimGpu:
             if allocation.backup_mb:
                 self.host_cache[allocation.backup_mb] += 1
                 allocation.backup_mb = 0
+        if "weights" in waking:
+            self.ledger.unpin(self.owner, PAGEABLE)  # the buffers copied back and dropped
 
     def reload(self) -> None:
         """Re-read the checkpoint: per-module temporaries in torch's default allocator, which

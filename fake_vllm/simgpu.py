@@ -24,23 +24,25 @@ sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
   the CUDA-graph estimate (``utils/mem_utils.py:312-314``), so a neighbour allocating in that
   window shrinks the KV cache and one freeing memory enlarges it, or, when it frees more than the
   engine took, fails the start with "Error in memory profiling" (``gpu_worker.py:732-740``).
-* The transient peak (``FAKE_ENGINE_SIM_PEAK_MB``, tag ``activation``: the forward pass of
-  ``max_num_batched_tokens`` plus the sampler, ``v1/worker/gpu_model_runner.py:6132-6140``)
+* The transient peak (``FAKE_ENGINE_SIM_PEAK_MB``, tag ``activation``: Model Runner V2's profile,
+  the forward pass of ``max_num_batched_tokens`` then a default and a warm-up sampler pass,
+  ``v1/worker/gpu/model_runner.py:993-1048``; V2 is the default, ``config/vllm.py:731-767``)
   counts in the non-KV memory (torch's peak less what is allocated, ``utils/mem_utils.py:
   318-321``) but lives in torch's caching allocator: profiling ends by emptying that cache
   (``:298-299``), so the ready engine holds its budget less the peak. Every sleep and every wake
   empties the cache again (``device_allocator/cumem.py:297-298,342-343``); the wake does not
   bring the peak back. The engine's first batch of at least ``FAKE_ENGINE_SIM_PEAK_TOKENS``
   tokens (running requests' prompts and replies; default 0: its first request) regrows it.
-  vLLM's start-up warm-up regrows part of it (``gpu_worker.py:1071-1090``); the fake leaves that
-  out, as every sleep releases it anyway.
+  vLLM's start-up warm-up regrows part of it (V2's ``warmup_kernels`` before the graph capture,
+  ``gpu_worker.py:984-989``); the fake leaves that out, as every sleep releases it anyway.
 * A peak that cannot be regrown (a neighbour took the room) is a ``torch.OutOfMemoryError`` in
   the forward pass: the EngineCore dies ("EngineCore encountered a fatal error.",
   ``v1/engine/core.py:1582-1587``), the request gets vLLM's 500 ("The server had an error while
   processing your request.", ``entrypoints/serve/exception_handling/error_response.py:68-72``),
   and the server shuts down (``entrypoints/serve/exception_handling/handlers/vllm_error.py:
   61-66``): the fake exits 1 after logging the CUDA out-of-memory line.
-* KV cache = requested - non-KV (``gpu_worker.py:753-757``); ``--kv-cache-memory-bytes``
+* KV cache = requested - non-KV - the CUDA graphs' estimate (``FAKE_ENGINE_SIM_GRAPHS_ESTIMATE_MB``,
+  default exact; ``gpu_worker.py:705-757``); ``--kv-cache-memory-bytes``
   replaces that size (``gpu_worker.py:659-670``); too little left is "No available memory for
   the cache blocks" (``v1/core/kv_cache_planning.py:56-85``).
 * World size = tp x pp x pcp GPUs; fewer visible ones is "World size (N) is larger than the
@@ -48,16 +50,32 @@ sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
 * ``/sleep`` is registered by ``VLLM_SERVER_DEV_MODE=1`` alone
   (``entrypoints/launchers/api_server/routers.py:46-49``); only ``--enable-sleep-mode`` (the
   CuMem allocator, ``config/model.py:666-673``) makes it free anything.
-* The CuMem pools hold the weights (one allocation per ``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB``
-  entry), ``runtime`` (``FAKE_ENGINE_SIM_RUNTIME_MB``: model-runner state and the LoRA slots,
-  ``v1/worker/lora_model_runner_mixin.py:57-63``), the KV cache, and the CUDA graphs only with
-  ``--sleep-mode-offload-cudagraph`` (``config/model.py:384-386``, ``config/vllm.py:716-727``);
-  the context and unpooled graphs always stay on the device.
+* The CUDA graphs are captured after the KV cache is allocated (``gpu_worker.py:995-1010``):
+  graphs larger than their estimate take memory beyond the budget, or fail the start with
+  torch's out-of-memory error where the device has no room left.
+* The CuMem pools hold the weights, ``runtime`` (``FAKE_ENGINE_SIM_RUNTIME_MB``: model-runner
+  state and the LoRA slots, ``v1/worker/lora_model_runner_mixin.py:57-63``), ``workspace``
+  (``FAKE_ENGINE_SIM_WORKSPACE_MB``: scratch, ``gpu_worker.py:557-564``), the KV cache, and the
+  CUDA graphs only with ``--sleep-mode-offload-cudagraph`` (``config/model.py:384-386``,
+  ``config/vllm.py:716-727``); the context and unpooled graphs always stay on the device.
+* The weights pool is filled inside ``load_model`` with ``max_split_size_mb=20``
+  (``gpu_worker.py:594-600``): the checkpoint's tensors (``FAKE_ENGINE_SIM_WEIGHT_SEGMENTS_MB``)
+  and Model Runner V2's sampler state, built there too (``v1/worker/gpu/model_runner.py:
+  467-495``): ``prompt_bin_mask`` and ``output_bin_counts``, ``--max-num-seqs x vocab`` int32
+  (``FAKE_ENGINE_SIM_VOCAB``; ``v1/worker/gpu/sample/penalties.py:43-50``). Each CuMem
+  allocation is one of torch's segments, not one tensor: tensors up to 1 MiB share 2 MiB
+  segments, under 10 MiB 20 MiB ones, larger ones get their own rounded up to 2 MiB (PyTorch's
+  ``CUDACachingAllocator``, as read in its source).
 * A sleep goes allocation by allocation: back up the offloaded ones into pinned host memory,
-  unmap (``device_allocator/cumem.py:256-280``). Level 1 offloads weights, ``runtime`` and
-  pooled graphs, level 2 only ``runtime`` and pooled graphs; the KV cache is discarded
+  unmap (``device_allocator/cumem.py:256-280``). Level 1 offloads weights (the sampler state
+  with them), ``runtime`` and pooled graphs, level 2 only ``runtime`` and pooled graphs; the KV
+  cache and ``workspace`` are discarded, never pinned
   (``device_allocator/sleep_mode_backend.py:133-137``).
-* Each backup is its own ``torch.empty(..., pin_memory=True)`` (``cumem.py:268-273``) from
+* A level-2 sleep first copies the model's buffers and preserved parameters to pageable host
+  memory (``FAKE_ENGINE_SIM_BUFFERS_MB`` per rank, ``gpu_worker.py:287-312``; ``Ledger.host_mb``
+  counts it, ``pinned_mb`` does not), dropped once the weights wake (``:352-357``).
+* Each backup (one per segment) is its own ``torch.empty(..., pin_memory=True)``
+  (``cumem.py:268-273``) from
   PyTorch's CachingHostAllocator, which rounds it up to a power of two and keeps freed blocks
   cached: the wake drops the backup (``cumem.py:360``) but the block stays pinned, and a later
   sleep reuses it (vLLM never empties that cache). The rounding is PyTorch's
@@ -73,9 +91,9 @@ sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
   "CUDA error: an illegal memory access was encountered" (the error CUDA gives for an
   unmapped address; unverified on hardware). Such an engine must be replaced.
 * A wake empties torch's cache, then maps the asleep allocations of its tags and every
-  non-deferrable one (``runtime``, pooled graphs: ``device_allocator/__init__.py:17``,
-  ``cumem.py:348``) one by one, with no rollback: a failed wake keeps what it mapped
-  (``cumem.py:342-364``).
+  non-deferrable one (``runtime``, ``workspace``, pooled graphs:
+  ``device_allocator/__init__.py:17``, ``cumem.py:348``) one by one, with no rollback: a failed
+  wake keeps what it mapped (``cumem.py:342-364``).
 * Requests sent while asleep are queued until the wake ("All pause modes queue new adds",
   ``v1/engine/core.py:2186``; ``v1/core/sched/scheduler.py:1065-1067``).
 * A level-2 wake needs ``wake_up?tags=weights``, ``collective_rpc reload_weights`` (re-reads
@@ -89,9 +107,9 @@ sizes are the ``FAKE_ENGINE_SIM_*`` knobs):
   31-41``).
 
 Not modelled: MIG slices (only ``nvmlDeviceGetMigMode`` reports the mode), driver-reserved
-memory, utilisation, NCCL and model-runner buffers outside the pools, the pageable copies a
-level-2 sleep makes of preserved parameters, and the peak's dependence on ``max_num_seqs`` and
-the vocabulary.
+memory, utilisation, NCCL and model-runner buffers outside the pools, V2's pinned token buffer
+(host memory pinned at start), and the peak's dependence on ``max_num_seqs`` and the
+vocabulary.
 """
 
 from __future__ import annotations
@@ -114,6 +132,8 @@ import psutil
 
 MIB = 1024 * 1024
 HISTORY_LIMIT = 10_000
+#: The host-memory tag of pageable (not pinned) copies: resident, never counted as pinned.
+PAGEABLE = "pageable"
 DEFAULT_NAME = "Simulated GPU"
 UUID_NAMESPACE = uuid.UUID("6c1b7a52-3e0f-4d8e-9a57-5d2f3c9b0e11")
 
@@ -373,8 +393,9 @@ class Ledger:
         with self._locked() as state:
             free = state.host_mb - sum(state.pinned.values())
             if mb > free:
+                what = "copying" if tag == PAGEABLE else "pinning"
                 raise SimOutOfMemory(
-                    f"CUDA error: out of memory (pinning {format_size(mb)} of host memory, "
+                    f"CUDA error: out of memory ({what} {format_size(mb)} of host memory, "
                     f"{format_size(free)} of {format_size(state.host_mb)} free)"
                 )
             state.pinned[(pid, tag)] = state.pinned.get((pid, tag), 0) + mb
@@ -385,7 +406,15 @@ class Ledger:
             return state.pinned.pop((pid, tag), 0)
 
     def pinned_mb(self, pid: int | None = None) -> int:
-        """Pinned host MiB, of ``pid`` or of every process."""
+        """Pinned host MiB, of ``pid`` or of every process (`PAGEABLE` copies left out)."""
+        return self._view(
+            lambda s: sum(
+                mb for (p, t), mb in s.pinned.items() if (pid is None or p == pid) and t != PAGEABLE
+            )
+        )
+
+    def host_mb(self, pid: int | None = None) -> int:
+        """Resident host MiB the ledger knows of, pinned and `PAGEABLE`, of ``pid`` or all."""
         return self._view(
             lambda s: sum(mb for (p, _), mb in s.pinned.items() if pid is None or p == pid)
         )

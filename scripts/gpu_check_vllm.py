@@ -276,14 +276,17 @@ def log_figures(text: str) -> dict[str, Any]:
 class Engine:
     """One ``vllm serve`` in its own process group, its log in a file."""
 
-    def __init__(self, model: Path, util: float, port: int, log: Path, seqs: int) -> None:
+    def __init__(
+        self, model: Path, util: float, port: int, log: Path, seqs: int, tokens: int
+    ) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log
         command = [
             sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
             "--served-model-name", "m", "--enable-sleep-mode",
             "--gpu-memory-utilization", f"{util}", "--max-model-len", str(MAX_MODEL_LEN),
-            "--max-num-seqs", str(seqs), "--host", "127.0.0.1", "--port", str(port),
+            "--max-num-seqs", str(seqs), "--max-num-batched-tokens", str(tokens),
+            "--host", "127.0.0.1", "--port", str(port),
         ]  # fmt: skip
         self.command = command
         with log.open("ab") as out:
@@ -495,8 +498,9 @@ class Check:
         out: dict[str, Any] = {"model": made, "planned": plan, "attempts": []}
         for attempt in range(2):
             log = self.out / f"serve-{attempt}.log"
-            seqs = int(plan["detail"]["max_num_seqs"])  # as the proxy passes it
-            self.engine = Engine(model, plan["util"], self.args.port, log, seqs)
+            seqs = int(plan["detail"]["max_num_seqs"])  # as the proxy passes them
+            tokens = int(plan["detail"]["activation_tokens"])
+            self.engine = Engine(model, plan["util"], self.args.port, log, seqs, tokens)
             try:
                 ready_s = self.engine.wait_healthy()
             except (RuntimeError, TimeoutError) as exc:

@@ -19,7 +19,12 @@ from vllm_proxy.planning.footprint import (
     Footprint,
     estimate_footprint_mb,
     footprint_for_spec,
+    pinned_weights_mb,
+    sampler_state_bytes,
+    sampler_state_tensors,
     tensor_sizes,
+    token_buffer_mb,
+    torch_segments,
     utilization_for,
 )
 from vllm_proxy.planning.gpu import GpuSnapshot, NvmlMonitor, StaticBudget
@@ -325,25 +330,35 @@ def test_estimate_follows_vllms_batch_defaults_for_the_device(
     total: int | None, name: str | None, seqs: int, tokens: int
 ) -> None:
     """vLLM 0.33 defaults max_num_seqs and max_num_batched_tokens by device
-    (engine/arg_utils.py:2970-3006), and its profiling runs the sampler over
-    min(max_num_seqs, max_num_batched_tokens) rows x the vocabulary (v1/worker/
-    gpu_model_runner.py:5866-5925, 6132-6140): an H100 or H200 profiles 1024 rows."""
+    (engine/arg_utils.py:2970-3006). It runs Model Runner V2 (config/vllm.py:731-767), whose
+    profile samples min(max_num_seqs, max_num_batched_tokens) rows x the vocabulary twice, the
+    second time in fp32 (v1/worker/gpu/model_runner.py:1010-1034): an H100 or H200 profiles 1024
+    rows. Its sampler state, max_num_seqs x (vocab + vocab / 32) int32, sits in the weights pool
+    (v1/worker/gpu/sample/penalties.py:43-50), and a chunk of 1024 rows of prompt
+    log-probabilities (v1/worker/gpu/sample/prompt_logprob.py:20) is room beyond the profile
+    where fewer rows were profiled."""
     fp = estimate_footprint_mb(
         model_config=VOCAB_128K, params_b=1.75, device_total_mb=total, device_name=name
     )
     assert (fp.detail["max_num_seqs"], fp.detail["activation_tokens"]) == (seqs, tokens)
+    assert fp.detail["batch_from"] == "device default"
     # rows x 131072 x 8 bytes: 1 GiB for 1024 rows, a quarter of that for 256
     assert fp.detail["sampler_mb"] == seqs * 131_072 * 8 // MIB
+    assert fp.detail["sampler_state_mb"] == seqs * (131_072 + 4_096) * 4 // MIB  # 528 or 132
+    # 1024 rows x 131072 x 4 bytes of prompt logits, less the sampler's 256 profiled rows
+    assert fp.detail["prompt_logprobs_mb"] == (0 if seqs == 1_024 else 512 - 256)
     act = 512 + tokens * 2048 * 2 // MIB + fp.detail["sampler_mb"]
-    assert fp.detail["activations_mb"] == act
+    assert fp.detail["activations_mb"] == act + fp.detail["prompt_logprobs_mb"]
     assert fp.detail["kv_sequences"] == 4  # not max_num_seqs: 1024 x 4096 tokens would be 48 GiB
+    parts = ("weights_mb", "sampler_state_mb", "kv_cache_mb", "activations_mb", "overhead_mb")
+    assert fp.per_device_mb == sum(fp.detail[k] for k in parts)
 
 
 def test_estimate_defaults_are_bounded_by_the_model_length() -> None:
     """Defaults shrink to what the length allows: max_num_batched_tokens is at most
     max_num_seqs x max_model_len, and max_num_seqs at most that (engine/arg_utils.py:3177-3234)."""
     fp = estimate_footprint_mb(
-        model_config=VOCAB_128K, params_b=1, max_model_len=4, device_total_mb=81_559,
+        model_config=VOCAB_128K, params_b=10, max_model_len=4, device_total_mb=81_559,
         device_name="NVIDIA H100",
     )  # fmt: skip
     assert (fp.detail["activation_tokens"], fp.detail["max_num_seqs"]) == (4_096, 1_024)
@@ -354,6 +369,155 @@ def test_estimate_defaults_are_bounded_by_the_model_length() -> None:
     assert (given.detail["activation_tokens"], given.detail["max_num_seqs"]) == (512, 2)
     assert given.detail["kv_sequences"] == 2, "never more sequences than may run at once"
     assert given.detail["sampler_mb"] == 2  # 2 rows x 131072 x 8 bytes
+
+
+#: A Qwen2.5-0.5B-like model: 152k vocabulary, 494M parameters, 24 layers, 2 KV heads.
+QWEN_05B = {**CONFIG, "hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2}
+QWEN_05B |= {"num_hidden_layers": 24, "vocab_size": 151_936, "max_position_embeddings": 32_768}
+
+
+def test_model_runner_v2_sampler_state_is_in_the_estimate() -> None:
+    """Regression: the estimate modelled the deprecated V1 runner. Model Runner V2 keeps
+    output_bin_counts, max_num_seqs x vocab int32, and prompt_bin_mask (1/32 of it) in the
+    weights pool (v1/worker/gpu/sample/penalties.py:43-50): 594 + 19 MiB per rank at a 152k
+    vocabulary and 1024 sequences, which were missing from the plan (less KV cache than
+    planned)."""
+    assert sampler_state_tensors(1_024, 151_936) == [1_024 * 4_748 * 4, 1_024 * 151_936 * 4]
+    assert math.ceil(1_024 * 151_936 * 4 / MIB) == 594
+    assert math.ceil(sampler_state_bytes(1_024, 151_936) / MIB) == 613
+    big = {**QWEN_05B, "hidden_size": 3584, "num_attention_heads": 28, "num_hidden_layers": 28}
+    big |= {"num_key_value_heads": 4}
+    fp = estimate_footprint_mb(
+        model_config=big, params_b=7.6, device_total_mb=81_559, device_name="NVIDIA H100"
+    )
+    assert (fp.detail["max_num_seqs"], fp.detail["batch_from"]) == (1_024, "device default")
+    assert fp.detail["sampler_state_mb"] == 613
+    assert fp.per_device_mb == 613 + sum(
+        fp.detail[k] for k in ("weights_mb", "kv_cache_mb", "activations_mb", "overhead_mb")
+    )
+
+
+def test_a_tight_estimate_plans_the_small_batch_rather_than_the_device_default() -> None:
+    """Regression: a 0.5B model with a 152k vocabulary was planned, and started, at the H100's
+    1024 sequences: V2's sampler would take 1.8 GiB (612 MiB of state, 1.2 GiB of profiling
+    passes) next to 0.9 GiB of weights, and "No available memory for the cache blocks"
+    followed from every underestimate. Where the sampler takes more than SAMPLER_SHARE of the
+    weights and KV cache, the estimate plans vLLM's small-GPU batch (256 sequences, 2048
+    tokens), which the proxy then passes."""
+    fp = estimate_footprint_mb(
+        model_config=QWEN_05B, params_b=0.494, device_total_mb=81_559, device_name="NVIDIA H100"
+    )
+    assert fp.detail["batch_from"] == "tight"
+    assert (fp.detail["max_num_seqs"], fp.detail["activation_tokens"]) == (256, 2_048)
+    assert fp.detail["sampler_state_mb"] == 154  # 256 x (151936 + 4748) x 4 bytes
+    assert fp.detail["sampler_mb"] == 297  # 256 rows x 151936 x 8 bytes
+    # room for a 1024-row chunk of prompt log-probabilities: 1024 x 151936 x 4 less 297 MiB
+    assert fp.detail["prompt_logprobs_mb"] == 297
+    # what the args give is kept, tight or not
+    given = estimate_footprint_mb(
+        model_config=QWEN_05B, params_b=0.494, max_num_seqs=1_024, device_total_mb=81_559,
+        device_name="NVIDIA H100",
+    )  # fmt: skip
+    assert (given.detail["max_num_seqs"], given.detail["batch_from"]) == (1_024, "args")
+    assert given.detail["sampler_state_mb"] == 613
+
+
+def test_a_pooling_model_or_the_v1_runner_has_no_v2_sampler_state() -> None:
+    """A pooling model builds no sampler and runs the pooler in its profile (v1/worker/gpu/
+    model_runner.py:467, 1050-1053); prefill context parallel runs the V1 runner
+    (config/vllm.py:3093-3094), which has no such state."""
+    kw = {"model_config": QWEN_05B, "params_b": 0.494, "device_total_mb": 81_559}
+    pooling = estimate_footprint_mb(**kw, generates=False)
+    assert (pooling.detail["sampler_state_mb"], pooling.detail["sampler_mb"]) == (0, 0)
+    assert pooling.detail["batch_from"] == "device default"
+    v1 = estimate_footprint_mb(**kw, max_num_seqs=1_024, model_runner_v2=False)
+    assert v1.detail["sampler_state_mb"] == 0 and v1.detail["sampler_mb"] == 1_187
+
+
+def test_v2_pins_a_token_buffer_in_host_ram_at_start() -> None:
+    """V2 keeps every request's token ids in a pinned host buffer, max_num_seqs x max_model_len
+    int32 per rank (v1/worker/gpu/states.py:32-42, v1/worker/gpu/buffer_utils.py:32-38): 4 GiB
+    per rank at 1024 sequences and a 1M context, rounded up to a power of two by torch."""
+    assert token_buffer_mb(1_024, 1_048_576) == 4_096
+    assert token_buffer_mb(256, 40_000) == 64  # 39 MiB rounded up
+    fp = estimate_footprint_mb(
+        model_config=VOCAB_128K, params_b=7, tensor_parallel_size=2, max_num_seqs=1_024,
+        device_total_mb=81_559, device_name="NVIDIA H100",
+    )  # fmt: skip
+    assert fp.detail["token_buffer_mb"] == 2 * 16  # 1024 x 4096 x 4 bytes on each of 2 ranks
+
+
+@pytest.mark.parametrize(
+    ("sizes_mb", "segments_mb"),
+    [
+        pytest.param([600, 300, 124], [600, 300, 124], id="large-own-segments"),
+        pytest.param([4, 4, 4, 4], [20], id="medium-share-20"),
+        pytest.param([4] * 6, [20, 20], id="medium-overflow"),
+        pytest.param([0.25] * 8 + [0.5], [2, 2], id="small-share-2"),
+        pytest.param([4, 12], [20], id="large-in-remainder"),
+        pytest.param([11, 25], [12, 26], id="rounded-to-2"),
+        pytest.param([594, 18.55], [594, 20], id="sampler-state"),
+    ],
+)
+def test_torch_segments_follow_the_caching_allocator(
+    sizes_mb: list[float], segments_mb: list[int]
+) -> None:
+    """CuMem allocations are torch's segments, not tensors: vLLM loads the weights pool with
+    max_split_size_mb=20 (v1/worker/gpu_worker.py:594-600), and torch puts requests up to 1 MiB
+    in 2 MiB segments, up to 10 MiB in 20 MiB ones, larger ones alone rounded to 2 MiB, and
+    reuses a remainder under 20 MiB."""
+    got = torch_segments([int(mb * MIB) for mb in sizes_mb])
+    assert [math.ceil(b / MIB) for b in got] == segments_mb
+
+
+def test_the_level_1_pinned_guess_counts_segments_and_the_sampler_state(tmp_path: Path) -> None:
+    """Regression: the level-1 pinned guess rounded each checkpoint tensor to a power of two and
+    left out V2's sampler state, pinned with the weights: 594 MiB of output_bin_counts pins a
+    1 GiB block per rank at 1024 sequences (and 20 MiB segments pin 32 MiB)."""
+    tensors = {"embed": ("BF16", [151_936, 896]), **{f"n{i}": ("F32", [448]) for i in range(64)}}
+    write_header_only(tmp_path / "model.safetensors", tensors)
+    config = {**QWEN_05B, "torch_dtype": "bfloat16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = parse_config({"models": {"m": {"model": str(tmp_path)}}}).specs()["m"]
+    # embed: 259.6 MiB, its own segment (260 MiB) -> 512; the 64 norms (1792 B each) share one
+    # 2 MiB segment -> 2; prompt_bin_mask (18.5 MiB) -> 32; output_bin_counts (594 MiB) -> 1024
+    assert pinned_weights_mb(spec, 1_024) == 512 + 2 + 32 + 1_024
+    # 256 sequences: prompt_bin_mask (4.6 MiB) takes a 20 MiB segment, output_bin_counts 148.4
+    assert pinned_weights_mb(spec, 256) == 512 + 2 + 32 + 256
+    pooling = parse_config(
+        {"models": {"e": {"model": str(tmp_path), "args": {"runner": "pooling"}}}}
+    )
+    assert pinned_weights_mb(pooling.specs()["e"], 1_024) == 512 + 2, "no sampler"
+
+
+def test_the_level_1_guess_pins_the_sampler_state_of_the_batch_the_estimate_planned(
+    tmp_path: Path,
+) -> None:
+    """The manager's level-1 guess counts V2's sampler state for the max_num_seqs the engine is
+    started with: a tight estimate's 256, not the H100's 1024."""
+    from vllm_proxy.pool.manager import Manager
+
+    tensors = {"embed": ("BF16", [151_936, 896]), **{f"n{i}": ("F32", [448]) for i in range(64)}}
+    write_header_only(tmp_path / "model.safetensors", tensors)
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN_05B, "torch_dtype": "bfloat16"}))
+    spec = parse_config({"models": {"m": {"model": str(tmp_path)}}}).specs()["m"]
+    fp = footprint_for_spec(spec, 81_559, device_name="NVIDIA H100 80GB HBM3")
+    assert (fp.detail["batch_from"], fp.detail["max_num_seqs"]) == ("tight", 256)
+    manager = SimpleNamespace(memory=SimpleNamespace(estimates={"m": fp}))
+    assert Manager._weights_mb(manager, spec) == 512 + 2 + 32 + 256  # type: ignore[arg-type]
+
+
+def write_header_only(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:
+    """A safetensors file whose data is a sparse hole: only its header is ever read."""
+    header, offset = {}, 0
+    for name, (dtype, shape) in tensors.items():
+        size = math.prod(shape) * {"BF16": 2, "F32": 4}[dtype]
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header).encode()
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
 
 
 def test_kv_cache_memory_bytes_replaces_the_kv_estimate(tmp_path: Path) -> None:
@@ -797,6 +961,49 @@ def test_placement_passes_the_max_num_seqs_the_estimate_assumed(
     assert memory.estimates["est"].detail["max_num_seqs"] == 1_024  # the H100 default
     assert memory.placement(specs["est"], (0,)).overrides["max_num_seqs"] == 1_024
     assert "max_num_seqs" not in memory.placement(specs["own"], (0,)).overrides
+
+
+def test_placement_passes_the_tight_batch_and_its_token_budget(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Regression: only max_num_seqs was passed, at the device default, so a small model with a
+    large vocabulary started with 1024 sequences and V2's sampler took its KV cache; and vLLM's
+    own token budget could differ from the estimate's (``performance_mode: throughput``
+    doubles it, engine/arg_utils.py:3184-3188). Where the estimate is tight the engine gets the
+    small batch, and every estimated engine gets the token budget it was planned for; a pooling
+    model keeps vLLM's (without chunked prefill it is at least the model's length), and so does
+    a multimodal one (vLLM raises it to hold one item, engine/arg_utils.py:3201-3218)."""
+    small = tmp_path / "qwen-0.5b"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps(QWEN_05B))
+    vlm = tmp_path / "vlm"
+    vlm.mkdir()
+    (vlm / "config.json").write_text(json.dumps({"text_config": QWEN_05B, "vision_config": {}}))
+    fake = FakeNvml([(81_559, 0)])
+    fake.names = ["NVIDIA H100 80GB HBM3"]
+    models = {
+        "small": {"model": str(small), "params_b": 0.494},
+        "own": {"model": str(small), "params_b": 0.494, "args": {"max_num_batched_tokens": 4096}},
+        "embed": {"model": str(small), "params_b": 0.494, "args": {"runner": "pooling"}},
+        "vlm": {"model": str(vlm), "params_b": 0.494},
+    }
+    caplog.set_level("INFO", "vllm_proxy.planning.memory")
+    memory = _nvml_memory(tmp_path, fake, models)
+    specs = memory_specs(tmp_path, models)
+    assert memory.estimates["small"].detail["batch_from"] == "tight"
+    assert "small: planned and started with 256 sequences and 2048 batched tokens" in caplog.text
+    overrides = memory.placement(specs["small"], (0,)).overrides
+    assert (overrides["max_num_seqs"], overrides["max_num_batched_tokens"]) == (256, 2_048)
+    own = memory.placement(specs["own"], (0,)).overrides
+    assert own["max_num_seqs"] == 256 and "max_num_batched_tokens" not in own
+    embed = memory.placement(specs["embed"], (0,)).overrides
+    assert embed["max_num_seqs"] == 1_024 and "max_num_batched_tokens" not in embed
+    assert memory.estimates["embed"].detail["sampler_state_mb"] == 0
+    # a multimodal model: the small batch, vLLM's token budget (it may raise it for an item)
+    assert memory.estimates["vlm"].detail["batch_from"] == "tight"
+    assert memory.estimates["vlm"].detail["activation_tokens"] == 8_192
+    vlm_args = memory.placement(specs["vlm"], (0,)).overrides
+    assert vlm_args["max_num_seqs"] == 256 and "max_num_batched_tokens" not in vlm_args
 
 
 def test_a_level_2_model_claims_no_reload_buffer(tmp_path: Path) -> None:

@@ -289,12 +289,15 @@ def test_the_vllm_checks_model_is_planned_as_the_proxy_plans_it(tmp_path: Path) 
     write_header_only_checkpoint(check, check.FULL, tmp_path / "M")
     h100 = check.planned(tmp_path / "M", 81559)
     assert h100["detail"]["weights_mb"] == 3341 and h100["detail"]["kv_cache_mb"] == 3072
-    # H100 defaults: 1024 sequences, so the sampler pass over 1024 rows x 131072 x 8 bytes
+    # H100 defaults: 1024 sequences. Model Runner V2 profiles the sampler over 1024 rows x
+    # 131072 x 8 bytes (v1/worker/gpu/model_runner.py:1010-1034) and keeps 1024 x (131072 +
+    # 4096) int32 of sampler state in the weights pool (v1/worker/gpu/sample/penalties.py:43-50)
     assert (h100["detail"]["max_num_seqs"], h100["detail"]["sampler_mb"]) == (1024, 1024)
-    assert (h100["budget_mb"], h100["footprint_mb"], h100["util"]) == (7981, 8749, 0.097855)
-    assert check.planned(tmp_path / "M", 143771)["util"] == 0.055511
+    assert h100["detail"]["sampler_state_mb"] == 528
+    assert (h100["budget_mb"], h100["footprint_mb"], h100["util"]) == (8509, 9277, 0.104329)
+    assert check.planned(tmp_path / "M", 143771)["util"] == 0.059184
     boosted = check.planned(tmp_path / "M", 81559, boost_mb=1738)
-    assert boosted["budget_mb"] == 7981 + 1738 and boosted["util"] == 0.119165
+    assert boosted["budget_mb"] == 8509 + 1738 and boosted["util"] == 0.125639
 
 
 def test_the_vllm_checks_log_figures_are_read_from_vllms_own_lines() -> None:

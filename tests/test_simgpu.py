@@ -405,7 +405,9 @@ async def test_context_is_outside_the_utilization_budget(
     """The context is made before the snapshot (vLLM ``v1/worker/gpu_worker.py:499-547``);
     the KV cache is the budget less the non-KV memory, which counts the transient peak
     although profiling ends by emptying torch's cache (``utils/mem_utils.py:298-321``,
-    ``gpu_worker.py:753-757``): the ready engine holds its budget less the peak."""
+    ``gpu_worker.py:753-757``), and the CUDA graphs' estimate: the graphs are captured after
+    the KV cache (``gpu_worker.py:705-757,995-1010``). The ready engine holds its budget less
+    the peak."""
     ledger = make_ledger(tmp_path, 16384)
     engine = await started(http, start_engine, ledger, "--gpu-memory-utilization", "0.5")
     budget = 8192  # ceil(0.5 x 16384)
@@ -419,10 +421,10 @@ async def test_context_is_outside_the_utilization_budget(
     }
     events = [(e.tag, e.delta_mb) for e in ledger.history(0) if e.pid == engine.pid]
     assert [tag for tag, _ in events] == [
-        "context", "weights", "runtime", "activation", "cudagraph", "activation", "profiled",
-        "kv_cache",
+        "context", "weights", "runtime", "activation", "activation", "profiled", "kv_cache",
+        "cudagraph",
     ]  # fmt: skip
-    assert events[3] == ("activation", PEAK) and events[5] == ("activation", -PEAK)
+    assert events[3] == ("activation", PEAK) and events[4] == ("activation", -PEAK)
 
 
 async def test_start_fails_when_free_memory_after_the_context_is_below_util_x_total(
@@ -563,8 +565,8 @@ async def test_the_peak_is_released_after_profiling_and_regrown_by_the_first_req
 async def test_only_a_batch_of_peak_tokens_regrows_the_peak(
     tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
 ) -> None:
-    """The peak is the ``max_num_batched_tokens`` forward plus the sampler
-    (``v1/worker/gpu_model_runner.py:6132-6140``): with ``FAKE_ENGINE_SIM_PEAK_TOKENS`` only a
+    """The peak is the ``max_num_batched_tokens`` forward plus the sampler passes
+    (``v1/worker/gpu/model_runner.py:993-1048``): with ``FAKE_ENGINE_SIM_PEAK_TOKENS`` only a
     batch that large takes it back."""
     ledger = make_ledger(tmp_path, 16384)
     knobs = FakeEngine(sim_peak_tokens=500).env()
@@ -659,6 +661,110 @@ async def test_sleeps_pin_each_allocation_at_a_power_of_two_and_keep_it_pinned(
         assert (await post(http, f"{engine.url}/wake_up"))[0] == 200
         assert ledger.pinned_mb(engine.pid) == level_1
     assert await chat_text(http, engine) == GARBAGE_TEXT  # level 2 was never reloaded
+
+
+async def test_v2_sampler_state_is_in_the_weights_pool_pinned_at_level_1_and_discarded_at_2(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """Model Runner V2 builds its sampler in ``load_model``, inside the ``weights`` pool
+    (``v1/worker/gpu_worker.py:594-600``, ``v1/worker/gpu/model_runner.py:467-495``):
+    ``prompt_bin_mask`` then ``output_bin_counts``, ``max_num_seqs x vocab`` int32
+    (``v1/worker/gpu/sample/penalties.py:43-50``). It takes KV cache, a level-1 sleep pins it
+    with the weights (a power of two per torch segment) and level 2 discards it."""
+    ledger = make_ledger(tmp_path, 16384)
+    env = FakeEngine(sim_vocab=151_936).env()
+    engine = await started(http, start_engine, ledger, *SLEEP_ARGS, "--max-num-seqs", "256", **env)
+    # 256 x 4748 x 4 B = 4.6 MiB: a 20 MiB segment; 256 x 151936 x 4 B = 148.4 MiB: 150 MiB
+    state = 20 + 150
+    tags = ledger.tags(engine.pid, 0)
+    assert tags["weights"] == WEIGHTS + state
+    assert tags["kv_cache"] == 8192 - WEIGHTS - state - RUNTIME - PEAK - GRAPHS
+    assert (await post(http, f"{engine.url}/sleep?level=1"))[0] == 200
+    assert ledger.pinned_mb(engine.pid) == 1024 + 32 + 256 + RUNTIME
+    assert (await post(http, f"{engine.url}/wake_up"))[0] == 200
+    assert ledger.tags(engine.pid, 0)["weights"] == WEIGHTS + state
+
+    args = ("--enable-sleep-mode", "--gpu-memory-utilization", "0.3", "--max-num-seqs", "256")
+    other = await started(http, start_engine, ledger, *args, **env)
+    assert (await post(http, f"{other.url}/sleep?level=2"))[0] == 200
+    assert "weights" not in ledger.tags(other.pid, 0)
+    assert ledger.pinned_mb(other.pid) == RUNTIME, "the sampler state is discarded, not pinned"
+
+
+async def test_weight_tensors_share_torchs_segments_and_pin_by_segment(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """The weights pool is loaded with ``max_split_size_mb=20`` (``v1/worker/gpu_worker.py:
+    599``): tensors under 10 MiB share 20 MiB segments, larger ones get their own rounded to
+    2 MiB. A CuMem allocation, and so a pinned block, is a segment: four 4 MiB tensors pin one
+    32 MiB block, not four 4 MiB ones."""
+    ledger = make_ledger(tmp_path, 16384)
+    env = FakeEngine(sim_weight_segments_mb=(4, 4, 4, 4, 601)).env()
+    engine = await started(http, start_engine, ledger, *SLEEP_ARGS, **env)
+    assert ledger.tags(engine.pid, 0)["weights"] == 20 + 602
+    assert (await post(http, f"{engine.url}/sleep?level=1"))[0] == 200
+    assert ledger.pinned_mb(engine.pid) == 32 + 1024 + RUNTIME
+
+
+async def test_the_workspace_pool_is_discarded_by_every_sleep_and_never_pinned(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """vLLM allocates its scratch in a ``workspace`` CuMem pool that no sleep offloads
+    (``v1/worker/gpu_worker.py:557-564``, ``device_allocator/sleep_mode_backend.py:133-137``):
+    it is freed and not backed up at either level, and mapped again by every wake
+    (``device_allocator/cumem.py:342-364``)."""
+    ledger = make_ledger(tmp_path, 16384)
+    engine = await started(
+        http, start_engine, ledger, *SLEEP_ARGS, **FakeEngine(sim_workspace_mb=100).env()
+    )
+    assert ledger.tags(engine.pid, 0)["workspace"] == 100
+    kv = 8192 - WEIGHTS - RUNTIME - 100 - PEAK - GRAPHS
+    assert ledger.tags(engine.pid, 0)["kv_cache"] == kv
+    for level, pinned in ((1, WEIGHTS + RUNTIME), (2, WEIGHTS + RUNTIME)):
+        assert (await post(http, f"{engine.url}/sleep?level={level}"))[0] == 200
+        assert "workspace" not in ledger.tags(engine.pid, 0)
+        assert ledger.pinned_mb(engine.pid) == pinned  # level 2 reuses the cached blocks
+        assert (await post(http, f"{engine.url}/wake_up"))[0] == 200
+        assert ledger.tags(engine.pid, 0)["workspace"] == 100
+
+
+async def test_a_level_2_sleep_copies_the_model_buffers_to_pageable_memory(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """A level-2 sleep copies the model's buffers (and parameters kept by
+    ``sleep_preserve_parameter_names``) to pageable host memory, dropped once the weights wake
+    (``v1/worker/gpu_worker.py:287-312,352-357``): resident, but not pinned."""
+    ledger = make_ledger(tmp_path, 16384)
+    env = FakeEngine(sim_buffers_mb=40).env()
+    engine = await started(http, start_engine, ledger, *SLEEP_ARGS, **env)
+    assert (await post(http, f"{engine.url}/sleep?level=2"))[0] == 200
+    assert ledger.pinned_mb(engine.pid) == RUNTIME
+    assert ledger.host_mb(engine.pid) == RUNTIME + 40
+    assert (await post(http, f"{engine.url}/wake_up?tags=kv_cache"))[0] == 200
+    assert ledger.host_mb(engine.pid) == RUNTIME + 40, "the weights are still asleep"
+    assert (await post(http, f"{engine.url}/wake_up?tags=weights"))[0] == 200
+    assert ledger.host_mb(engine.pid) == RUNTIME
+
+
+async def test_cuda_graphs_are_captured_after_the_kv_cache_beyond_their_estimate(
+    tmp_path: Path, http: aiohttp.ClientSession, start_engine: StartEngine
+) -> None:
+    """vLLM subtracts an estimate of the CUDA graphs from the KV cache and captures them after
+    allocating it (``v1/worker/gpu_worker.py:705-757,995-1010``): graphs larger than their
+    estimate take memory beyond the budget, and a device without that room fails the start."""
+    ledger = make_ledger(tmp_path, 16384)
+    env = FakeEngine(sim_graphs_estimate_mb=128).env()
+    engine = await started(http, start_engine, ledger, "--gpu-memory-utilization", "0.5", **env)
+    assert ledger.tags(engine.pid, 0)["kv_cache"] == 8192 - WEIGHTS - RUNTIME - PEAK - 128
+    assert ledger.held(engine.pid) == {0: CONTEXT + 8192 - PEAK + GRAPHS - 128}
+    assert "CUDA graph pool memory: 0.25 GiB (actual), 0.12 GiB (estimated)" in engine.stdout()
+
+    (tmp_path / "full").mkdir()
+    full = make_ledger(tmp_path / "full", 9000)
+    more = FakeEngine(sim_graphs_mb=600, sim_graphs_estimate_mb=128).env()
+    failed = start_engine(full, "--gpu-memory-utilization", "0.93", **FAST, **more)
+    assert await wait_exit(failed) == 1
+    assert "torch.OutOfMemoryError: CUDA out of memory" in failed.stderr()
 
 
 async def test_sleep_without_enable_sleep_mode_pauses_but_frees_nothing(

@@ -21,6 +21,7 @@ Tests wait on states and on the ledger with deadlines, never on time.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import os
@@ -361,6 +362,74 @@ async def test_no_budget_boost_is_learned_beside_a_neighbour_below_its_claim(
     assert len(utils) >= 3 and utils[1] == utils[0], utils
     assert utils[-1] > utils[0], "then grown, as before"
     assert any("retrying with the same budget" in r.getMessage() for r in caplog.records)
+
+
+async def test_model_runner_v2_sampler_state_is_planned_and_the_first_start_has_its_kv_cache(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Regression: the estimate modelled vLLM's deprecated V1 runner. Under Model Runner V2 a
+    152k vocabulary at 256 sequences puts 154 MiB of sampler state into the weights pool (170
+    MiB as torch's segments: ``v1/worker/gpu/sample/penalties.py:43-50``), which the plan
+    left out: the engine found no room for its KV cache and was started again with a larger
+    budget. Planned, the first start has its KV cache."""
+    path = tmp_path / "qwen"
+    path.mkdir()
+    config = {"num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2}
+    config |= {"hidden_size": 896, "max_position_embeddings": 1024, "vocab_size": 151_936}
+    (path / "config.json").write_text(json.dumps(config))
+    # weights 96 + state 170 + runtime 64 + graphs 256 + a peak of 600 MiB, at least 48 MiB of
+    # KV cache (4 sequences of 1024 tokens)
+    env = FakeEngine(sim_weights_mb=96, sim_vocab=151_936, sim_peak_mb=600, sim_min_kv_mb=48)
+    models = {"a": {"model": str(path), "params_b": 0.05, "env": env.env()}}
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    status, text = await chat(proxy, "a")
+    assert status == 200, text
+    assert proxy.engine_starts("a") == 1
+    assert "No available memory for the cache blocks" not in proxy.engine_log("a")
+    memory = proxy.manager.memory
+    assert memory is not None
+    detail = memory.estimates["a"].detail
+    assert (detail["max_num_seqs"], detail["kv_cache_mb"]) == (256, 48)
+    assert detail["sampler_state_mb"] == 154  # 256 x (151936 + 4748) x 4 bytes
+    (pid,) = simgpu.engine_pids(ledger)
+    assert ledger.tags(pid, 0)["weights"] == 96 + 20 + 150
+    assert ledger.tags(pid, 0)["kv_cache"] >= 48
+
+
+async def test_a_start_needs_host_ram_for_v2s_pinned_token_buffer(
+    tmp_path: Path, ledger: Ledger, start_proxy: StartProxy
+) -> None:
+    """Model Runner V2 pins ``max_num_seqs x max_model_len`` int32 of token ids per rank as it
+    starts (``v1/worker/gpu/states.py:32-42``, ``v1/worker/gpu/buffer_utils.py:32-38``): 4 GiB
+    per rank at 1024 sequences and a 1M context. A start without that much host RAM is refused
+    with a message that says so, before any engine is spawned."""
+    path = tmp_path / "long"
+    path.mkdir()
+    config = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}
+    config |= {"max_position_embeddings": 65_536, "vocab_size": 32_000}
+    (path / "config.json").write_text(json.dumps(config))
+    models = {
+        "a": {"model": str(path), "params_b": 0.05, "env": FakeEngine(sim_weights_mb=96).env()}
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    memory = proxy.manager.memory
+    assert memory is not None
+    assert memory.estimates["a"].detail["token_buffer_mb"] == 64  # 256 x 65536 x 4 bytes
+    proxy.manager.ctx.host._read = lambda: 60
+    resp = await proxy.chat("a", max_tokens=2)
+    assert resp.status == 503
+    body = await resp.json()
+    assert body["error"]["code"] == "insufficient_host_memory"
+    assert "pins 64 MiB for its token buffer" in body["error"]["message"]
+    assert proxy.engine_starts("a") == 0
+    proxy.manager.ctx.host._read = lambda: 1_000_000
+
+    async def served() -> bool:  # once the failed start's back-off is over
+        return (await chat(proxy, "a"))[0] == 200
+
+    await wait_for(served, what="a served")
+    assert proxy.engine_starts("a") == 1
+    assert proxy.manager.ctx.host.promised == {}
 
 
 async def test_a_fixed_budget_without_room_for_the_kv_cache_names_the_key(

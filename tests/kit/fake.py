@@ -59,15 +59,24 @@ class FakeEngine:
     sim_gpu: Path | str | None = None
     sim_context_mb: int | None = None
     sim_weights_mb: int | None = None
-    #: The weights' CuMem allocations (each pinned at a power of two by a level-1 sleep).
+    #: The weights' tensors, packed into torch's segments (each a CuMem allocation, pinned at a
+    #: power of two by a level-1 sleep).
     sim_weight_segments_mb: Sequence[int] = ()
+    #: The vocabulary of V2's sampler state (``--max-num-seqs`` x vocab int32, weights pool).
+    sim_vocab: int | None = None
     #: The CuMem ``runtime`` pool (pinned by sleeps of both levels).
     sim_runtime_mb: int | None = None
+    #: The CuMem ``workspace`` pool (discarded by every sleep, never pinned).
+    sim_workspace_mb: int | None = None
+    #: What a level-2 sleep copies to pageable host memory (model buffers).
+    sim_buffers_mb: int | None = None
     #: The transient peak: in the budget, released after profiling and by every sleep and
     #: wake, regrown by the first batch of at least `sim_peak_tokens` tokens (0: any request).
     sim_peak_mb: int | None = None
     sim_peak_tokens: int | None = None
     sim_graphs_mb: int | None = None
+    #: What the profile estimates for the graphs (unset: exactly `sim_graphs_mb`).
+    sim_graphs_estimate_mb: int | None = None
     sim_min_kv_mb: int | None = None
     sim_reload_temp_mb: int | None = None
     sim_profile_s: Number | None = None

@@ -47,7 +47,8 @@ def sim_ledger(
 
 def pinned_rss(ledger: Ledger, pid: int | None) -> int | None:
     """What the proxy reads as an engine's host memory on the simulated GPU: the host memory
-    its process tree pinned in the ledger (a real engine's pinned blocks are resident in it)."""
+    its process tree pinned or copied in the ledger (a real engine's pinned blocks and pageable
+    copies are resident in it)."""
     if pid is None:
         return None
     try:
@@ -55,7 +56,7 @@ def pinned_rss(ledger: Ledger, pid: int | None) -> int | None:
         pids = {root.pid, *(c.pid for c in root.children(recursive=True))}
     except psutil.Error:
         return None
-    return sum(ledger.pinned_mb(p) for p in pids)
+    return sum(ledger.host_mb(p) for p in pids)
 
 
 def sim_config(

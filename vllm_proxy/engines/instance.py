@@ -165,6 +165,9 @@ class EngineContext:
     weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
     #: ... and for its ``runtime`` pool (pinned at both levels).
     runtime_mb: Callable[[ModelSpec], int] = lambda _spec: RUNTIME_POOL_MB
+    #: Host RAM (MiB) an engine of the model pins as it starts, all ranks together (Model
+    #: Runner V2's token buffer); 0: not known.
+    start_host_mb: Callable[[ModelSpec], int] = lambda _spec: 0
     #: After vLLM found no room for the KV cache: raise the model's budget for its next start
     #: (None), or say why that cannot help.
     grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
@@ -531,6 +534,7 @@ class Instance:
         sized = memory_sized(self.spec, self.placement)
         lock = self.ctx.memory_lock(devices, self.id, sized) if self.ctx.memory_lock else _nothing()
         async with contextlib.AsyncExitStack() as stack:
+            self._promise_start_host(stack)
             self._awaiting_devices = True
             try:
                 held = await stack.enter_async_context(lock)
@@ -598,6 +602,25 @@ class Instance:
             while await engine.scan_profiling():
                 pass
         return seconds
+
+    def _promise_start_host(self, stack: contextlib.AsyncExitStack) -> None:
+        """The host RAM the engine pins as it starts (V2's token buffer, `ctx.start_host_mb`)
+        must be available: promised until the start ends, so that sleeps meanwhile count it;
+        `Unavailable` when it is not there (vLLM would fail to pin it, or the kernel would kill
+        something to make room)."""
+        need = self.ctx.start_host_mb(self.spec)
+        if need <= 0:
+            return
+        room = self.ctx.host.room_mb()
+        if need > room:
+            raise Unavailable(
+                f"model '{self.name}': not enough host memory to start: its engine pins "
+                f"{need} MiB for its token buffer (max_num_seqs x max_model_len x 4 bytes per "
+                f"GPU), {room} MiB are available",
+                code="insufficient_host_memory",
+            )
+        self.ctx.host.promise(self.id, need)
+        stack.callback(self.ctx.host.settle, self.id)
 
     async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""

@@ -20,11 +20,12 @@ much free before it starts one.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import math
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,10 +42,32 @@ CUDA_CONTEXT_MB = 768
 NCCL_MB = 512
 #: Fixed part of the activation estimate (workspace, CUDA graphs).
 ACTIVATION_BASE_MB = 512
-#: Bytes per (row x vocabulary) element of the profiling sampler pass: vLLM samples the logits of
-#: ``min(max_num_seqs, max_num_batched_tokens)`` rows in fp32 with top-k/top-p, which keeps about
-#: two such copies alive at its peak (vLLM 0.33 ``v1/worker/gpu_model_runner.py:5866-5925``).
+#: Bytes per (row x vocabulary) element of the profiling sampler passes. vLLM 0.33 runs Model
+#: Runner V2 (``config/vllm.py:731-767``), whose profile samples the logits of
+#: ``min(max_num_seqs, max_num_batched_tokens)`` rows twice, the logits kept across both passes
+#: (at most fp32: 4 B): a default pass, then one with ``SamplingParams.for_sampler_warmup()``
+#: (penalties, bias, top-k/p, min-p, logprobs), which copies the logits to fp32 (4 B)
+#: (``v1/worker/gpu/model_runner.py:1010-1034``, ``v1/worker/gpu/sample/sampler.py:241-242``,
+#: ``sampling_params.py:1477-1493``). Read from the source, not measured.
 SAMPLER_BYTES = 8
+#: Bytes per (row x vocabulary) element of V2's sampler state, built by ``load_model`` inside
+#: the CuMem ``weights`` pool (``v1/worker/gpu_worker.py:594-600``, ``v1/worker/gpu/
+#: model_runner.py:467-495``): ``output_bin_counts``, ``max_num_seqs x vocab`` int32, and
+#: ``prompt_bin_mask``, ``max_num_seqs x ceil(vocab / 32)`` int32 (``v1/worker/gpu/sample/
+#: penalties.py:43-50``), on every rank of the last pipeline stage. A level-1 sleep pins it with
+#: the weights.
+SAMPLER_STATE_BYTES = 4
+#: Rows of one chunk of prompt log-probabilities: V2 computes a request's ``prompt_logprobs``
+#: over the logits of 1024 prompt tokens at a time (``v1/worker/gpu/sample/prompt_logprob.py:
+#: 20,283-305``), outside what the profile ran. Where the profiled sampler rows are fewer, the
+#: estimate leaves room for the difference (4 B per element, fp32 logits at most).
+PROMPT_LOGPROB_ROWS = 1024
+#: Where V2's sampler (state and profiling passes) would take more than this share of the rest
+#: of the estimate (weights and KV cache per device) at vLLM's device defaults, the estimate
+#: plans, and the proxy passes, the small-GPU batch (`SMALL_GPU_DEFAULTS`) instead: at 1024
+#: sequences a 0.5B model with a 152k vocabulary would spend 1.8 GiB on the sampler beside 2.4
+#: GiB of weights and KV cache.
+SAMPLER_SHARE = 0.25
 #: A level-2 wake's reload peak per device when the checkpoint's tensors cannot be read.
 RELOAD_PEAK_MB = 512
 #: Full-length sequences the KV cache is sized for. Planning for vLLM's ``max_num_seqs`` (256 or
@@ -114,6 +137,9 @@ def estimate_footprint_mb(
     device_name: str | None = None,
     context_mb: int = CUDA_CONTEXT_MB,
     nccl_mb: int = NCCL_MB,
+    generates: bool = True,
+    chunked_prefill: bool = True,
+    model_runner_v2: bool = True,
 ) -> Footprint:
     """The memory one engine takes on each of its devices; the first rule that applies wins.
 
@@ -125,8 +151,8 @@ def estimate_footprint_mb(
     2. ``gpu_memory_utilization`` x ``device_total_mb``, rounded up, is the budget: vLLM sizes
        itself to that fraction of the device's total memory on each of its devices, and holds
        the overhead on top.
-    3. The estimate of the budget, per device: ``weights / (tp x pp) + kv_cache / (tp x pp x
-       pcp) + activations``, where
+    3. The estimate of the budget, per device: ``weights / (tp x pp) + sampler state +
+       kv_cache / (tp x pp x pcp) + activations``, where
 
        * weights = parameters x bytes per parameter. With ``params_b`` (billions) they are
          ``params_b x dtype``; otherwise, for a local model directory, the safetensors headers
@@ -141,11 +167,23 @@ def estimate_footprint_mb(
          full-length sequences (fewer when ``max_num_seqs`` is smaller), whatever
          ``max_num_seqs`` allows to run at once. ``kv_cache_memory_bytes`` (vLLM's
          ``--kv-cache-memory-bytes``) replaces it: vLLM then sizes the cache to exactly that;
+       * sampler state (Model Runner V2, `SAMPLER_STATE_BYTES`) = max_num_seqs x (vocab_size
+         + vocab_size / 32) x 4 bytes, in the weights pool: 613 MiB at 1024 sequences and a
+         152k vocabulary. None for a pooling model, or where vLLM runs the V1 runner
+         (``model_runner_v2=False``: prefill context parallel, ``VLLM_USE_V2_MODEL_RUNNER=0``);
        * activations = 512 MiB (workspace, CUDA graphs) + tokens x hidden_size x 2 bytes + the
-         profiling sampler pass, ``min(max_num_seqs, tokens) x vocab_size x SAMPLER_BYTES``,
+         profiling sampler passes, ``min(max_num_seqs, tokens) x vocab_size x SAMPLER_BYTES``,
+         + room for a chunk of prompt log-probabilities beyond them (`PROMPT_LOGPROB_ROWS`),
          with tokens = ``max_num_batched_tokens``, at most max_num_seqs x max_model_len.
          Where they are not given, ``max_num_seqs`` and ``max_num_batched_tokens`` are vLLM's
-         defaults for the device (`batch_defaults`: 1024 and 8192 on an H100 or H200).
+         defaults for the device (`batch_defaults`: 1024 and 8192 on an H100 or H200), or the
+         small-GPU ones where the sampler would take more than `SAMPLER_SHARE` of the weights
+         and KV cache (``detail["batch_from"]`` is then "tight"; a multimodal model keeps the
+         device's token budget, which vLLM may raise for it); without ``chunked_prefill`` the
+         tokens are at least max_model_len, as in vLLM.
+
+       ``detail["token_buffer_mb"]`` is the host RAM V2 pins at start, all devices together
+       (`token_buffer_mb`).
 
        The architecture comes from ``model_config`` or ``config.json`` in ``model_path``
        (``text_config`` of multimodal models is used when present).
@@ -171,32 +209,97 @@ def estimate_footprint_mb(
     serve_bytes = _serving_dtype_bytes(dtype, arch)
     weights, params, how = _weights_bytes(params_b, serve_bytes, model_dir)
     max_len = max_model_len or _arch_int(arch, "max_position_embeddings")
-    default_seqs, default_tokens = batch_defaults(device_total_mb, device_name)
-    # vLLM 0.33 engine/arg_utils.py:3177-3234: defaults bounded by each other and the length.
-    tokens = max_num_batched_tokens or min(default_tokens, (max_num_seqs or default_seqs) * max_len)
-    seqs = max_num_seqs or min(default_seqs, tokens)
-    kv_seqs = min(DEFAULT_KV_SEQUENCES, seqs)
+    vocab = int(arch.get("vocab_size") or 0) if generates else 0
+    batch_from = "args" if max_num_seqs else "device default"
+    defaults = batch_defaults(device_total_mb, device_name)
+    seqs, tokens = _batch(defaults, max_num_seqs, max_num_batched_tokens, max_len, chunked_prefill)
     kv_bytes = _kv_dtype_bytes(kv_cache_dtype, serve_bytes)
-    if kv_cache_memory_bytes is not None:
-        kv = float(kv_cache_memory_bytes)
-    else:
-        kv = _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
-    vocab = int(arch.get("vocab_size") or 0)
+
+    def kv_for(seqs: int) -> float:
+        if kv_cache_memory_bytes is not None:
+            return float(kv_cache_memory_bytes)
+        kv_seqs = min(DEFAULT_KV_SEQUENCES, seqs)
+        return _kv_bytes_per_device(arch, tp, max_len, kv_seqs, kv_bytes) / (pp * pcp)
+
+    # vLLM keeps its own token budget for a multimodal model (the proxy passes none)
+    multimodal = any(k in arch for k in ("vision_config", "audio_config", "text_config"))
+    rest = weights / (tp * pp) + kv_for(seqs)
+    if max_num_seqs is None and _sampler_bytes(seqs, tokens, vocab) > SAMPLER_SHARE * rest:
+        small_seqs = SMALL_GPU_DEFAULTS[0] if multimodal else None
+        small = _batch(
+            defaults if multimodal else SMALL_GPU_DEFAULTS,
+            small_seqs, max_num_batched_tokens, max_len, chunked_prefill,
+        )  # fmt: skip
+        if small[0] < seqs:
+            (seqs, tokens), batch_from = small, "tight"
+    kv = kv_for(seqs)
+    state = sampler_state_bytes(seqs, vocab) if model_runner_v2 else 0
     sampler = min(seqs, tokens) * vocab * SAMPLER_BYTES
+    logprobs = max(min(PROMPT_LOGPROB_ROWS, tokens) * vocab * 4 - sampler, 0)
     act = ACTIVATION_BASE_MB * MIB + tokens * _arch_int(arch, "hidden_size") * 2 + sampler
     parts = {
         "weights_mb": _ceil_mb(weights / (tp * pp)),
+        "sampler_state_mb": _ceil_mb(state),
         "kv_cache_mb": _ceil_mb(kv),
-        "activations_mb": _ceil_mb(act),
+        "activations_mb": _ceil_mb(act + logprobs),
     }
     detail: dict[str, Any] = {**parts, "overhead_mb": overhead, "params": params}
     detail["weights_from"] = how
-    detail |= {"max_model_len": max_len, "max_num_seqs": seqs, "kv_sequences": kv_seqs}
+    detail |= {"max_model_len": max_len, "max_num_seqs": seqs}
+    detail |= {"kv_sequences": min(DEFAULT_KV_SEQUENCES, seqs), "batch_from": batch_from}
     detail |= {"activation_tokens": tokens, "sampler_mb": _ceil_mb(sampler)}
+    detail |= {"prompt_logprobs_mb": _ceil_mb(logprobs), "vocab_size": vocab}
+    detail["token_buffer_mb"] = token_buffer_mb(seqs, max_len) * gpus
+    detail["multimodal"] = multimodal
     detail |= {"tp": tp, "pp": pp, "pcp": pcp, "gpus": gpus}
     if kv_cache_memory_bytes is not None:
         detail["kv_from"] = "kv_cache_memory_bytes"
     return Footprint(sum(parts.values()) + overhead, "estimate", detail, gpus, overhead)
+
+
+def _batch(
+    defaults: tuple[int, int],
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    max_len: int,
+    chunked_prefill: bool,
+) -> tuple[int, int]:
+    """(max_num_seqs, max_num_batched_tokens) as vLLM settles them from the args and the
+    `defaults`: each default bounded by the other and the length, and without chunked prefill
+    at least one full-length sequence of tokens (vLLM 0.33 ``engine/arg_utils.py:3166-3234``)."""
+    default_seqs, default_tokens = defaults
+    tokens = max_num_batched_tokens
+    if tokens is None:
+        tokens = default_tokens if chunked_prefill else max(default_tokens, max_len)
+        tokens = min(tokens, (max_num_seqs or default_seqs) * max_len)
+    return max_num_seqs or min(default_seqs, tokens), tokens
+
+
+def _sampler_bytes(seqs: int, tokens: int, vocab: int) -> float:
+    """V2's sampler on one device: its state and its profiling passes."""
+    return sampler_state_bytes(seqs, vocab) + min(seqs, tokens) * vocab * SAMPLER_BYTES
+
+
+def sampler_state_bytes(max_num_seqs: int, vocab: int) -> int:
+    """Model Runner V2's sampler state per rank of the last pipeline stage, in the ``weights``
+    pool: ``output_bin_counts`` and ``prompt_bin_mask`` (`SAMPLER_STATE_BYTES`)."""
+    return max_num_seqs * (vocab + -(-vocab // 32)) * SAMPLER_STATE_BYTES
+
+
+def sampler_state_tensors(max_num_seqs: int, vocab: int) -> list[int]:
+    """The bytes of V2's two sampler-state tensors, in the order ``PenaltiesState`` allocates
+    them (``v1/worker/gpu/sample/penalties.py:43-50``); [] without a vocabulary."""
+    if not vocab:
+        return []
+    return [max_num_seqs * -(-vocab // 32) * 4, max_num_seqs * vocab * 4]
+
+
+def token_buffer_mb(max_num_seqs: int, max_model_len: int) -> int:
+    """Host RAM Model Runner V2 pins at start on each rank for every request's token ids:
+    ``all_token_ids``, ``max_num_seqs x max_model_len`` int32 in a pinned UVA buffer
+    (``v1/worker/gpu/states.py:32-42``, ``v1/worker/gpu/buffer_utils.py:32-38``), a block that
+    PyTorch's host allocator rounds up to a power of two."""
+    return _ceil_mb(_pow2(max_num_seqs * max_model_len * 4))
 
 
 def batch_defaults(total_mb: int | None, name: str | None = None) -> tuple[int, int]:
@@ -251,6 +354,10 @@ def footprint_for_spec(
     args = {k.replace("-", "_"): v for k, v in spec.args}
     util = args.get("gpu_memory_utilization", args.get("device_memory_utilization"))
     tp, pp, pcp, dp = parallel_sizes(spec)
+    chunked = args.get("enable_chunked_prefill")
+    chunked_off = chunked is False or str(chunked).lower() in ("false", "0")
+    chunked_off = chunked_off or bool(args.get("no_enable_chunked_prefill"))
+    runner_v2 = dict(spec.env).get("VLLM_USE_V2_MODEL_RUNNER", "").lower() not in ("0", "false")
     fp = estimate_footprint_mb(
         memory_mb=spec.memory_mb,
         gpu_memory_utilization=float(str(util)) if util is not None else None,
@@ -270,6 +377,9 @@ def footprint_for_spec(
         device_name=device_name,
         context_mb=context_mb,
         nccl_mb=nccl_mb,
+        generates=not spec.pooling,
+        chunked_prefill=not chunked_off,
+        model_runner_v2=runner_v2 and pcp == 1,
     )
     return _with_lora(spec, fp, tp) if spec.lora else fp
 
@@ -379,29 +489,76 @@ def module_bytes(files: list[Path]) -> tuple[dict[str, int], bool]:
     return modules, floating
 
 
-def pinned_weights_mb(spec: ModelSpec) -> int | None:
-    """Host RAM a level-1 sleep pins for the weights, all devices together, before it was
-    measured.
+def pinned_weights_mb(spec: ModelSpec, max_num_seqs: int | None = None) -> int | None:
+    """Host RAM a level-1 sleep pins for the ``weights`` pool, all devices together, before it
+    was measured.
 
     One pinned backup per CuMem allocation (vLLM 0.33 ``device_allocator/cumem.py:256-276``),
-    from PyTorch's caching host allocator, which rounds each block up to a power of two: here
-    each checkpoint tensor over the tensor-parallel size, rounded so, at the serving dtype
-    (vLLM fuses some tensors, so the real blocks differ; the first sleep is measured and
-    replaces this). Tensor-parallel ranks each pin their slice; pipeline stages split the
+    from PyTorch's caching host allocator, which rounds each block up to a power of two. A CuMem
+    allocation is one of torch's segments, not one tensor: vLLM loads the weights with
+    ``max_split_size_mb=20`` (``v1/worker/gpu_worker.py:594-600``), so tensors share 2 MiB and
+    20 MiB segments (`torch_segments`). The pool holds each checkpoint tensor over the
+    tensor-parallel size at the serving dtype (vLLM fuses some tensors, so the real segments
+    differ; the first sleep is measured and replaces this) and Model Runner V2's sampler state
+    (`sampler_state_tensors`, for `max_num_seqs` sequences: the args', else 1024, the most any
+    device defaults to). Tensor-parallel ranks each pin their slice; pipeline stages split the
     tensors; local data-parallel ranks each pin a copy. None when the headers are not local."""
     model_dir = _local_dir(spec.model)
     files = safetensors_files(model_dir) if model_dir is not None else []
     if not files:
         return None
-    tp, _pp, _pcp, dp = parallel_sizes(spec)
+    tp, _pp, pcp, dp = parallel_sizes(spec)
     try:
         arch = _architecture(None, model_dir)
         args = {k.replace("-", "_"): v for k, v in spec.args}
         serve = _serving_dtype_bytes(str(args.get("dtype") or "auto"), arch)
-        total = sum(_pow2(math.ceil(n / tp)) for n, _ in _served_tensors(files, serve))
+        sizes = [math.ceil(n / tp) for n, _ in _served_tensors(files, serve)]
     except (ValueError, OSError):
         return None
+    seqs = max_num_seqs or _arg_int(args.get("max_num_seqs")) or BIG_GPU_DEFAULTS[0]
+    vocab = int(arch.get("vocab_size") or 0) if not spec.pooling and pcp == 1 else 0
+    sizes += sampler_state_tensors(seqs, vocab)
+    total = sum(_pow2(segment) for segment in torch_segments(sizes))
     return _ceil_mb(total * tp * dp)
+
+
+#: PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of at most
+#: 1 MiB share 2 MiB segments, requests under 10 MiB share 20 MiB segments, larger ones get a
+#: segment of their own rounded up to 2 MiB; a free remainder is split off for later requests
+#: only below ``max_split_size_mb`` (20 in vLLM's weights pool) and above 1 MiB (small: 512 B).
+_SMALL_SIZE = 1 * MIB
+_SMALL_BUFFER = 2 * MIB
+_LARGE_BUFFER = 20 * MIB
+_MIN_LARGE_ALLOC = 10 * MIB
+_ROUND_LARGE = 2 * MIB
+_MAX_SPLIT = 20 * MIB
+
+
+def torch_segments(sizes: Iterable[int]) -> list[int]:
+    """The segments (bytes) PyTorch's caching allocator takes from a CuMem pool for requests of
+    `sizes` bytes made in that order, with ``max_split_size_mb=20``: each request goes into the
+    smallest free remainder that holds it, else into a new segment."""
+    segments: list[int] = []
+    free: dict[bool, list[int]] = {True: [], False: []}  # sorted free remainders per pool
+    for n in sizes:
+        size = max(512, -(-n // 512) * 512)
+        small = size <= _SMALL_SIZE
+        pool = free[small]
+        at = bisect.bisect_left(pool, size) if small or size < _MAX_SPLIT else len(pool)
+        if at < len(pool):
+            block = pool.pop(at)
+        else:
+            if small:
+                block = _SMALL_BUFFER
+            elif size < _MIN_LARGE_ALLOC:
+                block = _LARGE_BUFFER
+            else:
+                block = -(-size // _ROUND_LARGE) * _ROUND_LARGE
+            segments.append(block)
+        rest = block - size
+        if rest >= 512 if small else (size < _MAX_SPLIT and rest > _SMALL_SIZE):
+            bisect.insort(pool, rest)
+    return segments
 
 
 def _pow2(n: int) -> int:

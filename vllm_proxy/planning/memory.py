@@ -380,6 +380,13 @@ class Memory:
             except (ValueError, OSError) as err:
                 problems.append(f"models.{name}: cannot size its GPU memory: {err}")
                 continue
+            if fp.detail.get("batch_from") == "tight":
+                log.info(
+                    "%s: planned and started with %s sequences and %s batched tokens: at the"
+                    " device's default batch vLLM's sampler would crowd its memory (set"
+                    " args.max_num_seqs to choose)",
+                    name, fp.detail["max_num_seqs"], fp.detail["activation_tokens"],
+                )  # fmt: skip
             why = _reload_misfit(spec, fp)
             if why:
                 problems.append(f"models.{name}.sleep.level: {why}")
@@ -662,10 +669,8 @@ class Memory:
             if est.source != "utilization":
                 total = min(self.totals[d] for d in devices)
                 overrides["gpu_memory_utilization"] = utilization_for(self.budget(spec.name), total)
-            if est.source == "estimate" and "max_num_seqs" not in _arg_names(spec):
-                # The estimate's sampler pass and KV sizing assume this many: vLLM must agree
-                # whatever device it believes it runs on.
-                overrides["max_num_seqs"] = int(est.detail["max_num_seqs"])
+            if est.source == "estimate":
+                overrides |= _batch_overrides(spec, est)
         kv = self.kv_bytes(spec)
         if kv is not None:
             overrides["kv_cache_memory_bytes"] = kv
@@ -941,6 +946,25 @@ def _reload_misfit(spec: ModelSpec, fp: Footprint) -> str | None:
         f" fit in the {room} MiB planned for the KV cache and the transient peak; use level 1,"
         " or a longer max_model_len / memory_mb"
     )
+
+
+def _batch_overrides(spec: ModelSpec, est: Footprint) -> dict[str, ArgValue]:
+    """The batch an estimate was made for, where the model's args leave it to vLLM: the
+    sampler's state and passes, the activations and the KV sizing assume it, so vLLM must
+    agree whatever device it believes it runs on, in ``performance_mode: throughput`` (which
+    doubles vLLM's defaults, ``engine/arg_utils.py:3184-3188``) and where the estimate chose a
+    smaller batch than the device's default (``detail["batch_from"] == "tight"``). A pooling
+    model keeps vLLM's own token budget (without chunked prefill it is at least its length),
+    and so does a multimodal one (vLLM raises it to hold one item of a prefix-LM model,
+    ``:3201-3218``, but never a budget it was given)."""
+    names = _arg_names(spec)
+    out: dict[str, ArgValue] = {}
+    if "max_num_seqs" not in names:
+        out["max_num_seqs"] = int(est.detail["max_num_seqs"])
+    own = spec.pooling or est.detail.get("multimodal")
+    if "max_num_batched_tokens" not in names and not own:
+        out["max_num_batched_tokens"] = int(est.detail["activation_tokens"])
+    return out
 
 
 def _arg_names(spec: ModelSpec) -> set[str]:

@@ -111,6 +111,7 @@ class Manager:
         ctx.weights_mb = self._weights_mb
         ctx.runtime_mb = self._runtime_mb
         ctx.host_victims = self._host_victims
+        ctx.start_host_mb = self._start_host_mb
         #: State changes and memory over time, for the console.
         self.journal = Journal()
         ctx.observe = self._observe
@@ -357,10 +358,11 @@ class Manager:
         self.queue.changed()
 
     def _weights_mb(self, spec: ModelSpec) -> int | None:
-        """Host RAM a level-1 sleep of `spec` pins for its weights, all devices together (the
-        caller adds the runtime pool), until a sleep of its engine was measured: one pinned
-        block per allocation, each rounded up to a power of two by PyTorch's host allocator
-        (`footprint.pinned_weights_mb`), and what its CPU cache of adapters may still take."""
+        """Host RAM a level-1 sleep of `spec` pins for its weights pool, all devices together
+        (the caller adds the runtime pool), until a sleep of its engine was measured: one
+        pinned block per torch segment of the weights and V2's sampler state, each rounded up
+        to a power of two by PyTorch's host allocator (`footprint.pinned_weights_mb`, for the
+        batch the estimate planned), and what its CPU cache of adapters may still take."""
         fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
         if fp is None:
             try:
@@ -368,17 +370,27 @@ class Manager:
             except (ValueError, OSError):
                 fp = None
         lora = lora_host_mb(spec)
-        pinned = pinned_weights_mb(spec)
+        seqs = fp.detail.get("max_num_seqs") if fp is not None else None
+        pinned = pinned_weights_mb(spec, seqs if isinstance(seqs, int) else None)
         if pinned is not None:
             return pinned + lora
         weights = fp.detail.get("weights_mb") if fp is not None else None
         if fp is not None and isinstance(weights, int | float):
-            return int(weights) * fp.gpus + lora
+            state = int(fp.detail.get("sampler_state_mb", 0))
+            return (int(weights) + state) * fp.gpus + lora
         if spec.params_b is not None:  # 16-bit weights
             return math.ceil(spec.params_b * 1e9 * 2 / 2**20) + lora
         if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
             return fp.budget_mb * fp.gpus + lora
         return None
+
+    def _start_host_mb(self, spec: ModelSpec) -> int:
+        """Host RAM an engine of `spec` pins as it starts, all ranks together: Model Runner V2's
+        token buffer for the batch its estimate planned (`footprint.token_buffer_mb`); 0 where
+        the footprint was not estimated."""
+        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
+        pinned = fp.detail.get("token_buffer_mb", 0) if fp is not None else 0
+        return int(pinned) if isinstance(pinned, int) else 0
 
     def _runtime_mb(self, spec: ModelSpec) -> int:
         """Host RAM a sleep of either level pins for the ``runtime`` pool, all devices
