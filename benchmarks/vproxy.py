@@ -57,12 +57,18 @@ class _Selector(selectors.DefaultSelector):
             return events
         if timeout is None:
             raise RuntimeError("virtual loop: nothing ready and no timer (a deadlock)")
-        self.loop.now += timeout
+        # Never less than one float step: a timer is due only once the clock reads its time.
+        self.loop.now = max(self.loop.now + timeout, math.nextafter(self.loop.now, math.inf))
         return []
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock jumps to the next timer when nothing is ready."""
+    """An event loop whose clock jumps to the next timer when nothing is ready.
+
+    A timer that runs moves the clock to its time: asyncio runs timers due within its clock
+    resolution at once, and while other callbacks are ready it does not wait, so without this a
+    task that waits for a deadline one float step after now, and plans again when woken, would
+    be woken at the same instant for ever (admission's next-change wait, two waiters)."""
 
     def __init__(self) -> None:
         selector = _Selector()
@@ -70,6 +76,14 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         super().__init__(selector)
         selector.loop = self
         self._clock_resolution = 1e-9
+
+    def call_at(self, when: float, callback: Callable[..., Any], *args: Any,
+                context: Any = None) -> asyncio.TimerHandle:  # type: ignore[override]  # fmt: skip
+        return super().call_at(when, self._due, when, callback, *args, context=context)
+
+    def _due(self, when: float, callback: Callable[..., Any], *args: Any) -> None:
+        self.now = max(self.now, when)
+        callback(*args)
 
     def time(self) -> float:
         return self.now

@@ -3,9 +3,11 @@ workload in virtual time, its invariants, and its traffic generator and replay p
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import itertools
 import json
+import math
 import sys
 import xml.etree.ElementTree as ET
 from collections import Counter
@@ -282,3 +284,32 @@ def test_the_goal_line_names_only_the_gaps_beyond_the_seeds_spread() -> None:
                             sweeps)  # fmt: skip
     assert "by more than the seeds' spread, at M = 5 at 0.05 req/s" in text
     assert text.endswith("The goal is **not met**.")
+
+
+def test_the_virtual_clock_moves_to_a_deadline_one_float_step_ahead() -> None:
+    """Two tasks each wait for a deadline one float step after now and plan again when woken
+    (admission's next-change wait): the clock must reach the deadline, not run their timers
+    at the same instant for ever while the other task is ready."""
+    vproxy = density.vproxy
+    loop = vproxy.VirtualLoop()
+    loop.now = 1000.0
+    deadline = math.nextafter(loop.now, math.inf)
+    woken: list[float] = []
+
+    async def waiter(offset: int) -> None:
+        for _ in range(offset):
+            await asyncio.sleep(0)
+        while loop.time() < deadline:
+            assert len(woken) < 1000, "woken a thousand times before the deadline"
+            await asyncio.sleep(deadline - loop.time())
+            woken.append(loop.time())
+
+    async def both() -> None:
+        await asyncio.gather(waiter(0), waiter(1))
+
+    try:
+        loop.run_until_complete(both())
+    finally:
+        loop.close()
+    assert loop.now == deadline
+    assert woken and all(t == deadline for t in woken), woken
