@@ -77,8 +77,9 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         selector.loop = self
         self._clock_resolution = 1e-9
 
-    def call_at(self, when: float, callback: Callable[..., Any], *args: Any,
-                context: Any = None) -> asyncio.TimerHandle:  # type: ignore[override]  # fmt: skip
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., Any], *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
         return super().call_at(when, self._due, when, callback, *args, context=context)
 
     def _due(self, when: float, callback: Callable[..., Any], *args: Any) -> None:
