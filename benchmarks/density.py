@@ -113,6 +113,8 @@ POLICIES = ("stop-on-swap", "sleep-on-swap", "swap-groups", "planner", "schedule
 SWAPPERS = ("stop-on-swap", "sleep-on-swap", "swap-groups")
 MIB_PER_GIB = 1024
 TARGET = 0.95
+#: A sleep timer that never fires within a run (``--no-idle-timers``; the config has no "off").
+NEVER_S = 10 * 365 * 86400.0
 #: TTFT targets (seconds) every policy is judged on alike, whatever it did to the model.
 SLO_TARGETS = (2.0, 5.0, 10.0, 30.0, 60.0)
 
@@ -541,6 +543,13 @@ class Result:
     swaps: int = 0
     cold_starts: int = 0
     wakes: int = 0
+    #: Engines put to sleep and stopped (for memory or by the idle timers), and level-1 sleeps
+    #: that host RAM turned into level-2 ones (or into stops).
+    sleeps: int = 0
+    stops: int = 0
+    fallbacks: int = 0
+    #: The most host RAM pinned by sleeping engines at once (MiB).
+    max_pinned_mib: int = 0
     start_gpu_s: float = 0.0
     wake_gpu_s: float = 0.0
     late_overtakes: int = 0
@@ -583,6 +592,10 @@ class Result:
             "max_used_mib": self.max_used_mib,
             "over_commits": self.over_commits,
             "busy_evictions": self.busy_evictions,
+            "sleeps": self.sleeps,
+            "stops": self.stops,
+            "fallbacks": self.fallbacks,
+            "max_pinned_mib": self.max_pinned_mib,
         }
 
     def within(self) -> dict[str, int]:
@@ -1023,9 +1036,9 @@ def proxy_run(
                                "verify_wake": False}}  # fmt: skip
         if st.idle_timeout_s is not None:
             models[n]["idle_timeout_s"] = st.idle_timeout_s
-        if not st.idle_timers:
+        if not st.idle_timers:  # no timer at all (0 would put idle engines to sleep at once)
             models[n]["idle_timeout_s"] = 0
-            models[n]["sleep"]["after_idle_s"] = 0
+            models[n]["sleep"]["after_idle_s"] = NEVER_S
     world = vproxy.World(timing, round(st.host_ram_gib * MIB_PER_GIB),
                          capacity_mib=prof.total_mib - prof.reserve_mib)  # fmt: skip
     engine = {"min_resident_s": st.min_resident_s if scheduler else 0.0}
@@ -1077,6 +1090,10 @@ def proxy_run(
         "wake_gpu_s",
         "late_overtakes",
         "reorders",
+        "sleeps",
+        "stops",
+        "fallbacks",
+        "max_pinned_mib",
         "max_used_mib",
         "over_commits",
         "busy_evictions",
@@ -1124,9 +1141,11 @@ def merged(runs: Sequence[Result]) -> Result:
             getattr(out, name).extend(getattr(r, name))
     for name in ("measured_s", "generated", "served", "timed_out", "gave_up", "unserved",
                  "counted", "swaps", "cold_starts", "wakes", "start_gpu_s", "wake_gpu_s",
-                 "late_overtakes", "reorders", "over_commits", "busy_evictions"):  # fmt: skip
+                 "late_overtakes", "reorders", "over_commits", "busy_evictions", "sleeps",
+                 "stops", "fallbacks"):  # fmt: skip
         setattr(out, name, sum(getattr(r, name) for r in runs))
     out.max_beyond_turn_s = max(r.max_beyond_turn_s for r in runs)
+    out.max_pinned_mib = max(r.max_pinned_mib for r in runs)
     out.max_used_mib = max(r.max_used_mib for r in runs)
     return out
 

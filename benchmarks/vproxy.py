@@ -134,8 +134,15 @@ class World:
     swaps: int = 0
     cold_starts: int = 0
     wakes: int = 0
+    #: Sleeps and stops of engines (for memory or by the idle timers), and level-1 sleeps asked
+    #: that host RAM turned into level-2 ones.
+    sleeps: int = 0
+    stops: int = 0
+    fallbacks: int = 0
     start_gpu_s: float = 0.0
     wake_gpu_s: float = 0.0
+    #: The most host RAM pinned by sleeping engines at once (MiB).
+    max_pinned_mib: int = 0
     counting: bool = False
     leases: dict[str, int] = field(default_factory=dict)
 
@@ -196,6 +203,10 @@ class VirtualEngine(EngineProcess):
 
     async def sleep(self, client: Any, level: int) -> None:
         self._evicted()
+        if self.world.counting:
+            self.world.sleeps += 1
+            asked = self.spec.sleep.level if self.spec.sleep is not None else level
+            self.world.fallbacks += level > asked
         await asyncio.sleep(self.timing.sleep_s(level, not self._slept))
         assert self.pid is not None
         self.world.hold(self.pid, self.timing.residue_mib)
@@ -203,6 +214,8 @@ class VirtualEngine(EngineProcess):
             self._slept = True
             assert self.pid is not None
             self.world.pinned[self.pid] = self.timing.weights_mib
+            pinned = sum(self.world.pinned.values())
+            self.world.max_pinned_mib = max(self.world.max_pinned_mib, pinned)
 
     async def wake(self, client: Any, level: int) -> None:
         seconds = self.timing.wake_s(level)
@@ -228,6 +241,8 @@ class VirtualEngine(EngineProcess):
     async def stop(self, grace: float) -> int | None:
         if not self._gone.is_set():
             self._evicted()
+            if self.world.counting:
+                self.world.stops += 1
             await asyncio.sleep(self.timing.stop_s)
             self._exit(0)
         return self.exit_code

@@ -313,3 +313,23 @@ def test_the_virtual_clock_moves_to_a_deadline_one_float_step_ahead() -> None:
         loop.close()
     assert loop.now == deadline
     assert woken and all(t == deadline for t in woken), woken
+
+
+def test_no_idle_timers_leaves_idle_engines_awake() -> None:
+    """``--no-idle-timers``: two models that fit together, each used once; with the timers off
+    neither is put to sleep or stopped, with the shipped ones (``sleep.after_idle_s``) both
+    are put to sleep once idle (and the first is woken for its second request)."""
+    prof = density.load_profile(density.PROFILE)
+    sizes = [prof.sizes["3b"], prof.sizes["1.5b"]]
+    names = ["a-3b", "b-1.5b"]
+    arrivals = [density.Arrival(0.0, 0, 100, 10), density.Arrival(5.0, 1, 100, 10),
+                density.Arrival(300.0, 0, 100, 10)]  # fmt: skip
+
+    def run(idle_timers: bool) -> Any:
+        st = replace(density.Settings(), idle_timers=idle_timers)
+        return density.simulate("scheduler", arrivals, names, sizes, prof, st, 0.0, 900.0)
+
+    off, on = run(False), run(True)
+    assert off.cold_starts == 2 and off.served == 3
+    assert (off.sleeps, off.stops, off.wakes) == (0, 0, 0), (off.sleeps, off.stops, off.wakes)
+    assert on.sleeps == 2 and on.wakes == 1, (on.sleeps, on.wakes)
