@@ -27,7 +27,10 @@ The policies, side by side on the same requests:
   FIFO until the current model's requests end, then it is stopped and the other cold-starts.
 * ``sleep-on-swap`` (llmsnap): the same, but the current model is put to sleep (level 1) and a
   sleeping one is woken; sleepers keep their residue, and when the GPU is full the least
-  recently used sleeper is stopped.
+  recently used sleeper is stopped. Its sleeps obey the same host RAM as the proxy's
+  (``--host-ram-gib``): an engine keeps its weights pinned from its first level-1 sleep until
+  it stops, and where they do not fit in what is left a sleep falls back to level 2 (its wake
+  reloads the weights), or to a stop where no level fits, as the proxy decides.
 * ``swap-groups`` (llama-swap with ``groups``): the most requested models per GiB form one
   persistent group whose members stay resident together once started (``swap: false``), as
   long as the room left still holds the largest other model; the others form one swap group:
@@ -99,6 +102,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import docs_writer  # noqa: E402
 import vproxy  # noqa: E402
 
+from vllm_proxy.engines.instance import HOST_RAM_MARGIN_MB, RUNTIME_POOL_MB  # noqa: E402
 from vllm_proxy.planning.scheduler import (  # noqa: E402
     Phase,
 )
@@ -488,7 +492,8 @@ class Engine:
         self.attempt = 0.0
         self.waiting: deque[Req] = deque()  # for a bring-up (or riding on one)
         self.held_reqs: deque[Req] = deque()  # for this awake engine, held behind a waiter
-        self.slept = False  # it has been put to sleep before: pinned buffers exist
+        self.slept = False  # it has been put to sleep at level 1 before: pinned buffers exist
+        self.level = 1  # the level of its sleep now (or its last one)
         self.start_s: float | None = None
         self.wake_s: float | None = None
         self.start_mean: float | None = None
@@ -666,6 +671,13 @@ class Sim:
         self.now = 0.0
         self.cap = prof.total_mib - prof.reserve_mib
         self.used = 0
+        #: Host RAM for sleeps, and what each engine keeps pinned there (from its first level-1
+        #: sleep until it stops: PyTorch keeps the pinned blocks cached), as in the proxy
+        #: (vllm_proxy/planning/hostmem.py) and its virtual engines (benchmarks/vproxy.py).
+        self.host_mib = round(st.host_ram_gib * MIB_PER_GIB)
+        self.pinned: dict[int, int] = {}
+        #: What a sleep of a model at a level was seen to pin (the proxy learns it likewise).
+        self.learned: dict[tuple[str, int], int] = {}
 
     # -- the loop
 
@@ -810,22 +822,58 @@ class Sim:
         assert e.state == ASLEEP
         e.committed = False
         self._take(e, e.size.footprint_mib)
-        seconds = self.prof.wake_s(e.size, self.st.sleep_level)
+        seconds = self.prof.wake_s(e.size, e.level)
         self._begin(e, WAKING, seconds)
         if self._counted():
             self.res.wakes += 1
             self.res.wake_gpu_s += seconds
 
     def sleep(self, e: Engine) -> None:
+        """Put `e` to sleep at the level host RAM allows, as the proxy does
+        (`Instance._choose_level`): level 1 falls back to level 2 where the weights do not fit
+        in what is left, and with no level fitting the engine is stopped instead."""
         assert e.state == AWAKE
+        level = self.sleep_level(e)
+        if level != self.st.sleep_level and self._counted():
+            self.res.fallbacks += 1
+        if level is None:
+            self.stop(e)
+            return
         self._evicting(e)
-        seconds = self.prof.sleep_s(e.size, self.st.sleep_level, first=not e.slept)
-        e.slept = True
+        seconds = self.prof.sleep_s(e.size, level, first=not e.slept)
+        e.level = level
+        if level == 1:
+            e.slept = True
+            weights = round(e.size.weights_gib * MIB_PER_GIB)
+            self.pinned[e.idx] = max(self.pinned.get(e.idx, 0), weights)
+            self.learned[(e.name, 1)] = self.pinned[e.idx]
+            self.res.max_pinned_mib = max(self.res.max_pinned_mib, sum(self.pinned.values()))
+        elif not self.pinned.get(e.idx):  # a first sleep at level 2 pins the runtime pool,
+            self.learned[(e.name, 2)] = 0  # which neither these engines nor vproxy's model
+        if self._counted():
+            self.res.sleeps += 1
         self._begin(e, FALLING, seconds)
+
+    def sleep_level(self, e: Engine) -> int | None:
+        """The level `e`'s sleep takes (None: none fits, it is stopped): what it would pin
+        beyond what it keeps pinned (learned, else the proxy's guess: the weights and the
+        runtime pool, or the runtime pool alone), with the proxy's margin, within host RAM."""
+        weights = round(e.size.weights_gib * MIB_PER_GIB)
+        guesses = {1: weights + RUNTIME_POOL_MB, 2: RUNTIME_POOL_MB}
+        room = self.host_mib - sum(self.pinned.values())
+        levels = [1, 2] if self.st.sleep_level == 1 else [self.st.sleep_level]
+        for level in levels:
+            expected = self.learned.get((e.name, level), guesses[level])
+            need = max(expected - self.pinned.get(e.idx, 0), 0)
+            if not need or need + HOST_RAM_MARGIN_MB <= room:
+                return level
+        return None
 
     def stop(self, e: Engine) -> None:
         assert e.state in (AWAKE, ASLEEP), e.state
         self._evicting(e)
+        if self._counted():
+            self.res.stops += 1
         self._begin(e, STOPPING, self.prof.stop_s)
 
     def _evicting(self, e: Engine) -> None:
@@ -853,6 +901,8 @@ class Sim:
             self._take(e, e.size.residue_mib)
         elif e.state == STOPPING:
             e.state = COLD
+            e.slept = False
+            self.pinned.pop(e.idx, None)
             self._take(e, 0)
 
 
@@ -1887,7 +1937,8 @@ def reading(res: dict[str, Any]) -> list[str]:
                     "locked meanwhile) or answers 503 at queue_timeout_s, and the idle timer "
                     "stops engines asleep for idle_timeout_s (600 s as shipped). Sleep-on-swap "
                     "serves one model at a time from one FIFO without a time-out and keeps "
-                    "every model asleep on the GPU (host RAM is not modelled for it)."
+                    "every model asleep on the GPU (within the same host RAM: level 2 where "
+                    "the weights do not fit)."
                 )
             out.append(text)
         out.append(

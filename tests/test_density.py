@@ -333,3 +333,26 @@ def test_no_idle_timers_leaves_idle_engines_awake() -> None:
     assert off.cold_starts == 2 and off.served == 3
     assert (off.sleeps, off.stops, off.wakes) == (0, 0, 0), (off.sleeps, off.stops, off.wakes)
     assert on.sleeps == 2 and on.wakes == 1, (on.sleeps, on.wakes)
+
+
+def test_sleep_on_swap_obeys_host_ram() -> None:
+    """Sleep-on-swap pins what the proxy's sleeps pin, within the same host RAM: where the
+    weights do not fit in what is left its sleeps fall back to level 2 (the wake reloads them),
+    as the proxy's do; with room for every model nothing falls back."""
+    prof = density.load_profile(density.PROFILE)
+    arrivals, names, sizes = density.workload(6, prof, SMALL)
+
+    def run(policy: str, gib: float) -> Any:
+        st = replace(density.Settings(), host_ram_gib=gib)
+        return density.simulate(policy, arrivals, names, sizes, prof, st, SMALL.warmup_s,
+                                SMALL.duration_s)  # fmt: skip
+
+    roomy, short = run("sleep-on-swap", 1024.0), run("sleep-on-swap", 16.0)
+    print("pinned at most", roomy.max_pinned_mib, short.max_pinned_mib, "fallbacks",
+          roomy.fallbacks, short.fallbacks)  # fmt: skip
+    assert roomy.fallbacks == 0 and roomy.max_pinned_mib > 16 * 1024
+    assert short.fallbacks > 0 and 0 < short.max_pinned_mib <= 16 * 1024
+    assert short.sleeps > 0 and short.over_commits == 0 and short.busy_evictions == 0
+    # The proxy on the same host falls back likewise.
+    proxy = run("scheduler", 16.0)
+    assert proxy.max_pinned_mib <= 16 * 1024
