@@ -271,19 +271,43 @@ def test_a_gap_the_seeds_disagree_on_is_within_their_spread() -> None:
 
 def test_the_goal_line_names_only_the_gaps_beyond_the_seeds_spread() -> None:
     main_p, main_x = _row([50, 50]), _row([60, 62])
+    main = {
+        "planner": {**main_p, "late_overtakes": 3},
+        "scheduler": {**main_x, "late_overtakes": 0},
+    }
     sweeps = {"0.05": [{**_row([90, 90, 90, 90]), "policy": "planner", "m": 5},
                        {**_row([87, 92, 89, 90]), "policy": "scheduler", "m": 5,
                         "late_overtakes": 0}]}  # fmt: skip
-    text = density.standing({**main_p, "late_overtakes": 3}, {**main_x, "late_overtakes": 0},
-                            sweeps)  # fmt: skip
-    assert "nowhere behind the planner by more than the seeds' spread" in text
-    assert "M = 5 at 0.05 req/s (10 s -0.5 (2 of 400 requests))" in text
+    text = density.standing(main, sweeps)
+    assert "nowhere behind any other policy by more than the seeds' spread" in text
+    assert "planner at M = 5 at 0.05 req/s (10 s -0.5 (2 of 400 requests))" in text
     assert text.endswith("The goal is **met**.")
     sweeps["0.05"][1] = {**_row([88, 88, 89, 88]), "policy": "scheduler", "m": 5}
-    text = density.standing({**main_p, "late_overtakes": 3}, {**main_x, "late_overtakes": 0},
-                            sweeps)  # fmt: skip
-    assert "by more than the seeds' spread, at M = 5 at 0.05 req/s" in text
+    text = density.standing(main, sweeps)
+    assert "by more than the seeds' spread, planner at M = 5 at 0.05 req/s" in text
     assert text.endswith("The goal is **not met**.")
+
+
+def test_the_goal_line_compares_the_shipped_defaults_with_every_policy() -> None:
+    """Ahead of the planner is not enough: a one-model policy ahead at a target, on the main
+    workload or on one M of a sweep, misses the goal, and each is named."""
+    sched = {**_row([60, 62]), "policy": "scheduler", "m": 12, "late_overtakes": 0}
+    main = {"planner": {**_row([50, 50]), "policy": "planner", "m": 12}, "scheduler": sched,
+            "sleep-on-swap": {**_row([70, 71]), "policy": "sleep-on-swap", "m": 12}}  # fmt: skip
+    text = density.standing(main, {})
+    assert "sleep-on-swap at the main workload (10 s -9.5" in text
+    assert "planner at" not in text
+    assert "sleep-on-swap -9.5" in text and "planner +11.0" in text
+    assert text.endswith("The goal is **not met**.")
+    rates = {"0.2": list(main.values())}
+    sweeps = {"0.2": [*main.values(),
+                      {**_row([90, 90, 90, 90]), "policy": "swap-groups", "m": 5},
+                      {**_row([95, 95, 96, 95]), "policy": "scheduler", "m": 5}]}  # fmt: skip
+    text = density.standing(main, sweeps, rates)
+    assert "sleep-on-swap at M = 12 at 0.2 req/s" in text and "at the main workload" not in text
+    assert "swap-groups" not in text  # behind the scheduler at M = 5
+    main["sleep-on-swap"] = {**_row([55, 56]), "policy": "sleep-on-swap", "m": 12}
+    assert density.standing(main, {}).endswith("The goal is **met**.")
 
 
 def test_the_virtual_clock_moves_to_a_deadline_one_float_step_ahead() -> None:
