@@ -103,6 +103,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import docs_writer  # noqa: E402
 import vproxy  # noqa: E402
 
+from vllm_proxy.config import AdmissionConfig, EngineKeys  # noqa: E402
 from vllm_proxy.engines.instance import HOST_RAM_MARGIN_MB, RUNTIME_POOL_MB  # noqa: E402
 from vllm_proxy.planning.scheduler import (  # noqa: E402
     Phase,
@@ -501,6 +502,12 @@ class Engine:
         self.wake_mean: float | None = None
 
 
+def shipped(keys: Any, name: str) -> float:
+    """A setting's shipped default (vllm_proxy/config.py), so that the scheduler runs as users
+    get it when the defaults change."""
+    return float(keys.model_fields[name].default)
+
+
 @dataclass
 class Settings:
     """What every policy shares in one run, and the scheduler's own settings."""
@@ -508,12 +515,12 @@ class Settings:
     #: The one TTFT target of the headline column and of models per GPU (every request).
     slo_s: float = 10.0
     sleep_level: int = 1
-    max_reorder_s: float = 10.0
-    min_resident_s: float = 30.0
-    idle_grace_s: float = 1.0
+    max_reorder_s: float = shipped(AdmissionConfig, "max_reorder_s")
+    min_resident_s: float = shipped(EngineKeys, "min_resident_s")
+    idle_grace_s: float = shipped(AdmissionConfig, "idle_grace_s")
     #: Caps the reorder window at half of it, and a hold at all of it (the sim has no other
     #: time-outs: a request waits until served).
-    queue_timeout_s: float = 30.0
+    queue_timeout_s: float = shipped(AdmissionConfig, "queue_timeout_s")
     #: A client hangs up after waiting this long for its first token (None: never).
     give_up_s: float | None = None
     #: Host RAM for level-1 sleeps (the proxy falls back to level 2 where it is short).

@@ -380,3 +380,15 @@ def test_sleep_on_swap_obeys_host_ram() -> None:
     # The proxy on the same host falls back likewise.
     proxy = run("scheduler", 16.0)
     assert proxy.max_pinned_mib <= 16 * 1024
+
+
+def test_the_scheduler_runs_with_the_shipped_defaults() -> None:
+    """The settings the scheduler runs with by default are the config's defaults, whatever
+    they are changed to."""
+    from vllm_proxy.config import AdmissionConfig, EngineKeys
+
+    st, adm = density.Settings(), AdmissionConfig()
+    assert (st.max_reorder_s, st.idle_grace_s, st.queue_timeout_s) == (
+        adm.max_reorder_s, adm.idle_grace_s, adm.queue_timeout_s)  # fmt: skip
+    assert st.min_resident_s == EngineKeys.model_fields["min_resident_s"].default
+    assert st.idle_timers and st.idle_timeout_s is None
