@@ -392,3 +392,16 @@ def test_the_scheduler_runs_with_the_shipped_defaults() -> None:
         adm.max_reorder_s, adm.idle_grace_s, adm.queue_timeout_s)  # fmt: skip
     assert st.min_resident_s == EngineKeys.model_fields["min_resident_s"].default
     assert st.idle_timers and st.idle_timeout_s is None
+
+
+def test_the_decode_rates_follow_the_measured_bandwidth() -> None:
+    """Each decode rate reads the weights at the share of the H100's bandwidth that its
+    source measured for one stream (about 27 %), capped at 300 tokens/s; the figures that no
+    source measured are marked as estimates in the profile."""
+    prof = density.load_profile(density.PROFILE)
+    for s in prof.sizes.values():
+        expected = min(0.27 * 3.35e12 / (s.weights_gib * 2**30), 300)
+        assert abs(s.decode_tok_s - expected) <= 0.02 * expected, (s.name, s.decode_tok_s)
+    text = density.PROFILE.read_text()
+    assert "footprint_gib" in text and "ESTIMATES, not measured" in text
+    assert "4-GPU" in text  # the swap figure says what case it is
