@@ -1822,12 +1822,14 @@ def docs_section(
         "defaults; only the engine process is virtual (the profile's start, sleep, wake and "
         "stop times) and the clock jumps to the next timer (`benchmarks/vproxy.py`). "
         "`tests/test_density_differential.py` runs one small trace through this engine model "
-        "and through the proxy on fake engines and checks that both take the same starts, "
-        "sleeps, wakes and stops and answer alike. The one-model policies and llama-swap's "
-        "groups are a discrete-event simulation of those tools. The method is in the script's "
-        "docstring. Every run checks that GPU memory is never over-committed and that no engine "
-        "with a request in flight is put to sleep or stopped (every run below: none), and the "
-        "test suite runs it at a small size (`tests/test_density.py`).",
+        "and through the proxy on fake engines, both with the shipped defaults, and checks that "
+        "both take the same starts, sleeps, wakes and stops and answer alike, and that each "
+        "request's time to first token in the model lies between what the proxy showed it must "
+        "wait for (a start, a wake) and what it took there. The one-model policies and "
+        "llama-swap's groups are a discrete-event simulation of those tools. The method is in "
+        "the script's docstring. Every run checks that GPU memory is never over-committed and "
+        "that no engine with a request in flight is put to sleep or stopped (every run below: "
+        "none), and the test suite runs it at a small size (`tests/test_density.py`).",
         "",
         f"Figures (`benchmarks/density_profile.yaml`, the one file to change them, each figure "
         f"with its source there; {prof.gpu_name}, {prof.total_mib} MiB, {prof.reserve_mib} MiB "
