@@ -262,6 +262,10 @@ async def test_the_benchmark_and_the_proxy_decide_alike(
         assert r >= least, (k, r, least)  # what the bound says of the real proxy
         assert v >= least - 1e-9, f"request {k}: virtual TTFT {v:.3f} s < {least} s it waits for"
         assert v <= r + SLACK_S, f"request {k}: virtual TTFT {v:.3f} s > real {r:.3f} s"
+    # The first request finds the GPU empty: its wait is one start, exactly as long as the
+    # engine model's (the fake engine's own start-up adds its process's, so the bound above
+    # alone would let a slower model start pass).
+    assert bounds[0] == START_S and modelled_ttft[0] == pytest.approx(START_S)
     # The trace exercises what it is for: starts, sleeps, wakes, stops, and a 503; requests
     # that wait for a start and for a wake.
     kinds = {k for ks in modelled.values() for k in ks}
