@@ -1665,6 +1665,10 @@ def main(argv: list[str] | None = None) -> int:
             {**{k: v for k, v in r.items() if k != "per_model"}, "rate": j[3].rate}
             for r, j in zip(alt_done, alt_jobs, strict=True)]}  # fmt: skip
     lines += ["", *goals(main_rows, sweep)]
+    by_policy = {r["policy"]: r for r in main_rows}
+    if "scheduler" in by_policy and len(by_policy) > 1:
+        lines.append(standing(by_policy, {str(q): rs for q, rs in sweeps.items()},
+                              {str(q): rs for q, rs in by_rate.items()}))  # fmt: skip
     if args.pair_s > 0:
         pair_lines, res["pair"] = pair(args, st, pols, args.pair_s)
         lines += ["", *pair_lines]
@@ -1967,8 +1971,6 @@ def reading(res: dict[str, Any]) -> list[str]:
             f"{pc(at['60'])} within 60 s, {pc(groups['answered'])} answered at all. Its resident "
             "group is fast; the swap group is one FIFO of cold starts, as stop-on-swap."
         )
-    if sched is not None and len(rows) > 1:
-        out.append(standing(rows, sweeps, res.get("rates") or {}))
     alt = res.get("also_idle_timeout")
     if alt:
         rows_ = {(r["policy"], r["rate"]): r for r in alt["rows"]}
