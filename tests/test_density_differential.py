@@ -46,9 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 TOKEN_S = 0.03
 LONG_TOKENS = 100
 #: The engines' times (seconds), the same in both worlds (a real stop takes what it takes).
+#: A sleep is long beside the test's polling: in a step whose first request puts engines to
+#: sleep, the later requests must come while those sleeps last, as they do in virtual time.
 START_S = 1.0
 WAKE_S = 0.2
-SLEEP_S = 0.2
+SLEEP_S = 0.5
 STOP_S = 0.0
 #: Virtual seconds from one step to the next; real seconds of stillness before the next step
 #: (both longer than the idle grace, so that an engine of the step before is idle in both).
