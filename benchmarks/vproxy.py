@@ -57,12 +57,18 @@ class _Selector(selectors.DefaultSelector):
             return events
         if timeout is None:
             raise RuntimeError("virtual loop: nothing ready and no timer (a deadlock)")
-        self.loop.now += timeout
+        # Never less than one float step: a timer is due only once the clock reads its time.
+        self.loop.now = max(self.loop.now + timeout, math.nextafter(self.loop.now, math.inf))
         return []
 
 
 class VirtualLoop(asyncio.SelectorEventLoop):
-    """An event loop whose clock jumps to the next timer when nothing is ready."""
+    """An event loop whose clock jumps to the next timer when nothing is ready.
+
+    A timer that runs moves the clock to its time: asyncio runs timers due within its clock
+    resolution at once, and while other callbacks are ready it does not wait, so without this a
+    task that waits for a deadline one float step after now, and plans again when woken, would
+    be woken at the same instant for ever (admission's next-change wait, two waiters)."""
 
     def __init__(self) -> None:
         selector = _Selector()
@@ -70,6 +76,15 @@ class VirtualLoop(asyncio.SelectorEventLoop):
         super().__init__(selector)
         selector.loop = self
         self._clock_resolution = 1e-9
+
+    def call_at(  # type: ignore[override]
+        self, when: float, callback: Callable[..., Any], *args: Any, context: Any = None
+    ) -> asyncio.TimerHandle:
+        return super().call_at(when, self._due, when, callback, *args, context=context)
+
+    def _due(self, when: float, callback: Callable[..., Any], *args: Any) -> None:
+        self.now = max(self.now, when)
+        callback(*args)
 
     def time(self) -> float:
         return self.now
@@ -122,8 +137,15 @@ class World:
     swaps: int = 0
     cold_starts: int = 0
     wakes: int = 0
+    #: Sleeps and stops of engines (for memory or by the idle timers), and level-1 sleeps asked
+    #: that host RAM turned into level-2 ones.
+    sleeps: int = 0
+    stops: int = 0
+    fallbacks: int = 0
     start_gpu_s: float = 0.0
     wake_gpu_s: float = 0.0
+    #: The most host RAM pinned by sleeping engines at once (MiB).
+    max_pinned_mib: int = 0
     counting: bool = False
     leases: dict[str, int] = field(default_factory=dict)
 
@@ -194,6 +216,10 @@ class VirtualEngine(EngineProcess):
 
     async def sleep(self, client: Any, level: int) -> None:
         self._evicted()
+        if self.world.counting:
+            self.world.sleeps += 1
+            asked = self.spec.sleep.level if self.spec.sleep is not None else level
+            self.world.fallbacks += level > asked
         await asyncio.sleep(self.timing.sleep_s(level, not self._slept))
         assert self.pid is not None
         self.world.hold(self.pid, self.timing.residue_mib)
@@ -201,6 +227,8 @@ class VirtualEngine(EngineProcess):
             self._slept = True
             assert self.pid is not None
             self.world.pinned[self.pid] = self.timing.weights_mib
+            pinned = sum(self.world.pinned.values())
+            self.world.max_pinned_mib = max(self.world.max_pinned_mib, pinned)
 
     async def wake(self, client: Any, level: int) -> None:
         seconds = self.timing.wake_s(level)
@@ -226,6 +254,8 @@ class VirtualEngine(EngineProcess):
     async def stop(self, grace: float) -> int | None:
         if not self._gone.is_set():
             self._evicted()
+            if self.world.counting:
+                self.world.stops += 1
             await asyncio.sleep(self.timing.stop_s)
             self._exit(0)
         return self.exit_code

@@ -7,8 +7,10 @@ is served first, which engine is put to sleep or stopped, how long a waiter can 
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -35,6 +37,7 @@ from vllm_proxy.planning.queueing import (
     turn,
 )
 from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
+from vllm_proxy.pool.admission import MIN_WAIT_S, Admission
 
 # -- pure rules -------------------------------------------------------------------------------
 
@@ -159,6 +162,25 @@ def test_a_waiter_behind_bring_ups_spares_stops_until_a_window_before_it_gives_u
     assert adm._spare_until(inst, waiter) == 195.0
     adm._give_up["b#1"] = 110.0  # never earlier than the plain rule
     assert adm._spare_until(inst, waiter) == 125.0
+
+
+def test_a_deadline_a_float_step_ahead_is_waited_for_long_enough_to_pass() -> None:
+    """A window that ends one float step after now: the waiter waits `MIN_WAIT_S`, so the plan
+    it makes when woken sees the window ended (a wait of one step would wake it again and
+    again, on uvloop at once, until the clock moved past it)."""
+    now = 100.0
+    queue = Queue(RULES, clock=lambda: now)
+    due = math.nextafter(now, math.inf)
+    queue.enter("b", (0, 0), since=due - RULES.window_s)
+    assert next_deadline(queue.waiters(), [], now, RULES) == due
+    ctx = SimpleNamespace(queue=queue)
+    adm = Admission(ctx, None, lambda: [], lambda: {})  # type: ignore[arg-type]
+    assert adm._next_change() == MIN_WAIT_S
+    assert adm._next_change() > due - now
+    # A deadline further off is waited for as it is.
+    queue.enter("c", (0, 0), since=now + 2.0 - RULES.window_s)
+    now = math.nextafter(due, math.inf)  # the first one has passed
+    assert adm._next_change() == pytest.approx(2.0)
 
 
 async def test_queue_groups_tickets_by_model_and_skips_held_ones() -> None:

@@ -2,18 +2,31 @@
 
 The same trace (three models on one static GPU budget, a dozen requests) runs through
 benchmarks/vproxy.py, where the proxy's own Manager and Admission drive virtual engines in
-virtual time, and through the proxy on fake engines. The trace is released step by step: a step's
-requests go in order, each once the one before it is visible (queued or in flight), and the next
-step waits until the proxy is still (no request, no ticket, no engine starting, waking, falling
-asleep or stopping). Each engine's restore time is under the planner's smallest price step, so
-recency alone orders victims, and the timing of either world cannot change a decision. Compared:
-each model's ordered starts, sleeps, wakes and stops, and each request's status.
+virtual time, and through the proxy on fake engines, both with the shipped defaults (minimum
+residency, idle grace, reorder window, idle and sleep timers) but for a short queue timeout (a
+503 in a second, not thirty). The trace is released step by step: a step's requests go in
+order, each once the one before it is visible (queued or in flight), and the next step waits
+until the proxy is still (no request, no ticket, no engine starting, waking, falling asleep or
+stopping) and then for longer than the idle grace, as the virtual steps are spaced. Each
+engine's restore time is under the planner's smallest price step, so recency alone orders
+victims, and the timing of either world cannot change a decision; no model is idle for the
+sleep timer's minute in either world.
+
+Compared: each model's ordered starts, sleeps, wakes and stops, and each request's status; and
+each served request's time to first token. The fake engines take at least the virtual engines'
+times (a start, a wake, a sleep, each token; a stop takes none in the benchmark's world), so a
+request's virtual TTFT is at most its real one; and it is at least what the real proxy showed
+it must wait for when it was sent: a start for a model with no engine, a wake for one asleep.
+So an engine model that starts at once, wakes at once, leaves the wait out of the TTFT or is
+slower than the fake engines fails here; one whose sleeps or stops free nothing over-commits
+the GPU, which its world counts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import math
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +35,7 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from kit import FakeEngine, RunningProxy, StartProxy, make_config
+from kit import FakeEngine, RunningProxy, StartProxy, chat_body, make_config
 
 from vllm_proxy.engines.instance import Instance
 from vllm_proxy.engines.states import State
@@ -32,6 +45,19 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Replies of up to 100 tokens, 30 ms each: a short request asks for 1, a long one for 100.
 TOKEN_S = 0.03
 LONG_TOKENS = 100
+#: The engines' times (seconds), the same in both worlds (a real stop takes what it takes).
+#: A sleep is long beside the test's polling: in a step whose first request puts engines to
+#: sleep, the later requests must come while those sleeps last, as they do in virtual time.
+START_S = 1.0
+WAKE_S = 0.2
+SLEEP_S = 0.5
+STOP_S = 0.0
+#: Virtual seconds from one step to the next; real seconds of stillness before the next step
+#: (both longer than the idle grace, so that an engine of the step before is idle in both).
+STEP_S = 5.0
+STILL_S = 1.5
+#: How far a virtual TTFT may exceed the real one (the virtual clock has no overheads).
+SLACK_S = 0.05
 #: MiB awake, on a 1000 MiB GPU: two of the small ones fit awake, not all three.
 SIZES = {"a": 400, "b": 400, "c": 600}
 ASLEEP_MB = 100
@@ -75,19 +101,21 @@ def _vproxy() -> ModuleType:
 
 
 def models(env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """The three models; sleeps as shipped (level 1, the sleep timer's default) but without the
+    check after a wake (a virtual engine answers no completion)."""
     out: dict[str, dict[str, Any]] = {}
     for name, mb in SIZES.items():
         out[name] = {"model": "x", "memory_mb": mb,
-                     "sleep": {"level": 1, "memory_mb": ASLEEP_MB, "after_idle_s": 0,
-                               "verify_wake": False}}  # fmt: skip
+                     "sleep": {"memory_mb": ASLEEP_MB, "verify_wake": False}}  # fmt: skip
         if env is not None:
             out[name]["env"] = env
     return out
 
 
-ENGINE = {"min_resident_s": 0, "idle_timeout_s": 0, "health_interval_s": 0}
-ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S, "max_wait_s": QUEUE_TIMEOUT_S, "max_reorder_s": 10,
-             "idle_grace_s": 0}  # fmt: skip
+#: The shipped defaults but for the health probes (the test drives every change) and the queue
+#: timeout.
+ENGINE = {"health_interval_s": 0}
+ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S}
 GPU = {"reserve_mb": 0, "context_mb": 0}
 
 
@@ -115,13 +143,14 @@ def decisions(seen: list[tuple[str, str, str]]) -> dict[str, list[str]]:
     return out
 
 
-def virtual(tmp_path: Path) -> list[int]:
-    """The trace through the benchmark's world; each request's status (200 or 503)."""
+def virtual(tmp_path: Path) -> tuple[list[int], list[float]]:
+    """The trace through the benchmark's world; each request's status (200 or 503) and TTFT."""
     vproxy = _vproxy()
     timing = {}
     for name, mb in SIZES.items():
-        timing[name] = vproxy.Timing(start_s=1.0, stop_s=0.1, wake_s=lambda _level: 0.2,
-                                     sleep_s=lambda _level, _first: 0.2, weights_mib=mb,
+        timing[name] = vproxy.Timing(start_s=START_S, stop_s=STOP_S,
+                                     wake_s=lambda _level: WAKE_S,
+                                     sleep_s=lambda _level, _first: SLEEP_S, weights_mib=mb,
                                      footprint_mib=mb, residue_mib=ASLEEP_MB)  # fmt: skip
     world = vproxy.World(timing, 1 << 30, capacity_mib=1000)
     cfg = vproxy.config(models(), 1000, 0, str(tmp_path / "virtual"), ADMISSION, ENGINE)
@@ -130,11 +159,13 @@ def virtual(tmp_path: Path) -> list[int]:
     for k, step in enumerate(TRACE):
         for j, (model, long) in enumerate(step):
             decode = (LONG_TOKENS if long else 1) * TOKEN_S
-            requests.append(vproxy.Request(30.0 * k + 0.01 * j, model, 0.0, decode))
+            requests.append(vproxy.Request(STEP_S * k + 0.01 * j, model, 0.0, decode))
     outcomes = vproxy.run(cfg, world, requests)
-    assert world.over_commits == 0 and world.busy_evictions == 0
+    assert world.over_commits == 0, "the engine model over-committed the GPU"
+    assert world.busy_evictions == 0
     by_request = {id(o.request): o for o in outcomes}
-    return [503 if by_request[id(r)].failed else 200 for r in requests]
+    statuses = [503 if by_request[id(r)].failed else 200 for r in requests]
+    return statuses, [by_request[id(r)].ttft for r in requests]
 
 
 async def _until(check: Any, what: str, timeout: float = 10.0) -> None:
@@ -158,36 +189,87 @@ def _still(proxy: RunningProxy) -> bool:
     return all(i.state not in BUSY and i.leases == 0 for i in insts)
 
 
-async def real(proxy: RunningProxy) -> list[int]:
-    """The trace through the proxy on fake engines; each request's status."""
+async def _timed(proxy: RunningProxy, model: str, tokens: int) -> tuple[int, float]:
+    """A streamed chat read to its end: its status and its time to first token (to its first
+    event; inf when refused)."""
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    body = chat_body(model, max_tokens=tokens, stream=True)
+    async with proxy.http.post(proxy.url + "/v1/chat/completions", json=body) as resp:
+        if resp.status != 200:
+            await resp.read()
+            return resp.status, math.inf
+        await resp.content.readany()
+        first = loop.time() - sent
+        await resp.read()
+        return resp.status, first
+
+
+def _must_wait(proxy: RunningProxy, model: str) -> float:
+    """What a request for `model` sent now must wait for at least: a wake when its engine is
+    asleep, a start when it has none, nothing otherwise."""
+    states = {i.state for i in proxy.model(model).instances}
+    if states & {State.RUNNING, State.STARTING, State.WAKE_WAITING, State.WAKING}:
+        return 0.0
+    if states & {State.SLEEPING, State.FALLING_ASLEEP}:
+        return WAKE_S
+    if states <= {State.NEW, State.STOPPING, State.STOPPED, State.UNHEALTHY, State.ERROR}:
+        return START_S
+    return 0.0
+
+
+async def real(proxy: RunningProxy) -> tuple[list[int], list[float], list[float]]:
+    """The trace through the proxy on fake engines; each request's status, TTFT and what it
+    had to wait for at least when it was sent."""
     statuses: list[int] = []
+    ttfts: list[float] = []
+    bounds: list[float] = []
     for step in TRACE:
         tasks = []
         for model, long in step:
             tokens = LONG_TOKENS if long else 1
-            task = asyncio.ensure_future(proxy.status(model, max_tokens=tokens))
+            bounds.append(_must_wait(proxy, model))
+            task = asyncio.ensure_future(_timed(proxy, model, tokens))
             tasks.append(task)
             await _until(lambda m=model, t=task: _visible(proxy, m) or t.done(), model)
-        statuses.extend(await asyncio.gather(*tasks))
+        for status, ttft in await asyncio.gather(*tasks):
+            statuses.append(status)
+            ttfts.append(ttft)
         await _until(lambda: _still(proxy), "a still proxy")
-    return statuses
+        await asyncio.sleep(STILL_S)  # idle for longer than the idle grace, as in virtual time
+    return statuses, ttfts, bounds
 
 
 async def test_the_benchmark_and_the_proxy_decide_alike(
     tmp_path: Path, start_proxy: StartProxy, transitions: list[tuple[str, str, str]]
 ) -> None:
-    expected = await asyncio.to_thread(virtual, tmp_path)
+    expected, modelled_ttft = await asyncio.to_thread(virtual, tmp_path)
     modelled = decisions(transitions)
     transitions.clear()
-    env = FakeEngine(tokens=LONG_TOKENS, token_delay=TOKEN_S, sleep_delay=0.05,
-                     wake_delay=0.05).env()  # fmt: skip
+    env = FakeEngine(tokens=LONG_TOKENS, token_delay=TOKEN_S, startup_delay=START_S,
+                     sleep_delay=SLEEP_S, wake_delay=WAKE_S).env()  # fmt: skip
     cfg = make_config(tmp_path, models(env), server={"admin_open": True}, engine=ENGINE,
                       budget_mb=1000, gpu=GPU, admission=ADMISSION)  # fmt: skip
     proxy = await start_proxy(cfg)
-    got = await real(proxy)
+    got, ttft, bounds = await real(proxy)
     print("statuses", got, "decisions", modelled)
+    print("TTFT virtual", [round(x, 3) for x in modelled_ttft])
+    print("TTFT real   ", [round(x, 3) for x in ttft])
+    print("at least    ", bounds)
     assert got == expected
     assert decisions(transitions) == modelled
-    # The trace exercises what it is for: starts, sleeps, wakes, and a 503.
+    for k, (v, r, least) in enumerate(zip(modelled_ttft, ttft, bounds, strict=True)):
+        if got[k] != 200:
+            continue
+        assert r >= least, (k, r, least)  # what the bound says of the real proxy
+        assert v >= least - 1e-9, f"request {k}: virtual TTFT {v:.3f} s < {least} s it waits for"
+        assert v <= r + SLACK_S, f"request {k}: virtual TTFT {v:.3f} s > real {r:.3f} s"
+    # The first request finds the GPU empty: its wait is one start, exactly as long as the
+    # engine model's (the fake engine's own start-up adds its process's, so the bound above
+    # alone would let a slower model start pass).
+    assert bounds[0] == START_S and modelled_ttft[0] == pytest.approx(START_S)
+    # The trace exercises what it is for: starts, sleeps, wakes, stops, and a 503; requests
+    # that wait for a start and for a wake.
     kinds = {k for ks in modelled.values() for k in ks}
-    assert {"start", "sleep", "wake"} <= kinds and 503 in got
+    assert {"start", "sleep", "wake", "stop"} <= kinds and 503 in got
+    assert {START_S, WAKE_S} <= set(bounds)

@@ -48,6 +48,12 @@ from ..planning.scheduler import (
 
 log = logging.getLogger(__name__)
 
+#: The shortest wait for a deadline (`Admission._next_change`): one closer than this is waited
+#: for this long, so that the plan made after the wait sees it passed. A deadline a float step
+#: or a timer tick (uvloop's are milliseconds, and it runs shorter delays at once) after now
+#: would otherwise wake the waiter over and over until the clock reaches it.
+MIN_WAIT_S = 0.001
+
 #: The planner's phase of each state of a placed instance (one that holds a memory claim).
 PHASES = {
     State.STARTING: Phase.STARTING,
@@ -447,7 +453,7 @@ class Admission:
 
     def _next_change(self) -> float | None:
         """Seconds until a window, residency, idle grace or wait for spared stops runs out
-        (None: none pending)."""
+        (None: none pending); at least `MIN_WAIT_S`."""
         now = self.queue.clock()
         residents = [
             (i.running_since, i.spec.min_resident_s, i.last_used)
@@ -459,7 +465,7 @@ class Admission:
         # A waiter that spares stops stops waiting for them at its own moment.
         spares = [self._spare_until(i, w) for w, i in self._turns()]
         later = [t for t in (*spares, at) if t is not None and t > now]
-        return min(later) - now if later else None
+        return max(min(later) - now, MIN_WAIT_S) if later else None
 
     async def admit(self, inst: Instance) -> Placement | None:
         """Wait until `inst` fits (putting idle instances to sleep or stopping them, LRU
