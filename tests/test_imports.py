@@ -2,7 +2,7 @@
 and the product never imports its test kit.
 
 Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
-metrics, adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
+metrics, adapters, names), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
 `cli`). A package may import its own modules, the shared ones and the layers below it, never above.
 
 Tools (`fleet`: `vllm-proxy-fleet`, which runs beside HAProxy) stand apart: a tool imports its
@@ -17,7 +17,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_proxy"
 TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
-SHARED = {"config", "engine_args", "errors", "metrics", "adapters"}
+SHARED = {"config", "engine_args", "errors", "metrics", "adapters", "names"}
 LAYERS = ["planning", "engines", "pool", "frontend"]
 ROOT_MODULES = {"app", "cli", "__main__", "__init__"}
 TOOLS = {"fleet"}

@@ -74,6 +74,7 @@ from .engine_args import (
     pooler_task,
 )
 from .errors import ConfigError
+from .names import name_problem
 
 log = logging.getLogger(__name__)
 
@@ -625,6 +626,13 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _names_unique(self) -> Config:
         seen: dict[str, str] = {}
+        bad = [
+            f"@{where}: {n!r} cannot be routed by HAProxy: {why}"
+            for where, n in self._all_names()
+            if (why := name_problem(n)) is not None
+        ]
+        if bad:
+            raise ValueError("\n".join(bad))
         for name, m in self.models.items():
             if not name.strip():
                 raise ValueError("models: a model name must not be empty")
@@ -648,6 +656,18 @@ class Config(_Strict):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _all_names(self) -> list[tuple[str, str]]:
+        """(where, name) of every model, alias, adapter and adapter alias (names.py)."""
+        out = []
+        for name, m in self.models.items():
+            out.append((f"models.{name[:80]}", name))
+            out += [(f"models.{name[:80]}.aliases", a) for a in m.aliases]
+            for adapter, a in m.adapters.items():
+                where = f"models.{name[:80]}.adapters.{adapter[:80]}"
+                out.append((where, adapter))
+                out += [(f"{where}.aliases", alias) for alias in a.aliases]
+        return out
 
     @model_validator(mode="after")
     def _file_names_unique(self) -> Config:
