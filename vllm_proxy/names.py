@@ -11,6 +11,8 @@ out of the map whatever a neighbour says.
 
 from __future__ import annotations
 
+import functools
+import re
 import unicodedata
 
 #: The longest name a model, alias or adapter may have (characters). HAProxy reads a map file
@@ -18,14 +20,25 @@ import unicodedata
 NAME_MAX = 256
 #: Characters HAProxy's runtime API or map file give a meaning to.
 SPECIAL = frozenset(";#\\")
+#: Printable ASCII but blanks and `SPECIAL`: the common case, checked at once.
+_PLAIN = re.compile(r"[!-\"$-:<-\[\]-~]+")
 
 
 def name_problem(name: str) -> str | None:
     """Why `name` cannot be carried to HAProxy, or None when it can."""
-    if not name:
-        return "empty"
     if len(name) > NAME_MAX:
         return f"longer than {NAME_MAX} characters"
+    return _problem(name)
+
+
+@functools.lru_cache(maxsize=65536)
+def _problem(name: str) -> str | None:
+    """(Kept for the names seen last, at most `NAME_MAX` characters each: the fleet checks
+    every name of every server each round.)"""
+    if _PLAIN.fullmatch(name):
+        return None
+    if not name:
+        return "empty"
     for c in name:
         if c in SPECIAL:
             return f"holds {c!r} (HAProxy's command line and map file give it a meaning)"

@@ -134,7 +134,7 @@ def _held(row: Any, where: str, dropped: list[str]) -> tuple[str, Held] | None:
     if not all(isinstance(n, str) for n in names):
         raise BadView(f"{where}.names: not a list of strings")
     state = row.get("state")
-    if state not in STATES:
+    if not isinstance(state, str) or state not in STATES:
         raise BadView(f"{where}.state: {_shown(state)} is none of {sorted(STATES)}")
     cost = _dict(row.get("evict_cost") or {}, f"{where}.evict_cost")
     held = Held(
