@@ -418,6 +418,11 @@ class EngineKeys(_Strict):
     health_timeout_s: float = Field(5, gt=0)
     #: ... and this many failed probes in a row mark the engine unhealthy (killed, restarted).
     health_misses: int = Field(3, ge=1)
+    #: Stall watchdog (checked at each health probe; 0 = off): an engine with requests in
+    #: flight that has sent no byte on any of them for this long while its /health answers 200
+    #: (a decode stall) is killed like an unhealthy one. A non-streamed answer sends its bytes
+    #: only at its end, and a long prompt none while it is read: keep it above both.
+    stall_timeout_s: float = Field(600, ge=0)
     #: Crash loops: after consecutive failed starts the next waits 1, 2, 4 ... up to this.
     max_backoff_s: float = Field(60, ge=0)
     #: Unset: ``<state_dir>/logs``.
@@ -749,6 +754,7 @@ class ModelSpec:
     health_interval_s: float
     health_timeout_s: float
     health_misses: int
+    stall_timeout_s: float
     max_backoff_s: float
     log_dir: str
     max_log_mb: float

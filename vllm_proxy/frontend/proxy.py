@@ -736,6 +736,7 @@ class Proxy:
                 body,
                 timeout,
                 inst.name,
+                inst.progress,
             )
         except TimeoutError:
             raise self.read_timeout(inst) from None
