@@ -127,6 +127,7 @@ class EngineRegistry:
             "engines": {str(k): v for k, v in self._groups.items()},
             "last_ids": self._last_ids,
         }
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)  # (the lock made it, when it ran)
         with contextlib.suppress(FileNotFoundError):  # (left by a proxy that died writing it)
             os.unlink(tmp)
         fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)

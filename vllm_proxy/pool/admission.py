@@ -253,15 +253,26 @@ class Admission:
         and nobody is asked to sleep or stop). A `Plan` without victims: it fits as things
         are; with victims: what its start would put to sleep or stop once minimum residencies
         allow; `NoFit`: it would wait for busy or pinned engines."""
+        return self.fits([spec])[spec.name]
+
+    def fits(self, specs: list[ModelSpec]) -> dict[str, Plan | NoFit]:
+        """`fit` of each of `specs`, all from one snapshot of the instances and devices (made
+        once: a view of every model costs one planning round each, not a snapshot each)."""
         memory = self.memory
         assert memory is not None
         views, pending = self._views(None, protect=False)
-        model = self._models().get(spec.name)
-        placed = [i for i in model.instances if i.id in memory.claims] if model else []
-        avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
-        demand = memory.demand(spec, f"{spec.name}#fit", avoid)
-        demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
-        return plan(demand, memory.device_views(pending), views, self.queue.clock())
+        devices = memory.device_views(pending)
+        models = self._models()
+        now = self.queue.clock()
+        out: dict[str, Plan | NoFit] = {}
+        for spec in specs:
+            model = models.get(spec.name)
+            placed = [i for i in model.instances if i.id in memory.claims] if model else []
+            avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
+            demand = memory.demand(spec, f"{spec.name}#fit", avoid)
+            demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
+            out[spec.name] = plan(demand, devices, views, now)
+        return out
 
     def _leaves_first(
         self, head: Instance, inst: Instance, decision: Plan, unplaceable: bool = False
