@@ -2,8 +2,9 @@
 and the product never imports its test kit.
 
 Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
-metrics, adapters, names), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
-`cli`). A package may import its own modules, the shared ones and the layers below it, never above.
+metrics, adapters, names), `planning`, `engines`, `pool`, `frontend`, then the composition root
+(`app`, `cli`). A package may import its own modules, the shared ones and the layers below it,
+never above.
 
 Tools (`fleet`: `vllm-proxy-fleet`, which runs beside HAProxy) stand apart: a tool imports its
 own modules and the shared ones only, and nothing imports a tool.
