@@ -2,11 +2,11 @@
 
 A round's changes go to the runtime API on one connection in interactive mode (``prompt``: each
 answer ends with a ``> `` prompt, so answers are told apart), written in batches and every
-answer checked: a map command answers nothing when it worked. With 20 000 names a connection per
-command took 14-16 s a round. `set map` changes an existing key (HAProxy 2.6 applies it at
-once); `add map` on an existing key would add a second entry, so it is used only for new keys;
-`del map` removes every entry of a key. The map file is written whole to a temporary file
-beside it and renamed over it, so HAProxy never reads half of one.
+answer checked: a map command answers nothing when it worked (a connection per command made a
+large map take many rounds: docs/reliability.md). `set map` changes an existing key (HAProxy
+2.6 applies it at once); `add map` on an existing key would add a second entry, so it is used
+only for new keys; `del map` removes every entry of a key. The map file is written whole to a
+temporary file beside it and renamed over it, so HAProxy never reads half of one.
 """
 
 from __future__ import annotations

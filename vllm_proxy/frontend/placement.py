@@ -14,10 +14,9 @@ Both are read-only, guarded like ``/metrics`` (``server.metrics_api_keys``), and
 the planner's own view (`Admission.fits` runs the real `scheduler.plan` for every model from one
 snapshot, claiming nothing). Pickers and fleets poll many times a second: both pages are made
 together, from one view, at most once per `VIEW_TTL_S` by a task of their own while someone
-polls (none when nobody does), and the handlers only send the bytes last made: with 300 models
-each view took 36-65 ms of the event loop per request and ``/health`` p95 went from 2-3 ms to
-34-88 ms. Engine totals come from the last round of engine reads
-(`Admin.refresh_engine_sums`), never waited for.
+polls (none when nobody does), and the handlers only send the bytes last made (a view made per
+request held the event loop for every poll: docs/reliability.md). Engine totals come from the
+last round of engine reads (`Admin.refresh_engine_sums`), never waited for.
 """
 
 from __future__ import annotations
