@@ -92,17 +92,20 @@ class _Room:
         return sum(f - need for f in fitting[:gpus]) if len(fitting) >= gpus else None
 
 
-def _int(value: Any, where: str, *, low: int = 0, none: bool = False) -> Any:
+def _int(value: Any, where: str, field: str = "", *, low: int = 0, none: bool = False) -> Any:
+    """`value` when it is an integer >= `low` (or None with `none`); else `BadView` naming
+    ``where.field`` (made only then: a view of 20 000 rows is checked each round)."""
+    if type(value) is int and value >= low:
+        return value
     if value is None and none:
         return None
-    if type(value) is not int or value < low:
-        raise BadView(f"{where}: {_shown(value)} is not an integer >= {low}")
-    return value
+    at = f"{where}.{field}" if field else where
+    raise BadView(f"{at}: {_shown(value)} is not an integer >= {low}")
 
 
-def _bool(value: Any, where: str) -> bool:
+def _bool(value: Any, where: str, field: str) -> bool:
     if type(value) is not bool:
-        raise BadView(f"{where}: {_shown(value)} is not true or false")
+        raise BadView(f"{where}.{field}: {_shown(value)} is not true or false")
     return value
 
 
@@ -112,42 +115,46 @@ def _shown(value: Any) -> str:
 
 
 def _dict(value: Any, where: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
+    if type(value) is not dict:
         raise BadView(f"{where}: {_shown(value)} is not an object")
     return value
 
 
 def _list(value: Any, where: str) -> list[Any]:
-    if not isinstance(value, list):
+    if type(value) is not list:
         raise BadView(f"{where}: {_shown(value)} is not a list")
     return value
 
 
-def _held(row: Any, where: str, dropped: list[str]) -> tuple[str, Held] | None:
-    """One row of ``models``: (its name, what it holds), or None when its own name cannot be
+def _held(row: Any, n: int, dropped: list[str]) -> tuple[str, Held] | None:
+    """Row `n` of ``models``: (its name, what it holds), or None when its own name cannot be
     carried (noted in `dropped`)."""
-    row = _dict(row, where)
+    if type(row) is not dict:
+        raise BadView(f"models[{n}]: {_shown(row)} is not an object")
+    where = f"models[{n}]"
     name = row.get("name")
-    if not isinstance(name, str):
+    if type(name) is not str:
         raise BadView(f"{where}.name: {_shown(name)} is not a string")
-    names = _list(row.get("names"), f"{where}.names")
-    if not all(isinstance(n, str) for n in names):
-        raise BadView(f"{where}.names: not a list of strings")
+    names = row.get("names")
+    if type(names) is not list or any(type(x) is not str for x in names):
+        raise BadView(f"{where}.names: {_shown(names)} is not a list of strings")
     state = row.get("state")
-    if not isinstance(state, str) or state not in STATES:
+    if type(state) is not str or state not in STATES:
         raise BadView(f"{where}.state: {_shown(state)} is none of {sorted(STATES)}")
-    cost = _dict(row.get("evict_cost") or {}, f"{where}.evict_cost")
+    cost = row.get("evict_cost") or {}
+    if type(cost) is not dict:
+        raise BadView(f"{where}.evict_cost: {_shown(cost)} is not an object")
     held = Held(
-        names=tuple(n for n in names if n == name or _keep(n, dropped)),
+        names=tuple(x for x in names if x == name or _keep(x, dropped)),
         state=state,
-        sleep_level=_int(row.get("sleep_level"), f"{where}.sleep_level", low=1, none=True),
-        load=_int(row.get("load", 0), f"{where}.load"),
-        footprint_mb=_int(row.get("footprint_mb"), f"{where}.footprint_mb", none=True),
-        gpus=_int(row.get("gpus"), f"{where}.gpus", low=1, none=True) or 1,
-        fits_now=_bool(row.get("fits_now"), f"{where}.fits_now"),
-        possible=_bool(cost.get("possible", True), f"{where}.evict_cost.possible"),
-        evict_mb=_int(cost.get("evict_mb", 0), f"{where}.evict_cost.evict_mb"),
-        sleep_mb=_int(cost.get("sleep_mb", 0), f"{where}.evict_cost.sleep_mb"),
+        sleep_level=_int(row.get("sleep_level"), where, "sleep_level", low=1, none=True),
+        load=_int(row.get("load", 0), where, "load"),
+        footprint_mb=_int(row.get("footprint_mb"), where, "footprint_mb", none=True),
+        gpus=_int(row.get("gpus"), where, "gpus", low=1, none=True) or 1,
+        fits_now=_bool(row.get("fits_now"), where, "fits_now"),
+        possible=_bool(cost.get("possible", True), where, "evict_cost.possible"),
+        evict_mb=_int(cost.get("evict_mb", 0), where, "evict_cost.evict_mb"),
+        sleep_mb=_int(cost.get("sleep_mb", 0), where, "evict_cost.sleep_mb"),
     )
     if not _keep(name, dropped):
         return None
@@ -173,12 +180,12 @@ def server_from_view(name: str, view: Any) -> Server:
         dropped: list[str] = []
         models: dict[str, Held] = {}
         for n, row in enumerate(_list(view.get("models"), "models")):
-            got = _held(row, f"models[{n}]", dropped)
+            got = _held(row, n, dropped)
             if got is not None and got[0] not in models:
                 models[got[0]] = got[1]
         gpus = _list(view.get("gpus"), "gpus")
         free = tuple(
-            _int(_dict(g, f"gpus[{n}]").get("free_mb"), f"gpus[{n}].free_mb")
+            _int(_dict(g, f"gpus[{n}]").get("free_mb"), f"gpus[{n}]", "free_mb")
             for n, g in enumerate(gpus)
         )
         active = _int(view.get("active_requests", 0), "active_requests")
