@@ -13,6 +13,7 @@ import pytest
 from kit import FakeEngine, StartProxy, group_alive, make_config, wait_for
 from kit.metrics import proxy_samples
 
+from vllm_proxy.engines.progress import Progress
 from vllm_proxy.engines.states import State
 
 STALL_S = 1.5
@@ -93,3 +94,48 @@ async def test_a_slow_stream_and_an_idle_engine_are_no_stall(
         None,
         0,
     )
+
+
+class _Flow:
+    def __init__(self, held: bool = False) -> None:
+        self.held = held
+
+    def waiting_on_client(self) -> bool:
+        return self.held
+
+
+def test_progress_counts_silence_only_while_requests_are_in_flight_and_not_held_back() -> None:
+    """`Progress` as a table of steps: (what happens, the clock, the stall it reports)."""
+    now = [0.0]
+    p = Progress(clock=lambda: now[0])
+    a, b = _Flow(), _Flow()
+    steps: list[tuple[str, float, float]] = [
+        ("idle", 10, 0),  # nothing in flight: never a stall
+        ("begin a", 10, 0),  # the clock starts with the first request of a busy spell
+        ("", 13, 3),
+        ("byte", 14, 0),  # a byte on any request resets it
+        ("begin b", 15, 1),  # a second request does not reset it
+        ("", 20, 6),
+        ("hold b", 21, 0),  # a client that takes nothing: the engine is not the one stalling
+        ("free b", 22, 1),  # (counted from the last look that saw it held)
+        ("", 25, 4),
+        ("end a", 26, 5),
+        ("end b", 27, 0),
+    ]
+    for what, at, want in steps:
+        now[0] = at
+        if what == "begin a":
+            p.begin(a)
+        elif what == "begin b":
+            p.begin(b)
+        elif what == "byte":
+            p.seen += 10
+        elif what == "hold b":
+            b.held = True
+        elif what == "free b":
+            b.held = False
+        elif what == "end a":
+            p.end(a)
+        elif what == "end b":
+            p.end(b)
+        assert p.stalled_for() == want, (what, at)

@@ -136,3 +136,30 @@ async def test_links_planted_where_engines_write_are_never_followed(
 
     await wait_for(served, timeout=60, what="m1 served by its next instance")
     assert victim.read_text() == "keep me\n"
+
+
+async def test_a_compile_cache_another_user_made_is_never_used(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """The engines' compile cache in the state dir (``vllm-cache/<model>``) is made 0700 and
+    must be the proxy user's own: one another user prepared stops the start (502) instead of
+    being loaded by the engine."""
+    if os.geteuid() != 0:
+        pytest.skip("making a folder of another user needs root")
+    cache = tmp_path / "state" / "vllm-cache" / "m1"
+    cache.mkdir(parents=True, mode=0o700)
+    os.chmod(tmp_path / "state", 0o700)
+    os.chown(cache, 65534, 65534)
+    proxy = await start_proxy(make_config(tmp_path, {"m1": {"model": "x"}}))
+    resp = await proxy.chat("m1", max_tokens=1)
+    assert resp.status == 502, await resp.text()
+    err = (await resp.json())["error"]
+    assert err["code"] == "engine_start_failed" and "owned by the proxy's user" in err["message"]
+    os.chown(cache, os.geteuid(), os.getegid())
+    os.chmod(cache, 0o755)
+
+    async def served() -> bool:  # (503 engine_backoff after the failed start, then served)
+        return (await proxy.chat("m1", max_tokens=1)).status == 200
+
+    await wait_for(served, timeout=60, what="m1 served once the cache is the proxy's")
+    assert stat.S_IMODE(os.lstat(cache).st_mode) == 0o700, "made private again"
