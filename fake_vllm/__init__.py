@@ -104,6 +104,10 @@ Knobs (environment variables):
     N: after N chat/completion requests, the next one kills the process with
     ``os._exit(FAKE_ENGINE_CRASH_CODE)``; a stream first sends a couple of chunks. Requests
     refused while asleep do not count.
+``FAKE_ENGINE_STALL_AFTER``
+    N: after N chat/completion requests, every later one stalls for good while ``/health``
+    still answers 200 (a decode stall): a stream after its first couple of chunks, any other
+    answer before its first byte. Requests refused while asleep do not count.
 ``FAKE_ENGINE_CRASH_CODE``
     Exit status of that crash (default 3).
 ``FAKE_ENGINE_EXIT_CODE``

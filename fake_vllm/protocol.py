@@ -118,6 +118,8 @@ class Reply:
     continuous_usage: bool
     arrival: float
     crash: bool = False
+    #: Stalls for good (`Settings.stall_after`): a stream after its first chunks.
+    stall: bool = False
     garbage: bool = False
     produced: int = 0
     first_token_at: float | None = None

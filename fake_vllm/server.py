@@ -1,5 +1,6 @@
 """The HTTP surface of the fake engine: aiohttp routes and handlers."""
 
+import asyncio
 import os
 import signal
 import sys
@@ -262,11 +263,15 @@ class FakeServer:
                 engine.started += 1
                 crash_after = self.settings.crash_after
                 reply.crash = crash_after is not None and engine.started > crash_after
+                stall_after = self.settings.stall_after
+                reply.stall = stall_after is not None and engine.started > stall_after
                 reply.garbage = engine.weights_lost or self.corrupted
                 if reply.garbage:
                     engine.metrics.garbage_completions += 1
             if reply.crash and not reply.stream:
                 self._crash()
+            if reply.stall and not reply.stream:
+                await asyncio.Event().wait()  # a decode stall: never answers, health still 200
             if reply.stream:
                 return await self._stream(request, reply, epoch)
             return await self._complete(reply, epoch)
@@ -407,6 +412,7 @@ class FakeServer:
         engine = self.engine
         delay = self.settings.token_delay
         crash_at = min(2, reply.tokens - 1) if reply.crash else -1
+        stall_at = min(2, reply.tokens - 1) if reply.stall else -1
         words = self.token_json
         if reply.model != self.model:  # a LoRA adapter's own words
             words = self.lora.words(reply.model, reply.tokens)[2]
@@ -418,6 +424,8 @@ class FakeServer:
                 return "abort"
             if t == crash_at:
                 self._crash()
+            if t == stall_at:
+                await asyncio.Event().wait()  # a decode stall: health still 200
             finish = reply.finish if t + 1 == reply.tokens else None
             usage = "," + sse.usage(t + 1) if reply.continuous_usage else ""
             chunk = sse.token

@@ -103,6 +103,7 @@ class Settings:
     token_delay: float = 0.0
     crash_after: int | None = None
     crash_code: int = 3
+    stall_after: int | None = None
     exit_code: int | None = None
     ignore_sigterm: bool = False
     spawn_child: bool = False
@@ -344,6 +345,7 @@ def load_settings(argv: Sequence[str], environ: Mapping[str, str]) -> Settings:
         tokens=max(0, int(_env_number(environ, "FAKE_ENGINE_TOKENS", 8))),
         token_delay=_env_number(environ, "FAKE_ENGINE_TOKEN_DELAY", 0.0),
         crash_after=_env_int(environ, "FAKE_ENGINE_CRASH_AFTER"),
+        stall_after=_env_int(environ, "FAKE_ENGINE_STALL_AFTER"),
         crash_code=3 if crash_code is None else crash_code,
         exit_code=_env_int(environ, "FAKE_ENGINE_EXIT_CODE"),
         ignore_sigterm=environ.get("FAKE_ENGINE_IGNORE_SIGTERM") == "1",

@@ -44,6 +44,7 @@ def test_the_command_line(
     )  # fmt: skip
     assert opts.servers == {"gpu1": "http://10.0.0.1:8080", "gpu2": "http://10.0.0.2:8080"}
     assert opts.interval_s == 1.0 and opts.api_key == "from-env" and opts.backend == "vllm"
+    assert opts.max_view_mb == 16 and opts.missed_rounds == 3
     base = ["--haproxy-socket", "/s", "--map", "/m"]
     for bad in (
         ["--server", "gpu1"],
@@ -51,6 +52,8 @@ def test_the_command_line(
         ["--server", "gpu1=http://a", "--server", "gpu1=http://b"],
         ["--server", "gpu1=http://a", "--interval-s", "0"],
         ["--server", "gpu1=10.0.0.1:8080"],
+        ["--server", "gpu1=http://a", "--max-view-mb", "0"],
+        ["--server", "gpu1=http://a", "--missed-rounds", "0"],
     ):
         with pytest.raises(SystemExit) as exit_:
             parse_args(base + bad)

@@ -2,8 +2,9 @@
 and the product never imports its test kit.
 
 Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
-metrics, adapters), `planning`, `engines`, `pool`, `frontend`, then the composition root (`app`,
-`cli`). A package may import its own modules, the shared ones and the layers below it, never above.
+metrics, adapters, names), `planning`, `engines`, `pool`, `frontend`, then the composition root
+(`app`, `cli`). A package may import its own modules, the shared ones and the layers below it,
+never above.
 
 Tools (`fleet`: `vllm-proxy-fleet`, which runs beside HAProxy) stand apart: a tool imports its
 own modules and the shared ones only, and nothing imports a tool.
@@ -17,7 +18,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "vllm_proxy"
 TEST_KIT = {"fake_vllm", "tiny_llama", "vllm_proxy_demo"}
-SHARED = {"config", "engine_args", "errors", "metrics", "adapters"}
+SHARED = {"config", "engine_args", "errors", "metrics", "adapters", "names"}
 LAYERS = ["planning", "engines", "pool", "frontend"]
 #: The composition root and the entry points (`ctl`: the operator's client, over HTTP only).
 ROOT_MODULES = {"app", "cli", "ctl", "__main__", "__init__"}

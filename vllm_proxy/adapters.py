@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .names import carriable
+
 #: The ranks vLLM accepts for ``--max-lora-rank`` (vLLM 0.33 ``config/lora.py``
 #: ``MaxLoRARanks``); an adapter's rank is rounded up to the next one.
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -97,9 +99,11 @@ def size_bytes(path: str) -> int:
 
 def valid_folder_name(name: str) -> bool:
     """Whether a requested name can be a folder directly inside an adapters folder (no path
-    separators, no hidden or parent entries): a client's ``model`` never walks the disk."""
+    separators, no hidden or parent entries): a client's ``model`` never walks the disk. A name
+    HAProxy could not carry (names.py: ``;``, blanks, ``#``...) is no adapter either."""
     return (
         0 < len(name) <= 255
+        and carriable(name)
         and "/" not in name
         and "\\" not in name
         and "\0" not in name

@@ -74,6 +74,7 @@ from .engine_args import (
     pooler_task,
 )
 from .errors import ConfigError
+from .names import name_problem
 
 log = logging.getLogger(__name__)
 
@@ -424,6 +425,11 @@ class EngineKeys(_Strict):
     health_timeout_s: float = Field(5, gt=0)
     #: ... and this many failed probes in a row mark the engine unhealthy (killed, restarted).
     health_misses: int = Field(3, ge=1)
+    #: Stall watchdog (checked at each health probe; 0 = off): an engine with requests in
+    #: flight that has sent no byte on any of them for this long while its /health answers 200
+    #: (a decode stall) is killed like an unhealthy one. A non-streamed answer sends its bytes
+    #: only at its end, and a long prompt none while it is read: keep it above both.
+    stall_timeout_s: float = Field(600, ge=0)
     #: Crash loops: after consecutive failed starts the next waits 1, 2, 4 ... up to this.
     max_backoff_s: float = Field(60, ge=0)
     #: Unset: ``<state_dir>/logs``.
@@ -649,6 +655,13 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _names_unique(self) -> Config:
         seen: dict[str, str] = {}
+        bad = [
+            f"@{where}: {n!r} cannot be routed by HAProxy: {why}"
+            for where, n in self._all_names()
+            if (why := name_problem(n)) is not None
+        ]
+        if bad:
+            raise ValueError("\n".join(bad))
         for name, m in self.models.items():
             if not name.strip():
                 raise ValueError("models: a model name must not be empty")
@@ -672,6 +685,18 @@ class Config(_Strict):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _all_names(self) -> list[tuple[str, str]]:
+        """(where, name) of every model, alias, adapter and adapter alias (names.py)."""
+        out = []
+        for name, m in self.models.items():
+            out.append((f"models.{name[:80]}", name))
+            out += [(f"models.{name[:80]}.aliases", a) for a in m.aliases]
+            for adapter, a in m.adapters.items():
+                where = f"models.{name[:80]}.adapters.{adapter[:80]}"
+                out.append((where, adapter))
+                out += [(f"{where}.aliases", alias) for alias in a.aliases]
+        return out
 
     @model_validator(mode="after")
     def _file_names_unique(self) -> Config:
@@ -754,6 +779,7 @@ class ModelSpec:
     health_interval_s: float
     health_timeout_s: float
     health_misses: int
+    stall_timeout_s: float
     max_backoff_s: float
     log_dir: str
     max_log_mb: float

@@ -28,6 +28,8 @@ class FakeEngine:
     #: After this many chat/completion requests the next one kills the process (`crash_code`).
     crash_after: int | None = None
     crash_code: int | None = None
+    #: After this many chat/completion requests every later one stalls for good, /health 200.
+    stall_after: int | None = None
     #: Fail start-up with this exit status, never binding the port.
     exit_code: int | None = None
     ignore_sigterm: bool = False

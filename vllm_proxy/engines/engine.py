@@ -34,6 +34,7 @@ from ..config import ModelSpec, file_stem
 from ..engine_args import ArgValue, profiled_lines
 from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
+from .statedir import open_nofollow, private_dirs
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +321,20 @@ class EngineProcess:
         """Where it serves, for logs: ``socket <path>`` or ``port <port>``."""
         return f"socket {self.socket_path}" if self.socket_path else f"port {self.address}"
 
+    def _private_folders(self) -> None:
+        """The log folder and the compile cache: inside the state dir, made 0700 and checked
+        to be the proxy user's own (another user's cache would be loaded by the engine);
+        elsewhere (an operator's `log_dir`), made as needed."""
+        state = Path(self.spec.socket_dir).parent
+        for folder in (Path(self.spec.log_dir), Path(self.spec.cache_dir or state)):
+            if folder.is_relative_to(state):
+                private_dirs(folder, state)
+            else:
+                folder.mkdir(parents=True, exist_ok=True)
+
     async def spawn(self) -> None:
         """Start the guard and, under it, the engine; returns once the process exists."""
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._private_folders()
         argv = [sys.executable, "-m", "vllm_proxy.engines.guard", "--parent", str(os.getpid())]
         argv += ["--log", str(self.log_path), "--log-max-bytes", str(self.spec.log_max_bytes)]
         argv += ["--log-backups", str(self.spec.log_backups), "--tag", self.tag, "--"]
@@ -331,8 +343,9 @@ class EngineProcess:
             # A socket file left by an engine that died with the proxy: vLLM's bind would fail.
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_path)
-        with open(self.log_path, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
-            self._log_offset = errlog.tell()
+        errfd = open_nofollow(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        with open(errfd, "ab") as errlog:  # noqa: ASYNC230 - the guard's own errors
+            self._log_offset = errlog.seek(0, os.SEEK_END)
             self.proc = await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=asyncio.subprocess.DEVNULL,

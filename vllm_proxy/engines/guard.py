@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import io
 import os
 import signal
 import subprocess
@@ -39,13 +40,19 @@ MARKER = "vllm_proxy.engines.guard"
 MARKERS = (MARKER, "vllm_proxy.guard")
 
 
+def _open_log(path: str, flag: int) -> io.FileIO:
+    """The log file, never through a link in its place (ELOOP), mode 0600 when made."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | flag, 0o600)
+    return open(fd, "ab" if flag == os.O_APPEND else "wb", buffering=0)
+
+
 class RotatingLog:
     """Append bytes to a file, rotating it to ``.1`` ... ``.N`` when it grows past a bound."""
 
     def __init__(self, path: str, max_bytes: int, backups: int) -> None:
         self.path, self.max_bytes, self.backups = path, max_bytes, backups
         self._lock = threading.Lock()
-        self._fh = open(path, "ab", buffering=0)
+        self._fh = _open_log(path, os.O_APPEND)
         self._size = self._fh.tell()
 
     def write(self, data: bytes) -> None:
@@ -63,7 +70,7 @@ class RotatingLog:
                 if os.path.exists(src):
                     os.replace(src, f"{self.path}.{i + 1}")
             os.replace(self.path, f"{self.path}.1")
-        self._fh = open(self.path, "wb", buffering=0)
+        self._fh = _open_log(self.path, os.O_TRUNC)
         self._size = 0
 
     def close(self) -> None:

@@ -58,6 +58,7 @@ from .engine import (
 )
 from .lora import Registrations
 from .oracle import Oracle, mismatch, take
+from .progress import Progress
 from .readahead import Outcome, ReadAhead
 from .registry import EngineRegistry
 from .states import (
@@ -254,6 +255,8 @@ class Instance:
         #: Why the change under way was made (an eviction's or a sleep's reason), for the
         #: console's timeline; "" when not known.
         self.change_reason = ""
+        #: Its requests in flight and the bytes its engine sent on them (the stall watchdog).
+        self.progress = Progress()
         self._changed = asyncio.Event()
         #: Set by `release()` while a drain waits for leases to run out (None otherwise).
         self._released: asyncio.Event | None = None
@@ -753,7 +756,9 @@ class Instance:
         row (no 200 within `health_timeout_s`: hung, deadlocked, SIGSTOPped) or a listener that
         is no longer the engine's own socket mark it unhealthy: it is killed, and the next
         request starts a new instance. With a sleep policy, an engine the proxy has running
-        that says it is asleep (someone else called its /sleep) is killed the same way."""
+        that says it is asleep (someone else called its /sleep) is killed the same way, and so
+        is one that answers its probes but has sent no byte on any request in flight for
+        `stall_timeout_s` (a decode stall, which /health does not see)."""
         spec = self.spec
         misses = 0
         while True:
@@ -773,6 +778,14 @@ class Instance:
                 why = f"no answer to {misses} health probes in a row"
                 self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
                 return
+            if healthy and spec.stall_timeout_s > 0 and self._awake(engine):
+                stalled = self.progress.stalled_for()
+                if stalled >= spec.stall_timeout_s:
+                    n = len(self.progress.flows)
+                    self._unhealthy(engine, f"no byte on any of its {n} request(s) in flight for "
+                                    f"{stalled:.0f}s while its /health answers 200 (a decode "
+                                    "stall)", reason="stalled")  # fmt: skip
+                    return
             if healthy and spec.sleep is not None and self._awake(engine):
                 asleep = await engine.probe_sleeping(client, spec.health_timeout_s)
                 if asleep and self._awake(engine):  # (no sleep of its own began meanwhile)
@@ -799,14 +812,13 @@ class Instance:
         Never engine log lines (they may hold other users' prompts); those go to the log, with
         `cause` (what the connection raised: a refused response says why) when it lives."""
         if self.unhealthy:
-            what = (
-                "was put to sleep outside the proxy"
-                if self.unhealthy_reason == "sleep_not_ordered"
-                else "stopped answering health checks"
-            )
+            what, code = {
+                "sleep_not_ordered": ("was put to sleep outside the proxy", "engine_unhealthy"),
+                "stalled": ("stopped making progress", "engine_stalled"),
+            }.get(self.unhealthy_reason, ("stopped answering health checks", "engine_unhealthy"))
             return Unavailable(
                 f"model '{self.name}': the engine {what} and was restarted; retry",
-                code="engine_unhealthy",
+                code=code,
                 retry_after_s=1,
             )
         if engine.exit_code is not None:

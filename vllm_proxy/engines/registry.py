@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from .guard import MARKERS
+from .statedir import open_nofollow, secure_state_dir
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,11 @@ class StateLock:
 
     def __init__(self, state_dir: str) -> None:
         """Take the lock now; `StateDirBusy` when a live process holds it, `OSError` when the
-        directory cannot be made or written."""
+        directory cannot be made or written, `UnsafeStateDir` when another user could write it
+        or a folder above it (statedir.py)."""
         self.path = Path(state_dir)
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        secure_state_dir(self.path)
+        fd = open_nofollow(self.path / LOCK_FILE, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, 0)
@@ -120,18 +122,23 @@ class EngineRegistry:
         return {pgid: e["instance"] for pgid, e in self._groups.items()}
 
     def _save(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         data = {
             "engines": {str(k): v for k, v in self._groups.items()},
             "last_ids": self._last_ids,
         }
-        tmp.write_text(json.dumps(data))
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)  # (the lock made it, when it ran)
+        with contextlib.suppress(FileNotFoundError):  # (left by a proxy that died writing it)
+            os.unlink(tmp)
+        fd = open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(data))
         os.replace(tmp, self.path)
 
     def _load(self) -> dict[str, Any]:
         try:
-            data = json.loads(self.path.read_text())
+            with os.fdopen(open_nofollow(self.path, os.O_RDONLY), "rb") as f:
+                data = json.loads(f.read())
         except (OSError, ValueError):
             return {}
         return data if isinstance(data, dict) else {}

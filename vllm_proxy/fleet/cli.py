@@ -36,6 +36,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--api-key", default=os.environ.get(KEY_ENV),
                    help=f"a metrics key of the proxies (or ${KEY_ENV})")  # fmt: skip
     p.add_argument("--backend", default="vllm", help="the HAProxy backend of the servers")
+    p.add_argument("--max-view-mb", type=float, default=16.0,
+                   help="the largest /placement answer read (MiB); a larger one leaves its "
+                   "server out for the round")  # fmt: skip
+    p.add_argument("--missed-rounds", type=int, default=3,
+                   help="a proxy that misses this many rounds in a row leaves the placement "
+                   "(fewer: it keeps its models)")  # fmt: skip
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
     servers: dict[str, str] = {}
@@ -52,6 +58,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
         servers[name] = url
     if not args.interval_s > 0:
         p.error("--interval-s must be above 0")
+    if not args.max_view_mb > 0:
+        p.error("--max-view-mb must be above 0")
+    if args.missed_rounds < 1:
+        p.error("--missed-rounds must be at least 1")
     if not args.map.is_absolute():
         p.error("--map must be an absolute path (HAProxy names the map by it)")
     logging.basicConfig(
@@ -66,6 +76,8 @@ def parse_args(argv: list[str] | None = None) -> Options:
         interval_s=args.interval_s,
         api_key=args.api_key or None,
         backend=args.backend,
+        max_view_mb=args.max_view_mb,
+        missed_rounds=args.missed_rounds,
     )
 
 

@@ -22,9 +22,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..names import carriable, name_problem
+
 #: The ``/placement`` shape this reads.
 VERSION = 1
 ACTIVE = frozenset({"awake", "starting", "waking"})
+STATES = ACTIVE | {"asleep", "stopped"}
 
 
 class BadView(ValueError):
@@ -57,6 +60,8 @@ class Server:
     free_mb: tuple[int, ...] = ()
     active: int = 0
     managed: bool = True
+    #: Names in its answer that HAProxy cannot carry (names.py), each with why: left out.
+    dropped: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,35 +92,106 @@ class _Room:
         return sum(f - need for f in fitting[:gpus]) if len(fitting) >= gpus else None
 
 
-def server_from_view(name: str, view: Mapping[str, Any]) -> Server:
-    """A `Server` from a proxy's ``/placement`` JSON; `BadView` for another version or shape."""
-    if view.get("version") != VERSION:
-        raise BadView(f"{name}: /placement version {view.get('version')!r}, expected {VERSION}")
+def _int(value: Any, where: str, field: str = "", *, low: int = 0, none: bool = False) -> Any:
+    """`value` when it is an integer >= `low` (or None with `none`); else `BadView` naming
+    ``where.field`` (made only then: a view of 20 000 rows is checked each round)."""
+    if type(value) is int and value >= low:
+        return value
+    if value is None and none:
+        return None
+    at = f"{where}.{field}" if field else where
+    raise BadView(f"{at}: {_shown(value)} is not an integer >= {low}")
+
+
+def _bool(value: Any, where: str, field: str) -> bool:
+    if type(value) is not bool:
+        raise BadView(f"{where}.{field}: {_shown(value)} is not true or false")
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _dict(value: Any, where: str) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise BadView(f"{where}: {_shown(value)} is not an object")
+    return value
+
+
+def _list(value: Any, where: str) -> list[Any]:
+    if type(value) is not list:
+        raise BadView(f"{where}: {_shown(value)} is not a list")
+    return value
+
+
+def _held(row: Any, n: int, dropped: list[str]) -> tuple[str, Held] | None:
+    """Row `n` of ``models``: (its name, what it holds), or None when its own name cannot be
+    carried (noted in `dropped`)."""
+    if type(row) is not dict:
+        raise BadView(f"models[{n}]: {_shown(row)} is not an object")
+    where = f"models[{n}]"
+    name = row.get("name")
+    if type(name) is not str:
+        raise BadView(f"{where}.name: {_shown(name)} is not a string")
+    names = row.get("names")
+    if type(names) is not list or any(type(x) is not str for x in names):
+        raise BadView(f"{where}.names: {_shown(names)} is not a list of strings")
+    state = row.get("state")
+    if type(state) is not str or state not in STATES:
+        raise BadView(f"{where}.state: {_shown(state)} is none of {sorted(STATES)}")
+    cost = row.get("evict_cost") or {}
+    if type(cost) is not dict:
+        raise BadView(f"{where}.evict_cost: {_shown(cost)} is not an object")
+    held = Held(
+        names=tuple(x for x in names if x == name or _keep(x, dropped)),
+        state=state,
+        sleep_level=_int(row.get("sleep_level"), where, "sleep_level", low=1, none=True),
+        load=_int(row.get("load", 0), where, "load"),
+        footprint_mb=_int(row.get("footprint_mb"), where, "footprint_mb", none=True),
+        gpus=_int(row.get("gpus"), where, "gpus", low=1, none=True) or 1,
+        fits_now=_bool(row.get("fits_now"), where, "fits_now"),
+        possible=_bool(cost.get("possible", True), where, "evict_cost.possible"),
+        evict_mb=_int(cost.get("evict_mb", 0), where, "evict_cost.evict_mb"),
+        sleep_mb=_int(cost.get("sleep_mb", 0), where, "evict_cost.sleep_mb"),
+    )
+    if not _keep(name, dropped):
+        return None
+    return name, held
+
+
+def _keep(name: str, dropped: list[str]) -> bool:
+    why = name_problem(name)
+    if why is not None:
+        dropped.append(f"{_shown(name)}: {why}")
+    return why is None
+
+
+def server_from_view(name: str, view: Any) -> Server:
+    """A `Server` from a proxy's ``/placement`` JSON, every field checked against the shape
+    this reads (`BadView` for another version or shape). Names HAProxy cannot carry are left
+    out and listed in `Server.dropped`: a neighbour's answer never reaches HAProxy's command
+    line unchecked."""
     try:
-        models = {}
-        for row in view["models"]:
-            cost = row.get("evict_cost") or {}
-            models[str(row["name"])] = Held(
-                names=tuple(str(n) for n in row["names"]),
-                state=str(row["state"]),
-                sleep_level=row.get("sleep_level"),
-                load=int(row.get("load") or 0),
-                footprint_mb=row.get("footprint_mb"),
-                gpus=int(row.get("gpus") or 1),
-                fits_now=bool(row["fits_now"]),
-                possible=bool(cost.get("possible", True)),
-                evict_mb=int(cost.get("evict_mb") or 0),
-                sleep_mb=int(cost.get("sleep_mb") or 0),
-            )
-        return Server(
-            name,
-            models,
-            tuple(int(g["free_mb"]) for g in view["gpus"]),
-            int(view.get("active_requests") or 0),
-            managed=bool(view["gpus"]),
+        view = _dict(view, "/placement")
+        if view.get("version") != VERSION or type(view.get("version")) is not int:
+            raise BadView(f"/placement version {_shown(view.get('version'))}, expected {VERSION}")
+        dropped: list[str] = []
+        models: dict[str, Held] = {}
+        for n, row in enumerate(_list(view.get("models"), "models")):
+            got = _held(row, n, dropped)
+            if got is not None and got[0] not in models:
+                models[got[0]] = got[1]
+        gpus = _list(view.get("gpus"), "gpus")
+        free = tuple(
+            _int(_dict(g, f"gpus[{n}]").get("free_mb"), f"gpus[{n}]", "free_mb")
+            for n, g in enumerate(gpus)
         )
-    except (KeyError, TypeError, ValueError) as err:
-        raise BadView(f"{name}: unreadable /placement: {err!r}") from None
+        active = _int(view.get("active_requests", 0), "active_requests")
+        return Server(name, models, free, active, managed=bool(gpus), dropped=tuple(dropped))
+    except BadView as err:
+        raise BadView(f"{name}: unreadable /placement: {err}") from None
 
 
 def place(servers: Sequence[Server], previous: Mapping[str, str]) -> dict[str, Decision]:
@@ -213,18 +289,36 @@ def _take(room: _Room, server: Server, held: Held) -> int | None:
 
 def mappable(name: str) -> bool:
     """Whether a name can be a key of HAProxy's map, on its runtime API and in its file."""
-    return bool(name) and not name.startswith("#") and not any(c.isspace() or c == "\\"
-                                                               for c in name)  # fmt: skip
+    return carriable(name)
+
+
+def routes(
+    servers: Iterable[Server], decisions: Mapping[str, Decision]
+) -> tuple[dict[str, str], list[str]]:
+    """Every name a request may give (model names, aliases, adapters) -> the server of its
+    model, and the conflicts found. A model's own name wins over any alias of another model
+    (whatever order they sort in); an alias two models give goes to the first by name."""
+    by_name = {s.name: s for s in servers}
+    out = {model: d.server for model, d in sorted(decisions.items()) if carriable(model)}
+    owner = {model: model for model in out}
+    conflicts = []
+    for model, decision in sorted(decisions.items()):
+        for name in by_name[decision.server].models[model].names:
+            if not carriable(name) or name == model:
+                continue
+            if name in owner:
+                if owner[name] != model:
+                    conflicts.append(
+                        f"{name!r}, a name of {model} on {decision.server}, is already "
+                        f"{'the model' if owner[name] == name else 'a name of ' + owner[name]}"
+                        f" on {out[name]}"
+                    )
+                continue
+            out[name] = decision.server
+            owner[name] = model
+    return out, conflicts
 
 
 def entries(servers: Iterable[Server], decisions: Mapping[str, Decision]) -> dict[str, str]:
-    """Every name a request may give (model names, aliases, adapters) -> the server of its
-    model; names HAProxy's map cannot hold are left to the hash."""
-    by_name = {s.name: s for s in servers}
-    out: dict[str, str] = {}
-    for model, decision in sorted(decisions.items()):
-        held = by_name[decision.server].models[model]
-        for name in (model, *held.names):
-            if mappable(name):
-                out.setdefault(name, decision.server)
-    return out
+    """`routes` without its conflicts."""
+    return routes(servers, decisions)[0]

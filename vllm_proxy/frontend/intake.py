@@ -113,10 +113,17 @@ class Bodies:
     mark, a burst of large bodies has ended: `give_back` (`heap.give_back`) returns the heap
     they left free to the kernel.
 
+    A compressed body counts what it inflates to, and inflation makes a few KiB on the wire
+    into tens of MiB held: the inflated bytes of one client's compressed bodies (its API key,
+    else its address) may take at most half of the limit (`share`) once it holds one, so one
+    client cannot take the budget from the others. A large body is given back as soon as it
+    has been written to the engine (`Hold.handed_over`), not when the answer ends.
+
     The same count bounds other bytes held for clients, named by `key`, `what` and `code`:
     uploads spooled to disk (``server.max_spool_mb``)."""
 
-    __slots__ = ("code", "give_back", "held", "high", "keep", "key", "limit", "what")
+    __slots__ = ("by_client", "code", "give_back", "held", "high", "keep", "key", "limit",
+                 "what")  # fmt: skip
 
     def __init__(
         self,
@@ -136,23 +143,44 @@ class Bodies:
         self.key = key
         self.what = what
         self.code = code
+        #: Inflated bytes of compressed bodies held, per client.
+        self.by_client: dict[str, int] = {}
 
-    def hold(self) -> Hold:
-        return Hold(self)
+    @property
+    def share(self) -> int:
+        """What one client's compressed bodies may hold beyond their first."""
+        return self.limit // 2
+
+    def hold(self, client: str = "") -> Hold:
+        return Hold(self, client)
 
 
 class Hold:
     """One request's share of `Bodies`."""
 
-    __slots__ = ("bodies", "size")
+    __slots__ = ("bodies", "client", "inflated", "size")
 
-    def __init__(self, bodies: Bodies) -> None:
+    def __init__(self, bodies: Bodies, client: str = "") -> None:
         self.bodies = bodies
         self.size = 0
+        #: Who sent it (an API key's id, else the client's address) ...
+        self.client = client
+        #: ... and the bytes of it counted in that client's share (a compressed body's).
+        self.inflated = 0
 
-    def take(self, n: int) -> None:
-        """Count `n` more bytes of this request's body; `Unavailable` past the limit."""
+    def take(self, n: int, compressed: bool = False) -> None:
+        """Count `n` more bytes of this request's body (`compressed`: inflated bytes, also
+        counted in the client's share); `Unavailable` past the limit or the share."""
         bodies = self.bodies
+        if compressed:
+            mine = bodies.by_client.get(self.client, 0)
+            if mine > self.inflated and mine + n > bodies.share:  # (its first body may grow)
+                raise Unavailable(
+                    f"compressed bodies of this client inflate to {mine / MIB:.0f} MiB held "
+                    f"and this one would pass its share of {bodies.share / MIB:g} MiB (half of "
+                    f"{bodies.key}); retry later",
+                    code=bodies.code,
+                )
         held = bodies.held + n
         if held > bodies.limit:
             raise Unavailable(
@@ -163,6 +191,9 @@ class Hold:
             )
         bodies.held = held
         self.size += n
+        if compressed:
+            self.inflated += n
+            bodies.by_client[self.client] = bodies.by_client.get(self.client, 0) + n
         if held > bodies.high:
             bodies.high = held
 
@@ -170,12 +201,28 @@ class Hold:
         """Give this request's bytes back (idempotent)."""
         self.give(self.size)
 
+    def handed_over(self, body: object) -> None:
+        """`body` has been written to the engine: a large one (`Pieces`) drops its bytes now
+        and gives them back, rather than when the answer ends (a stream may last minutes).
+        A small one is kept: it is little, and its bytes may still be referenced."""
+        if isinstance(body, Pieces):
+            body.parts.clear()
+            self.release()
+
     def give(self, n: int) -> None:
         """Give `n` of this request's bytes back (at most what it holds)."""
         n = min(n, self.size)
         self.size -= n
         bodies = self.bodies
         bodies.held -= n
+        if self.inflated > self.size:  # the compressed bytes go back first
+            back = self.inflated - self.size
+            self.inflated -= back
+            left = bodies.by_client.get(self.client, 0) - back
+            if left > 0:
+                bodies.by_client[self.client] = left
+            else:
+                bodies.by_client.pop(self.client, None)
         if bodies.high - bodies.held > bodies.keep:
             bodies.high = bodies.held
             if bodies.give_back is not None:
@@ -195,7 +242,7 @@ async def read_body(request: web.Request, limit: int, timeout_s: float, hold: Ho
     check_type(request)
     if request.content.is_eof():  # the whole body came with the head: no timer
         body = await request.read()  # (aiohttp answers 413 past client_max_size)
-        hold.take(len(body))
+        hold.take(len(body), "Content-Encoding" in request.headers)
         return body, (await scan_whole(body) if needs_scan(body) else None)
     try:
         async with asyncio.timeout(timeout_s):
@@ -241,6 +288,7 @@ async def _read_counted(request: web.Request, limit: int, hold: Hold) -> Receive
     """A body of unknown length, or a compressed one (as it inflates): counted against the
     limits piece by piece, scanned from `PIECES_FROM` on."""
     content = request.content
+    compressed = "Content-Encoding" in request.headers
     parts: list[bytes] = []
     size = 0
     feed: Feed | None = None
@@ -253,7 +301,7 @@ async def _read_counted(request: web.Request, limit: int, hold: Hold) -> Receive
         size += len(data)
         if size > limit:
             raise too_large(limit)
-        hold.take(len(data))
+        hold.take(len(data), compressed)
         parts.append(data)
         if feed is not None:
             await feed(data)

@@ -11,15 +11,20 @@
   (waiting), so the picker's LoRA-affinity scorer sends each model where it lives.
 
 Both are read-only, guarded like ``/metrics`` (``server.metrics_api_keys``), and computed from
-the planner's own view (`Admission.fit` runs the real `scheduler.plan`, claiming nothing). The
-picker polls many times a second: each view is kept for `VIEW_TTL_S`, and engine totals come
-from the last round of engine reads (`Admin.refresh_engine_sums`), never waited for.
+the planner's own view (`Admission.fits` runs the real `scheduler.plan` for every model from one
+snapshot, claiming nothing). Pickers and fleets poll many times a second: both pages are made
+together, from one view, at most once per `VIEW_TTL_S` by a task of their own while someone
+polls (none when nobody does), and the handlers only send the bytes last made (a view made per
+request held the event loop for every poll: docs/reliability.md). Engine totals come from the
+last round of engine reads (`Admin.refresh_engine_sums`), never waited for.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -35,8 +40,9 @@ from .admin import Admin, Families
 
 #: The shape of ``/placement``; a consumer refuses another.
 PLACEMENT_VERSION = 1
-#: How long a computed view is served again.
-VIEW_TTL_S = 0.25
+#: How often the pages are made again while someone polls them (0: at every request).
+VIEW_TTL_S = 1.0
+log = logging.getLogger(__name__)
 #: Each model's state as ``/placement`` names it, from `Model.state`.
 STATES = {
     State.RUNNING: "awake",
@@ -52,24 +58,53 @@ class Holdings:
     def __init__(self, manager: Manager, admin: Admin) -> None:
         self.manager = manager
         self.admin = admin
-        self._cache: dict[str, tuple[float, Any]] = {}
+        #: The pages last made: (``/placement`` JSON, ``/metrics/model-server`` text).
+        self._pages: tuple[bytes, bytes] | None = None
+        self._polled = False
+        self._refresher: asyncio.Task[None] | None = None
+        #: Each model's `Admission.fits` answer while a view is made.
+        self._fits: dict[str, Plan | NoFit] = {}
 
-    def _cached(self, key: str, make: Callable[[], Any]) -> Any:
-        now = time.monotonic()
-        hit = self._cache.get(key)
-        if hit is not None and now - hit[0] < VIEW_TTL_S:
-            return hit[1]
-        value = make()
-        self._cache[key] = (now, value)
-        return value
+    def pages(self) -> tuple[bytes, bytes]:
+        """The pages last made (made now when there are none yet, or `VIEW_TTL_S` is 0); a
+        poll keeps the refresher running."""
+        if self._pages is None or VIEW_TTL_S <= 0:
+            self._pages = self._make()
+        self._polled = True
+        if self._refresher is None and VIEW_TTL_S > 0:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh())
+        return self._pages
+
+    def _make(self) -> tuple[bytes, bytes]:
+        view = self.view()
+        return json.dumps(view).encode(), self.model_server_page(view)
+
+    async def _refresh(self) -> None:
+        """Make the pages again every `VIEW_TTL_S` while they are polled; end after an
+        interval without a poll (the next poll starts it again)."""
+        try:
+            while True:
+                await asyncio.sleep(VIEW_TTL_S)
+                if not self._polled:
+                    return
+                self._polled = False
+                try:
+                    self._pages = self._make()
+                except Exception:  # the last pages stay; the next round tries again
+                    log.exception("making /placement failed")
+        finally:
+            self._refresher = None
+
+    def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
 
     async def placement(self, request: web.Request) -> web.Response:
-        return web.json_response(self._cached("placement", self.view))
+        return web.Response(body=self.pages()[0], content_type="application/json")
 
     async def model_server(self, request: web.Request) -> web.Response:
         self.admin.refresh_engine_sums()
-        page = self._cached("model-server", self.model_server_page)
-        resp = web.Response(body=page)
+        resp = web.Response(body=self.pages()[1])
         resp.headers["Content-Type"] = "text/plain; version=0.0.4; charset=utf-8"
         return resp
 
@@ -78,6 +113,12 @@ class Holdings:
     def view(self) -> dict[str, Any]:
         manager = self.manager
         models = list(manager.models.values())
+        adm = manager.admission
+        memory = manager.memory
+        self._fits = {}
+        if adm is not None and memory is not None:
+            memory.refresh()  # (the readings first: every row and GPU from the same ones)
+            self._fits = adm.fits([m.spec for m in models if m.name in memory.estimates])
         return {
             "version": PLACEMENT_VERSION,
             "closing": manager.closing,
@@ -100,7 +141,6 @@ class Holdings:
         memory = self.manager.memory
         if adm is None or memory is None:
             return []
-        memory.refresh()
         claimed = memory.claimed_by_device()
         return [
             {
@@ -146,7 +186,8 @@ class Holdings:
             return row  # memory is not managed: nothing is ever evicted for room
         row["footprint_mb"] = memory.footprint(model.name)
         row["gpus"] = memory.estimates[model.name].gpus
-        decision = adm.fit(model.spec)
+        fits = self._fits
+        decision = fits[model.name] if model.name in fits else adm.fit(model.spec)
         if isinstance(decision, NoFit):
             row["fits_now"] = False
             row["evict_cost"] = {
@@ -193,8 +234,8 @@ class Holdings:
 
     # -- the model-server page -----------------------------------------------------------
 
-    def model_server_page(self) -> bytes:
-        view = self.view()
+    def model_server_page(self, view: dict[str, Any] | None = None) -> bytes:
+        view = view if view is not None else self.view()
         running: list[str] = []
         waiting: list[str] = []
         for row in view["models"]:
@@ -268,3 +309,8 @@ def _more_fit(view: dict[str, Any]) -> int:
 def add_placement_routes(app: web.Application, holdings: Holdings) -> None:
     app.router.add_get("/placement", holdings.placement)
     app.router.add_get("/metrics/model-server", holdings.model_server)
+
+    async def close(_app: web.Application) -> None:
+        holdings.close()
+
+    app.on_cleanup.append(close)

@@ -47,7 +47,7 @@ from . import heap, realtime
 from .body import Body, bulk, model_of
 from .catalogue import Catalogue
 from .form import MISSING
-from .intake import MIB, Bodies, read_body, too_large
+from .intake import MIB, Bodies, Hold, read_body, too_large
 from .keys import KeyLimits, KeyRing, Scope, bearer
 from .recent import MAX_CAPTURE_BYTES, Recent
 from .upload import open_upload
@@ -250,6 +250,8 @@ def _escape_char(match: re.Match[str]) -> str:
 TAP = web.RequestKey("tap", Tap)
 #: The scope of the request's API key (`Proxy.key_use`; `_narrowed` for its models).
 SCOPE = web.RequestKey("key_scope", Scope)
+#: The request's share of ``server.max_bodies_mb`` (given back once its body is sent).
+BODY_HOLD = web.RequestKey("body_hold", Hold)
 #: Why a model route refused a request's key.
 KEY_REFUSAL = "missing or invalid API key (expected 'Authorization: Bearer KEY')"
 
@@ -553,13 +555,15 @@ class Proxy:
         tap = request[TAP]
         if self.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        hold = self.bodies.hold()  # the body's bytes, held until the request ends
+        # The body's bytes, held until it has been sent (a large one) or the request ends.
+        hold = request[BODY_HOLD] = self.bodies.hold(_client(request))
         try:
             body, scanned = await read_body(request, self.max_body_bytes, self.body_timeout_s, hold)
             parsed = model_of(body, forced, scanned)
             model, adapter = self._resolve_target(request, parsed.model)
             # An alias goes to the engine as the name it serves (the adapter's, for an adapter).
             body = parsed.body_for(model.name if adapter is None else adapter.name)
+            parsed.body = b""  # (the bytes as received: `body` alone holds them now)
             tap.model = model.name
             if self.recent.wants_body(model.name):
                 tap.body = bytes(body)[: MAX_CAPTURE_BYTES + 1]
@@ -778,6 +782,7 @@ class Proxy:
                 body,
                 timeout,
                 inst.name,
+                inst.progress,
             )
         except TimeoutError:
             raise self.read_timeout(inst) from None
@@ -785,6 +790,9 @@ class Proxy:
             raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
         except UpstreamError as err:
             raise await inst.upstream_failure_after_exit(engine, err) from None
+        hold = request.get(BODY_HOLD)
+        if hold is not None:  # written to the engine: a large body is dropped and given back
+            hold.handed_over(body)
         try:
             headers = _downstream_headers(up.headers)
             if up.status == 503 and "Retry-After" not in headers:  # vLLM's own (queue limits)
@@ -1003,6 +1011,15 @@ def check_key(request: web.Request, keys: list[bytes], refusal: str = KEY_REFUSA
         ok |= hmac.compare_digest(given or b"", key)
     if given is None or not ok:
         raise Unauthorized(refusal)
+
+
+def _client(request: web.Request) -> str:
+    """Who a request's body counts for in the share of compressed bodies: its API key, else
+    the address it came from."""
+    scope = request.get(SCOPE)
+    if scope is not None and scope.ident:
+        return "key " + scope.ident
+    return "address " + str(request.remote)
 
 
 def _sse_response(request: web.Request) -> web.StreamResponse:

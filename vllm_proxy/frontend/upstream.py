@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
+from ..engines.progress import Progress
 from .body import Body, Pieces
 
 log = logging.getLogger(__name__)
@@ -202,6 +203,9 @@ class ClientRelay(asyncio.Protocol):
     # -- the engine transport's protocol while relaying -----------------------------------
 
     def data_received(self, data: bytes) -> None:
+        progress = self.conn.progress  # type: ignore[union-attr]
+        if progress is not None:
+            progress.seen += len(data)
         try:
             self.feed(data)  # type: ignore[misc]
         except (httptools.HttpParserError, UpstreamError) as err:
@@ -262,8 +266,8 @@ class UpstreamResponse:
 
     __slots__ = (
         "_backed", "_buffered", "_chunks", "_conn", "_done", "_error", "_head_bytes", "_loop",
-        "_paused", "_pieces", "_pool", "_relay_error", "_slot", "_timer", "_waiter", "headers",
-        "keep_alive", "sink", "status", "until_close",
+        "_paused", "_pieces", "_pool", "_progress", "_relay_error", "_slot", "_timer", "_waiter",
+        "headers", "keep_alive", "sink", "status", "until_close",
     )  # fmt: skip
 
     def __init__(self, conn: _Conn, pool: UpstreamPool, slot: asyncio.Semaphore) -> None:
@@ -288,6 +292,11 @@ class UpstreamResponse:
         self._relay_error: BaseException | None = None
         self._loop = pool.loop  # the pool's: asyncio.get_running_loop() is a getpid() call
         self._timer: asyncio.TimerHandle | None = None
+        self._progress: Progress | None = None
+
+    def waiting_on_client(self) -> bool:
+        """Whether reading the engine is paused because the client takes nothing."""
+        return self._paused or self._backed
 
     # -- fed by the protocol --------------------------------------------------------------
 
@@ -489,6 +498,9 @@ class UpstreamResponse:
         """Return the connection for reuse if the response was read to its end, else close it."""
         if self.sink is not None:
             self.sink.resp = None  # (a reference cycle otherwise)
+        if self._progress is not None:
+            self._progress.end(self)
+            self._progress = self._conn.progress = None
         self._pool._release(self._conn, slot=self._slot, reusable=self._done and self._error is None
                             and not self._chunks and self.keep_alive)  # fmt: skip
 
@@ -506,7 +518,8 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection; parser callbacks feed the current response."""
 
     __slots__ = ("address", "closed", "deliver", "drained", "idle_since", "loop", "on_body",
-                 "parser", "pieces", "refused", "resp", "transport", "writing_paused")  # fmt: skip
+                 "parser", "pieces", "progress", "refused", "resp", "transport",
+                 "writing_paused")  # fmt: skip
 
     def __init__(self, address: int | str) -> None:
         #: The engine's loopback port, or the path of its Unix socket.
@@ -527,6 +540,8 @@ class _Conn(asyncio.Protocol):
         self.writing_paused = False
         self.drained: asyncio.Future[None] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        #: The engine's byte count while a request's response is read (the stall watchdog).
+        self.progress: Progress | None = None
 
     def start(self, resp: UpstreamResponse) -> None:
         self.resp = resp
@@ -554,6 +569,8 @@ class _Conn(asyncio.Protocol):
             self.drained.set_result(None)
 
     def data_received(self, data: bytes) -> None:
+        if self.progress is not None:
+            self.progress.seen += len(data)
         parser = self.parser
         if parser is None:  # bytes nobody asked for: unusable
             self.close()
@@ -723,6 +740,7 @@ class UpstreamPool:
         body: Body | BodySource,
         timeout: float,
         share: str = "",
+        progress: Progress | None = None,
     ) -> UpstreamResponse:
         """Send a request and wait for the response head; `release()` the response after use.
 
@@ -730,7 +748,8 @@ class UpstreamPool:
         connection that breaks after the request went out is an error, never a resend (the
         engine may have started the generation). A `BodySource` is written after the head, as
         it comes; an engine that answers before it has all of it ends the writing, and the
-        connection is not used again.
+        connection is not used again. `progress` counts the engine's bytes for this request
+        until its release (the stall watchdog).
         """
         if self.loop is None:
             self.loop = asyncio.get_running_loop()
@@ -747,12 +766,16 @@ class UpstreamPool:
             head = _head(method, path, host, headers, len(body))
             parts = (head, body) if body else (head,)
         slot = await self._take(share)
+        resp: UpstreamResponse | None = None
         try:
             pooled = self._pooled(address)
             conn = pooled or _Conn(address)
             conn.loop = self.loop
             resp = UpstreamResponse(conn, self, slot)
             conn.start(resp)  # before a new socket is read: the answer may come at once
+            if progress is not None:
+                resp._progress = conn.progress = progress
+                progress.begin(resp)
             if pooled is None:
                 await self._open(conn, parts)
             else:
@@ -769,6 +792,9 @@ class UpstreamPool:
                 raise
         except BaseException:
             slot.release()
+            if progress is not None and resp is not None:
+                progress.end(resp)
+                resp._progress = resp._conn.progress = None
             raise
 
     def _host(self, address: int | str) -> str:

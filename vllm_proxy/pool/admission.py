@@ -295,16 +295,31 @@ class Admission:
         and nobody is asked to sleep or stop). A `Plan` without victims: it fits as things
         are; with victims: what its start would put to sleep or stop once minimum residencies
         allow; `NoFit`: it would wait for busy or pinned engines."""
+        return self.fits([spec])[spec.name]
+
+    def fits(self, specs: list[ModelSpec]) -> dict[str, Plan | NoFit]:
+        """`fit` of each of `specs`, all from one snapshot of the instances and devices (made
+        once: a view of every model costs one planning round each, not a snapshot each)."""
         memory = self.memory
         assert memory is not None
         views, pending = self._views(None, protect=False)
-        model = self._models().get(spec.name)
-        placed = [i for i in model.instances if i.id in memory.claims] if model else []
-        avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
-        demand = memory.demand(spec, f"{spec.name}#fit", avoid)
-        demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
-        pending = _added(pending, self.queued(but=spec.name))
-        return plan(demand, memory.device_views(pending), views, self.queue.clock())
+        # The footprint the queue's head is about to take counts, but in its own model's fit.
+        turns = self._turns()
+        head = turns[0][1].name if turns else None
+        with_head = memory.device_views(_added(pending, self.queued()))
+        without_head = memory.device_views(pending)
+        models = self._models()
+        now = self.queue.clock()
+        out: dict[str, Plan | NoFit] = {}
+        for spec in specs:
+            model = models.get(spec.name)
+            placed = [i for i in model.instances if i.id in memory.claims] if model else []
+            avoid = tuple(sorted({d for i in placed for d in memory.claims[i.id].devices}))
+            demand = memory.demand(spec, f"{spec.name}#fit", avoid)
+            demand = dataclasses.replace(demand, siblings=tuple(i.id for i in placed))
+            devices = without_head if spec.name == head else with_head
+            out[spec.name] = plan(demand, devices, views, now)
+        return out
 
     def _leaves_first(
         self, head: Instance, inst: Instance, decision: Plan, unplaceable: bool = False
