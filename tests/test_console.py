@@ -22,7 +22,7 @@ from vllm_proxy.config import parse_config
 KEY = "console-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 #: A model whose name and served model carry markup: it must show as text, run nothing.
-EVIL = '<img src=x onerror="window.__xss=1">'
+EVIL = '<img/src="x"/onerror="window.__xss=1">'
 EVIL_MODEL = "<script>window.__xss=2</script>"
 #: A line an engine "writes" into its log: shown as text, never as an element.
 EVIL_LINE = '<b id="pwned">engine line</b><script>window.__xss=3</script>'

@@ -3,11 +3,13 @@
 The same trace (three models on one static GPU budget, a dozen requests) runs through
 benchmarks/vproxy.py, where the proxy's own Manager and Admission drive virtual engines in
 virtual time, and through the proxy on fake engines, both with the shipped defaults (minimum
-residency, idle grace, reorder window, idle and sleep timers) but for a short queue timeout (a
-503 in a second, not thirty). The trace is released step by step: a step's requests go in
-order, each once the one before it is visible (queued or in flight), and the next step waits
-until the proxy is still (no request, no ticket, no engine starting, waking, falling asleep or
-stopping) and then for longer than the idle grace, as the virtual steps are spaced. Each
+residency, idle grace, reorder window, idle and sleep timers, device locks, the queue rule)
+but for a short queue timeout and patience (a 503 in a second, not thirty). The trace is
+released step by step to the proxy first: a step's requests go in order, each `APART_S` after
+the one before it is visible (queued or in flight), and the next step waits until the proxy is
+still (no request, no ticket, no engine starting, waking, falling asleep or stopping) and then
+for longer than the idle grace. The benchmark's world is then sent each request when the real
+run sent it, so idle times (which residencies and prices follow) are alike in both. Each
 engine's restore time is under the planner's smallest price step, so recency alone orders
 victims, and the timing of either world cannot change a decision; no model is idle for the
 sleep timer's minute in either world.
@@ -56,6 +58,9 @@ STOP_S = 0.0
 #: (both longer than the idle grace, so that an engine of the step before is idle in both).
 STEP_S = 5.0
 STILL_S = 1.5
+#: Seconds between the requests of one step (in both worlds: the virtual one is sent them when
+#: the real run sent them), so that each finds the change the one before made.
+APART_S = 0.3
 #: How far a virtual TTFT may exceed the real one (the virtual clock has no overheads).
 SLACK_S = 0.05
 #: MiB awake, on a 1000 MiB GPU: two of the small ones fit awake, not all three.
@@ -113,9 +118,9 @@ def models(env: dict[str, str] | None = None) -> dict[str, dict[str, Any]]:
 
 
 #: The shipped defaults but for the health probes (the test drives every change) and the queue
-#: timeout.
+#: timeout, with the clients' patience as short: `b`'s wait in step 7 ends in its 503 then.
 ENGINE = {"health_interval_s": 0}
-ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S}
+ADMISSION = {"queue_timeout_s": QUEUE_TIMEOUT_S, "max_wait_s": QUEUE_TIMEOUT_S}
 GPU = {"reserve_mb": 0, "context_mb": 0}
 
 
@@ -143,8 +148,11 @@ def decisions(seen: list[tuple[str, str, str]]) -> dict[str, list[str]]:
     return out
 
 
-def virtual(tmp_path: Path) -> tuple[list[int], list[float]]:
-    """The trace through the benchmark's world; each request's status (200 or 503) and TTFT."""
+def virtual(tmp_path: Path, sent: list[float] | None = None) -> tuple[list[int], list[float]]:
+    """The trace through the benchmark's world; each request's status (200 or 503) and TTFT.
+    `sent`: when each request is sent (seconds from the first), as the real proxy's run sent
+    them (the minimum residencies and the planner's prices follow idle times); else the steps
+    `STEP_S` apart."""
     vproxy = _vproxy()
     timing = {}
     for name, mb in SIZES.items():
@@ -159,7 +167,8 @@ def virtual(tmp_path: Path) -> tuple[list[int], list[float]]:
     for k, step in enumerate(TRACE):
         for j, (model, long) in enumerate(step):
             decode = (LONG_TOKENS if long else 1) * TOKEN_S
-            requests.append(vproxy.Request(STEP_S * k + 0.01 * j, model, 0.0, decode))
+            at = STEP_S * k + 0.01 * j if sent is None else sent[len(requests)]
+            requests.append(vproxy.Request(at, model, 0.0, decode))
     outcomes = vproxy.run(cfg, world, requests)
     assert world.over_commits == 0, "the engine model over-committed the GPU"
     assert world.busy_evictions == 0
@@ -218,17 +227,23 @@ def _must_wait(proxy: RunningProxy, model: str) -> float:
     return 0.0
 
 
-async def real(proxy: RunningProxy) -> tuple[list[int], list[float], list[float]]:
-    """The trace through the proxy on fake engines; each request's status, TTFT and what it
-    had to wait for at least when it was sent."""
+async def real(proxy: RunningProxy) -> tuple[list[int], list[float], list[float], list[float]]:
+    """The trace through the proxy on fake engines; each request's status, TTFT, what it had
+    to wait for at least when it was sent, and when it was sent (seconds from the first)."""
     statuses: list[int] = []
     ttfts: list[float] = []
     bounds: list[float] = []
+    sent: list[float] = []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
     for step in TRACE:
         tasks = []
-        for model, long in step:
+        for j, (model, long) in enumerate(step):
             tokens = LONG_TOKENS if long else 1
+            if j:  # the request before it has made its change (a wake takes WAKE_S)
+                await asyncio.sleep(APART_S)
             bounds.append(_must_wait(proxy, model))
+            sent.append(loop.time() - t0)
             task = asyncio.ensure_future(_timed(proxy, model, tokens))
             tasks.append(task)
             await _until(lambda m=model, t=task: _visible(proxy, m) or t.done(), model)
@@ -236,22 +251,25 @@ async def real(proxy: RunningProxy) -> tuple[list[int], list[float], list[float]
             statuses.append(status)
             ttfts.append(ttft)
         await _until(lambda: _still(proxy), "a still proxy")
-        await asyncio.sleep(STILL_S)  # idle for longer than the idle grace, as in virtual time
-    return statuses, ttfts, bounds
+        await asyncio.sleep(STILL_S)  # idle for longer than the idle grace
+    return statuses, ttfts, bounds, sent
 
 
 async def test_the_benchmark_and_the_proxy_decide_alike(
     tmp_path: Path, start_proxy: StartProxy, transitions: list[tuple[str, str, str]]
 ) -> None:
-    expected, modelled_ttft = await asyncio.to_thread(virtual, tmp_path)
-    modelled = decisions(transitions)
-    transitions.clear()
     env = FakeEngine(tokens=LONG_TOKENS, token_delay=TOKEN_S, startup_delay=START_S,
                      sleep_delay=SLEEP_S, wake_delay=WAKE_S).env()  # fmt: skip
     cfg = make_config(tmp_path, models(env), server={"admin_open": True}, engine=ENGINE,
                       budget_mb=1000, gpu=GPU, admission=ADMISSION)  # fmt: skip
     proxy = await start_proxy(cfg)
-    got, ttft, bounds = await real(proxy)
+    got, ttft, bounds, sent = await real(proxy)
+    seen = list(transitions)
+    transitions.clear()
+    # The same requests through the benchmark's world, sent when the real run sent them.
+    expected, modelled_ttft = await asyncio.to_thread(virtual, tmp_path, sent)
+    modelled = decisions(transitions)
+    transitions[:] = seen
     print("statuses", got, "decisions", modelled)
     print("TTFT virtual", [round(x, 3) for x in modelled_ttft])
     print("TTFT real   ", [round(x, 3) for x in ttft])
