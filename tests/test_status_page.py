@@ -17,21 +17,11 @@ from typing import Any, NamedTuple
 import aiohttp
 import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
+from kit.browser import CHROMIUM, CHROMIUM_FLAGS
 
 from vllm_proxy import __version__
 from vllm_proxy.config import Config, parse_config
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 CHROMIUM_TIMEOUT_S = 90.0
 #: Where to keep a copy of the screenshot (for the docs); unset: only the tmp dir.
 SCREENSHOT_COPY_ENV = "VLLM_PROXY_STATUS_SCREENSHOT"

@@ -22,7 +22,8 @@ from typing import Any
 import aiohttp
 
 CHROMIUM = "/usr/bin/chromium"
-FLAGS = [
+#: Headless, no sandbox (root), and none of the background connections a closed network refuses.
+CHROMIUM_FLAGS = [
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
@@ -31,9 +32,8 @@ FLAGS = [
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
-    "--remote-debugging-port=0",
-    "--remote-allow-origins=*",
 ]
+FLAGS = [*CHROMIUM_FLAGS, "--remote-debugging-port=0", "--remote-allow-origins=*"]
 START_TIMEOUT_S = 30.0
 CALL_TIMEOUT_S = 30.0
 _LISTENING = re.compile(r"DevTools listening on (ws://\S+)")

@@ -470,14 +470,7 @@ def module_bytes(files: list[Path]) -> tuple[dict[str, int], bool]:
     modules: dict[str, int] = {}
     floating = True
     for path in files:
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise ValueError(f"{path}: not a safetensors file (too short)")
-            (length,) = struct.unpack("<Q", raw)
-            if length > _MAX_HEADER_BYTES:
-                raise ValueError(f"{path}: safetensors header of {length} bytes, file is corrupt")
-            header = json.loads(f.read(length))
+        header = safetensors_header(path)
         for name, info in header.items():
             if name == "__metadata__":
                 continue
@@ -720,12 +713,10 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def tensor_sizes(path: Path) -> list[tuple[str, int]]:
-    """(dtype, element count) of every tensor in a safetensors file, from its header alone.
-
-    The format: an 8-byte little-endian header length, then a JSON object mapping tensor names
-    to ``{"dtype", "shape", "data_offsets"}`` (plus an optional ``__metadata__``).
-    """
+def safetensors_header(path: Path) -> dict[str, Any]:
+    """A safetensors file's header: an 8-byte little-endian length, then that many bytes of
+    JSON mapping tensor names to ``{"dtype", "shape", "data_offsets"}`` (and ``__metadata__``).
+    `ValueError` for a file too short or a header too long to be one."""
     with path.open("rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
@@ -733,7 +724,17 @@ def tensor_sizes(path: Path) -> list[tuple[str, int]]:
         (length,) = struct.unpack("<Q", raw)
         if length > _MAX_HEADER_BYTES:
             raise ValueError(f"{path}: safetensors header of {length} bytes, file is corrupt")
-        header = json.loads(f.read(length))
+        header: dict[str, Any] = json.loads(f.read(length))
+    return header
+
+
+def tensor_sizes(path: Path) -> list[tuple[str, int]]:
+    """(dtype, element count) of every tensor in a safetensors file, from its header alone.
+
+    The format: an 8-byte little-endian header length, then a JSON object mapping tensor names
+    to ``{"dtype", "shape", "data_offsets"}`` (plus an optional ``__metadata__``).
+    """
+    header = safetensors_header(path)
     out = []
     for name, info in header.items():
         if name == "__metadata__":
