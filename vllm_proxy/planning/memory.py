@@ -779,7 +779,7 @@ class Memory:
         cache within its budget: later starts of the model with the same engine and budget are
         told that size (`placement`) and skip vLLM's profiling."""
         name = _model_of(instance_id)
-        if name in self._keys and kv_bytes > 0:
+        if self.sizes_kv and name in self._keys and kv_bytes > 0:
             self.kv_learned[name] = (self._keys[name], self.budget(name), kv_bytes)
             log.info("%s: %d MiB of KV cache measured; later starts are told it", instance_id,
                      kv_bytes // (1 << 20))  # fmt: skip
