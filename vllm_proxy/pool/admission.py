@@ -223,12 +223,11 @@ class Admission:
         now: float,
     ) -> Plan | NoFit:  # fmt: skip
         """`decision`, or a wait when it stops engines that waiting would spare. A stop costs
-        that model a cold start later (tens of seconds, with its device locked as long for
-        every other start and wake there), while a busy engine is put to sleep in seconds once
-        its requests end, and an engine starting, waking, falling asleep or stopping settles
-        soon. So a plan that stops more engines than the plan on the settled snapshot
-        (`scheduler.settled`) waits for those engines, until the waiter has waited
-        `queueing.spare_s` (then it stops: a 503 at the queue timeout would be worse)."""
+        that model a cold start later (tens of seconds), while a busy engine is put to sleep in
+        seconds once its requests end, and an engine starting, waking, falling asleep or
+        stopping settles soon. So a plan that stops more engines than the plan on the settled
+        snapshot (`scheduler.settled`) waits for those engines, until `_spare_until` (then it
+        stops: a 503 when it gives up would be worse)."""
         waiter = self._waiter(inst.name)
         if waiter is None or now >= self._spare_until(inst, waiter):
             return decision
@@ -272,15 +271,17 @@ class Admission:
                 out.append(other.id)
         return out
 
-    def queued(self, but: str | None = None) -> dict[int, int]:
-        """MiB per device that the first start or wake in the queue for memory will take, on
-        the devices its plan chooses once requests in flight have ended ({} when none waits,
-        it is of model `but`, or it cannot be placed). Waiting instances hold no claim, so
-        without this `/placement` offered the fleet room the queue's head was about to take."""
-        turns = self._turns()
-        if not turns or turns[0][1].name == but:
+    def queued(self, but: str | None = None, head: Instance | None = None) -> dict[int, int]:
+        """MiB per device that the first start or wake in the queue for memory (`head`, where
+        the caller has it) will take, on the devices its plan chooses once requests in flight
+        have ended ({} when none waits, it is of model `but`, or it cannot be placed). Waiting
+        instances hold no claim, so without this `/placement` offered the fleet room the
+        queue's head was about to take."""
+        if head is None:
+            turns = self._turns()
+            head = turns[0][1] if turns else None
+        if head is None or head.name == but:
             return {}
-        head = turns[0][1]
         try:
             demand, devices, views = self._inputs(head, drained=True, protect=False)
         except KeyError:  # its claim went meanwhile (stopped while waiting)
@@ -305,8 +306,10 @@ class Admission:
         views, pending = self._views(None, protect=False)
         # The footprint the queue's head is about to take counts, but in its own model's fit.
         turns = self._turns()
-        head = turns[0][1].name if turns else None
-        with_head = memory.device_views(_added(pending, self.queued()))
+        first = turns[0][1] if turns else None
+        head = first.name if first is not None else None
+        ahead = self.queued(head=first) if first is not None else {}
+        with_head = memory.device_views(_added(pending, ahead))
         without_head = memory.device_views(pending)
         models = self._models()
         now = self.queue.clock()
