@@ -40,8 +40,8 @@ from vllm_proxy.errors import ProxyError
 from vllm_proxy.metrics import Metrics
 from vllm_proxy.planning.hostmem import HostRam
 from vllm_proxy.planning.memory import Memory, Placement
+from vllm_proxy.planning.planner import Plan, after, plan
 from vllm_proxy.planning.queueing import Queue
-from vllm_proxy.planning.scheduler import Plan, after, plan
 from vllm_proxy.pool.admission import Admission
 from vllm_proxy.pool.manager import Manager
 

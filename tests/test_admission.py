@@ -19,6 +19,7 @@ from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 from vllm_proxy.config import GpuDevice
 from vllm_proxy.engines.states import State
 from vllm_proxy.frontend.body import model_of
+from vllm_proxy.planning.planner import Demand, DeviceView, InstanceView, Phase, Plan, plan
 from vllm_proxy.planning.queueing import (
     GO,
     IF_FIRST_STILL_FITS,
@@ -36,7 +37,6 @@ from vllm_proxy.planning.queueing import (
     spare_s,
     turn,
 )
-from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, Phase, Plan, plan
 from vllm_proxy.pool.admission import MIN_WAIT_S, Admission
 
 # -- pure rules -------------------------------------------------------------------------------

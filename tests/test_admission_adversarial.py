@@ -34,8 +34,8 @@ from kit.watch import Watch, held
 from vllm_proxy.config import parse_config
 from vllm_proxy.engines.model import Model
 from vllm_proxy.engines.states import State
+from vllm_proxy.planning.planner import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 from vllm_proxy.planning.queueing import Rank
-from vllm_proxy.planning.scheduler import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 
 #: Replies of up to 100 tokens, 30 ms each: `max_tokens` sets a request's length.
 SLOW = FakeEngine(tokens=100, token_delay=0.03).env()

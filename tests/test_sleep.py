@@ -424,7 +424,7 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
     from vllm_proxy.metrics import Metrics
     from vllm_proxy.planning.gpu import NvmlMonitor
     from vllm_proxy.planning.memory import Memory
-    from vllm_proxy.planning.scheduler import Plan
+    from vllm_proxy.planning.planner import Plan
     from vllm_proxy.pool.manager import Manager
 
     models = {n: {"model": "x", "memory_mb": 31 * 1024} for n in "abc"}

@@ -11,7 +11,7 @@
   (waiting), so the picker's LoRA-affinity scorer sends each model where it lives.
 
 Both are read-only, guarded like ``/metrics`` (``server.metrics_api_keys``), and computed from
-the planner's own view (`Admission.fits` runs the real `scheduler.plan` for every model from one
+the planner's own view (`Admission.fits` runs the real `planner.plan` for every model from one
 snapshot, claiming nothing). Pickers and fleets poll many times a second: both pages are made
 together, from one view, at most once per `VIEW_TTL_S` by a task of their own while someone
 polls (none when nobody does), and the handlers only send the bytes last made (a view made per
@@ -34,7 +34,7 @@ from prometheus_client.metrics_core import Metric
 
 from ..engines.model import Model
 from ..engines.states import State
-from ..planning.scheduler import NoFit, Plan
+from ..planning.planner import NoFit, Plan
 from ..pool.manager import Manager
 from .admin import Admin, Families
 

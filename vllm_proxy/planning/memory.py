@@ -1,7 +1,7 @@
 """GPU memory as the admission path sees it: the source, footprints, placements, device locks.
 
 `Memory` answers "how much does this model take", "what is used where now" and "where may it go";
-the decision itself is `scheduler.plan()` (pure). `admission.Admission` drives admission with
+the decision itself is `planner.plan()` (pure). `admission.Admission` drives admission with
 it; instances report their sleeps and wakes to it (`sleep_claim`, `wake_claim`).
 
 Budgets and measurements are kept apart. The budget an engine is started with
@@ -40,7 +40,7 @@ from ..errors import ConfigError
 from ..metrics import Metrics
 from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
-from .scheduler import Demand, DeviceView, never_fits
+from .planner import Demand, DeviceView, never_fits
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ rules:
   more than the reorder window after the first. Only a waiter that may go holds requests
   (`may_hold`).
 
-The victims themselves are chosen by `scheduler.plan()` (price order: restore seconds per idle
+The victims themselves are chosen by `planner.plan()` (price order: restore seconds per idle
 second, priorities first). Every wait here is bounded: by ``admission.queue_timeout_s`` for
 memory and for a held request, by the model's start and wake timeouts for the engine.
 """
@@ -163,7 +163,7 @@ def turn(me: Waiter, first: Waiter, rules: Rules, *, first_placeable: bool,
     """Whether `me`, waiting for memory behind `first` (the first in order), may act now on its
     plan: `GO`, `WAIT`, or `IF_FIRST_STILL_FITS` (go only where, once its plan has been carried
     out, `first`'s plan with busy engines drained still fits and waits for no engine busy now
-    that it did not wait for already: see `scheduler.after`).
+    that it did not wait for already: see `planner.after`).
 
     The first always goes. Where the first can be placed once busy engines drain
     (`first_placeable`), it waits for them; meanwhile one behind it may use what the first's

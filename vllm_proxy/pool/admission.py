@@ -1,7 +1,7 @@
 """Admission: when a start or a wake may take GPU memory, and which requests wait for it.
 
 `Admission` owns the one wait queue (`queueing.Queue`) and decides, on the live instances,
-with the pure `scheduler.plan()` and the pure queue rules of `queueing`:
+with the pure `planner.plan()` and the pure queue rules of `queueing`:
 
 * a start or a wake (`admit`, `readmit`) waits in the queue for its turn and for memory, then
   claims its placement and asks the victims of its plan to sleep or stop (it never changes
@@ -30,8 +30,7 @@ from ..engines.states import AWAKE, State
 from ..errors import Unavailable
 from ..planning import queueing
 from ..planning.memory import Memory, Placement
-from ..planning.queueing import Queue, Rank, Waiter
-from ..planning.scheduler import (
+from ..planning.planner import (
     DEFAULT_START_S,
     DEFAULT_WAKE_S,
     MOVING,
@@ -45,6 +44,7 @@ from ..planning.scheduler import (
     plan,
     settled,
 )
+from ..planning.queueing import Queue, Rank, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +226,7 @@ class Admission:
         that model a cold start later (tens of seconds), while a busy engine is put to sleep in
         seconds once its requests end, and an engine starting, waking, falling asleep or
         stopping settles soon. So a plan that stops more engines than the plan on the settled
-        snapshot (`scheduler.settled`) waits for those engines, until `_spare_until` (then it
+        snapshot (`planner.settled`) waits for those engines, until `_spare_until` (then it
         stops: a 503 when it gives up would be worse)."""
         waiter = self._waiter(inst.name)
         if waiter is None or now >= self._spare_until(inst, waiter):
@@ -330,7 +330,7 @@ class Admission:
         """Whether `inst` carrying out `decision` leaves `head` (the first in order, or a
         waiter that began waiting more than the reorder window before `inst`) as well off:
         once it has, `head`'s plan with busy engines drained still fits and waits for no
-        engine busy now that its plan did not wait for already (`scheduler.after`).
+        engine busy now that its plan did not wait for already (`planner.after`).
         `unplaceable`: the answer when `head` cannot be placed even with busy engines
         drained (nothing it needs can be taken from it then)."""
         now = self.queue.clock()

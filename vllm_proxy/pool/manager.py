@@ -1,7 +1,7 @@
 """The set of models: names and aliases, admission by GPU memory, reload, drain and shutdown.
 
 The `Manager` maps names and aliases to `Model`s (each the owner of its instances), decides
-admission to `Admission` (the one queue, the pure `scheduler.plan()` over every live instance,
+admission to `Admission` (the one queue, the pure `planner.plan()` over every live instance,
 turns, reorder windows, minimum residency), which asks instances to evict themselves; neither
 changes an instance's state directly. Admin and proxy read
 `snapshot()`, never Memory's or an instance's internals.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_proxy.planning.scheduler import (
+from vllm_proxy.planning.planner import (
     Demand,
     DeviceView,
     InstanceView,
