@@ -35,7 +35,12 @@ def test_example_config_loads_and_documents_every_default() -> None:
     assert spec.memory_mb == 9000
     assert spec.idle_timeout_s == 1800
     assert spec.pinned is False and spec.devices is None and spec.params_b is None
-    documented = set(raw["models"]["qwen3-vl-2b-vad"]) | set(raw["engine"])
+    sleep_unset = "# sleep (unset here)" in (ROOT / "config.example.yaml").read_text()
+    documented = (
+        set(raw["models"]["qwen3-vl-2b-vad"])
+        | set(raw["engine"])
+        | ({"sleep"} if sleep_unset else set())
+    )
     assert documented >= set(ModelConfig.model_fields), "every model key is documented"
     # The example states every default: its server/engine sections equal the built-in defaults.
 
@@ -43,10 +48,12 @@ def test_example_config_loads_and_documents_every_default() -> None:
     assert raw["server"] == defaults["server"]
     assert raw["admission"] == defaults["admission"]
     assert raw["gpu"] == defaults["gpu"]
+    # engine.sleep is left unset (null would turn off the default policy on NVIDIA GPUs) ...
+    assert "sleep" not in raw["engine"] and defaults["engine"].pop("sleep") is None
     assert {k: (list(v) if isinstance(v, tuple) else v) for k, v in raw["engine"].items()} == {
         k: (list(v) if isinstance(v, tuple) else v) for k, v in defaults["engine"].items()
     }
-    # engine.sleep is off by default; the commented mapping under it shows every sleep key.
+    # ... and the commented mapping there shows every sleep key with its default.
     text = (ROOT / "config.example.yaml").read_text().splitlines()
     block = text[text.index("  # sleep:") :]
     block = [line[4:] for line in block[: next(i for i, x in enumerate(block) if x[:3] != "  #")]]
@@ -261,6 +268,52 @@ def test_read_ahead_is_on_unless_a_model_or_the_engine_turns_it_off() -> None:
     assert specs["on"].read_ahead and not specs["off"].read_ahead
     engine_off = parse_config({"engine": {"read_ahead": False}, "models": models}).specs()
     assert not engine_off["on"].read_ahead
+
+
+def test_the_default_vllm_engine_sleeps_by_default_where_the_platform_has_sleep_mode() -> None:
+    models = {
+        "plain": {"model": "x"},
+        "off": {"model": "x", "sleep": None},
+        "deep": {"model": "x", "sleep": {"level": 2}},
+        "own": {"model": "x", "command": ["my-engine"]},
+        "no_mode": {"model": "x", "args": {"enable_sleep_mode": False}},
+    }
+    cfg = parse_config({"models": models})
+    gpu, cpu = cfg.specs(platform_sleeps=True), cfg.specs()
+    # On NVIDIA GPUs: the default policy, and so never stopped by idleness alone.
+    assert gpu["plain"].sleep == SleepPolicy(
+        timeout_s=gpu["plain"].sleep_timeout_s, wake_timeout_s=gpu["plain"].wake_timeout_s
+    )
+    assert (gpu["plain"].sleep_mode, gpu["plain"].idle_timeout_s) == (True, 0)
+    assert gpu["deep"].sleep is not None and gpu["deep"].sleep.level == 2
+    # Set to null, another engine, or sleep mode turned off: stopped as before.
+    for name in ("off", "own", "no_mode"):
+        assert gpu[name].sleep is None and gpu[name].idle_timeout_s == 600, name
+    # Elsewhere (the CPU build of vLLM refuses --enable-sleep-mode): off unless set.
+    assert cpu["plain"].sleep is None and cpu["plain"].idle_timeout_s == 600
+    assert cpu["deep"].sleep is not None
+    # An engine-wide null or command turns the default off for every model that inherits it.
+    for engine in ({"sleep": None}, {"command": ["my-engine"]}):
+        inherits = parse_config({"engine": engine, "models": {"m": {"model": "x"}}})
+        assert inherits.specs(platform_sleeps=True)["m"].sleep is None, engine
+
+
+def test_the_proxy_gives_the_default_sleep_policy_only_on_gpus_read_through_nvml(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_proxy import app
+    from vllm_proxy.planning import memory
+
+    cfg = parse_config({"models": {"m": {"model": "x"}}})
+    monkeypatch.setattr(memory.NvmlMonitor, "available", classmethod(lambda cls, nvml=None: False))
+    assert app.resolve_specs(cfg)["m"].sleep is None
+    static = parse_config({"gpu": {"devices": [{"id": 0, "memory_mb": 80_000}]},
+                           "models": {"m": {"model": "x"}}})  # fmt: skip
+    assert app.resolve_specs(static)["m"].sleep is None  # a simulated GPU: the fake engine
+    monkeypatch.setattr(memory.NvmlMonitor, "available", classmethod(lambda cls, nvml=None: True))
+    assert app.resolve_specs(cfg)["m"].sleep is not None
+    # A running proxy's reload keeps to the kind of memory it manages.
+    assert app.resolve_specs(cfg, "none")["m"].sleep is None
 
 
 def test_pooling_models_are_recognised(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
 from .frontend.realtime_route import RealtimeRoute, add_realtime_routes
 from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
-from .planning.memory import Memory, make_source
+from .planning.memory import Memory, make_source, source_kind
 from .planning.queueing import Rules
 from .pool.manager import Manager
 
@@ -72,9 +72,10 @@ class Runtime:
         try:
             new = load_for_reload(self.config_path, self.overrides)
             hosts = parse_hosts(new.server.allowed_hosts)
-            specs = new.specs()
-            if self.manager.memory is not None:
-                self.manager.memory.set_specs(specs)
+            memory = self.manager.memory
+            specs = resolve_specs(new, memory.kind if memory is not None else "none")
+            if memory is not None:
+                memory.set_specs(specs)
         except ConfigError as err:
             log.error("reload rejected, keeping the running config: %s", err)
             raise BadRequest(f"reload rejected: {err}", code="invalid_config") from None
@@ -256,6 +257,12 @@ METRICS_REFUSAL = (
 RUNTIME = web.AppKey("runtime", Runtime)
 
 
+def resolve_specs(config: Config, kind: str | None = None) -> dict[str, ModelSpec]:
+    """`Config.specs` on this host: an engine on NVIDIA GPUs (memory read through NVML; `kind`
+    of the running memory, else `source_kind`) sleeps by default (`config.sleep_by_default`)."""
+    return config.specs(platform_sleeps=(kind or source_kind(config)) == "nvml")
+
+
 def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) -> Memory | None:
     """GPU memory management, or None when the config (or the machine) has no GPU to manage.
 
@@ -274,7 +281,7 @@ def build_memory(config: Config, specs: dict[str, ModelSpec], metrics: Metrics) 
 def check_memory(config: Config) -> str:
     """What ``--check`` says of GPU memory: `ConfigError` naming a model that cannot fit on any
     device it may use, else how memory is managed."""
-    memory = build_memory(config, config.specs(), Metrics())
+    memory = build_memory(config, resolve_specs(config), Metrics())
     if memory is None:
         return "not managed"
     memory.close()
@@ -288,7 +295,7 @@ async def create_app(
     call it only while holding the state dir's lock (`Server.claim`)."""
     metrics = Metrics()
     gate = Gate(config.server)  # a bad allowed_hosts entry stops us here
-    specs = config.specs()
+    specs = resolve_specs(config)
     memory = build_memory(config, specs, metrics)  # a model that can never fit stops us here
     registry = EngineRegistry(state_dir(config.server))
     pruned = prune_caches(Path(state_dir(config.server)) / "vllm-cache",

@@ -345,7 +345,8 @@ class SleepPolicy(_Strict):
     of a more recently used engine needs the host RAM it pins, or after ``idle_timeout_s`` of
     total idleness where that is set (unset with a sleep policy: never by idleness alone). A
     model's ``sleep`` replaces the engine's whole (``sleep: null`` turns sleep mode off for that
-    model).
+    model). Set nowhere, it is this default policy on NVIDIA GPUs with the default vLLM command
+    (`sleep_by_default`), and off elsewhere.
     """
 
     level: Literal[1, 2] = 1
@@ -436,7 +437,9 @@ class EngineKeys(_Strict):
     log_dir: str | None = None
     max_log_mb: float = Field(20, gt=0)
     log_backups: int = Field(2, ge=0)
-    #: Sleep mode (None: off, the engine is only ever stopped).
+    #: Sleep mode (None: off, the engine is only ever stopped). Unset: the default policy
+    #: (level 1 after 60 s idle) on NVIDIA GPUs with the default vLLM command, else off
+    #: (`sleep_by_default`; the CPU build of vLLM refuses sleep mode).
     sleep: SleepPolicy | None = None
     #: Start the model when the proxy starts (and put it to sleep once up, with a sleep policy).
     preload: bool = False
@@ -749,9 +752,21 @@ class Config(_Strict):
             raise ValueError("\n".join(problems))
         return self
 
-    def specs(self) -> dict[str, ModelSpec]:
-        """Every model with the engine defaults merged in."""
-        return {name: _merge(name, m, self.engine, self.server) for name, m in self.models.items()}
+    def specs(self, platform_sleeps: bool = False) -> dict[str, ModelSpec]:
+        """Every model with the engine defaults merged in.
+
+        `platform_sleeps`: the engines run where vLLM has sleep mode (NVIDIA GPUs, seen through
+        NVML: `sleep_by_default`). Then a model gets the default `SleepPolicy` (level 1 after
+        60 s idle) when all of these hold:
+
+        - ``sleep`` is set neither on the model nor on ``engine`` (``sleep: null`` stays off);
+        - its engine is the default vLLM command (``command`` set nowhere);
+        - ``args.enable_sleep_mode`` is not false.
+        """
+        return {
+            name: _merge(name, m, self.engine, self.server, platform_sleeps)
+            for name, m in self.models.items()
+        }
 
 
 @dataclass(frozen=True)
@@ -1089,11 +1104,28 @@ def _idle_timeout(given: float | None, sleep: SleepPolicy | None) -> float:
     return 0.0 if sleep is not None else IDLE_TIMEOUT_S
 
 
-def _merge(name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig) -> ModelSpec:
+def sleep_by_default(m: ModelConfig, e: EngineConfig) -> bool:
+    """Whether model `m` takes the default `SleepPolicy` where the platform has sleep mode:
+    it sets ``sleep`` nowhere, runs the default vLLM command, and does not turn
+    ``enable_sleep_mode`` off. vLLM refuses ``--enable-sleep-mode`` on platforms without it
+    ("Sleep mode is not supported on current platform", `vllm/config/model.py:666-668`; only
+    CUDA, ROCm and XPU have it, `vllm/platforms/interface.py:231-236`), so the CPU build never
+    gets it."""
+    set_anywhere = "sleep" in m.model_fields_set or "sleep" in e.model_fields_set
+    own_command = m.command is not None or e.command is not None
+    args = {arg_name(k): v for k, v in {**e.args, **m.args}.items()}
+    return not set_anywhere and not own_command and args.get("enable_sleep_mode") is not False
+
+
+def _merge(
+    name: str, m: ModelConfig, e: EngineConfig, server: ServerConfig, platform_sleeps: bool
+) -> ModelSpec:
     keys = merged_engine_keys(m, e)
     state = Path(state_dir(server))
     auto = auto_timeouts(checkpoint_gib(m.model, m.params_b))
     sleep: SleepPolicy | None = keys["sleep"]
+    if sleep is None and platform_sleeps and sleep_by_default(m, e):
+        sleep = SleepPolicy()
     if sleep is not None:  # the values in effect: unset timeouts grow with the checkpoint
         sleep = sleep.model_copy(update={
             "timeout_s": sleep.timeout_s or auto["sleep_timeout_s"],

@@ -91,17 +91,27 @@ class Placement:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def source_kind(config: Config) -> str:
+    """The kind of GPU source the config asks for on this host: "nvml", "static" or "none"
+    (``gpu.monitor: auto`` resolved: NVML where a driver answers and the proxy was given GPUs,
+    else a static budget where `gpu.devices` have sizes, else none)."""
+    gpu = config.gpu
+    sized = any(isinstance(d, GpuDevice) for d in ([] if gpu.devices == "all" else gpu.devices))
+    mode = gpu.monitor
+    if mode == "auto" and os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        mode = "static" if sized else "none"  # the proxy was given no GPU
+    if mode == "auto":
+        mode = "nvml" if NvmlMonitor.available() else ("static" if sized else "none")
+    return mode
+
+
 def make_source(config: Config) -> tuple[GpuSource | None, str]:
-    """The GPU source the config asks for, and its kind ("nvml", "static" or "none")."""
+    """The GPU source the config asks for, and its kind (`source_kind`)."""
     gpu = config.gpu
     listed: list[int | GpuDevice] = [] if gpu.devices == "all" else list(gpu.devices)
     ids = [d.id if isinstance(d, GpuDevice) else d for d in listed] or None
     sizes = {d.id: d.memory_mb for d in listed if isinstance(d, GpuDevice)}
-    mode = gpu.monitor
-    if mode == "auto" and os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
-        mode = "static" if sizes else "none"  # the proxy was given no GPU
-    if mode == "auto":
-        mode = "nvml" if NvmlMonitor.available() else ("static" if sizes else "none")
+    mode = source_kind(config)
     if mode == "none":
         return None, "none"
     if mode == "static":
