@@ -32,11 +32,10 @@ from typing import Any
 from aiohttp import web
 
 from ..config import ServerConfig
-from ..engines.engine import read_tail
-from ..engines.instance import Instance
 from ..errors import BadRequest, NotFound, TooManyRequests
 from ..pool.journal import SAMPLE_S
 from ..pool.manager import Manager
+from ..pool.views import InstanceView, find_instance, read_tail
 from .recent import MAX_CAPTURE_BYTES, MAX_CAPTURE_COUNT, MAX_CAPTURE_S, Recent
 
 log = logging.getLogger(__name__)
@@ -242,12 +241,8 @@ class Console:
 
     # -- logs ----------------------------------------------------------------------------
 
-    def _instance(self, iid: str) -> Instance:
-        inst = self.manager.instance(iid)
-        if inst is None:
-            models = (*self.manager.models.values(), *self.manager.removed)
-            inst = next((m.last_ended for m in models
-                         if m.last_ended is not None and m.last_ended.id == iid), None)  # fmt: skip
+    def _instance(self, iid: str) -> InstanceView:
+        inst = find_instance(self.manager, iid)
         if inst is None:
             raise NotFound(f"no live or last-ended instance '{iid}'", code="instance_not_found")
         return inst

@@ -25,9 +25,6 @@ from multidict import CIMultiDict
 
 from ..adapters import AdapterSpec
 from ..config import ServerConfig
-from ..engines.engine import EngineProcess
-from ..engines.instance import Instance
-from ..engines.model import Model
 from ..errors import (
     RETRY_AFTER_S,
     BadRequest,
@@ -42,7 +39,9 @@ from ..errors import (
     error_body,
 )
 from ..metrics import KeySeries, Metrics
+from ..pool.lease import Lease, Upstream
 from ..pool.manager import Manager
+from ..pool.views import Model
 from . import heap, realtime
 from .body import Body, bulk, model_of
 from .catalogue import Catalogue
@@ -594,13 +593,13 @@ class Proxy:
             return await self._forward_loading(request, path, body, model, session, tap, adapter)
         if adapter is not None:
             lease = self.manager.lease(model, session, adapter.name, key_priority(request))
-            async with lease as (i, e):
-                tap.instance, tap.leased = i.id, time.monotonic()
-                return await self._relay_adapter(request, path, body, i, e, tap, adapter)
+            async with lease as engine:
+                tap.instance, tap.leased = engine.instance, time.monotonic()
+                return await self._relay_adapter(request, path, body, engine, tap, adapter)
         lease = self.manager.lease(model, session, None, key_priority(request))
-        async with lease as (inst, engine):
-            tap.instance, tap.leased = inst.id, time.monotonic()
-            return await self._relay(request, path, body, inst, engine, tap)
+        async with lease as engine:
+            tap.instance, tap.leased = engine.instance, time.monotonic()
+            return await self._relay(request, path, body, engine, tap)
 
     async def _counted(
         self, model: str, tap: Tap, send: Awaitable[web.StreamResponse]
@@ -695,36 +694,33 @@ class Proxy:
                     await resp.write(b": loading %s\n\n" % model.name.encode())
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             tap.client_gone = True
-            _abandon(acquiring)
+            _abandon(lease, acquiring)
             assert resp is not None
             return resp
         except BaseException:  # cancelled (client gone): the start goes on for the others
-            _abandon(acquiring)
+            _abandon(lease, acquiring)
             raise
         try:
-            inst, engine = acquiring.result()
+            engine = acquiring.result()
         except ProxyError as err:
             if resp is None:
                 raise
             await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
             return resp
         try:
-            tap.instance, tap.leased = inst.id, time.monotonic()
+            tap.instance, tap.leased = engine.instance, time.monotonic()
             if adapter is not None:
-                return await self._relay_adapter(
-                    request, path, body, inst, engine, tap, adapter, resp
-                )
-            return await self._relay(request, path, body, inst, engine, tap, resp)
+                return await self._relay_adapter(request, path, body, engine, tap, adapter, resp)
+            return await self._relay(request, path, body, engine, tap, resp)
         finally:
-            inst.release()
+            lease.release()
 
     async def _relay_adapter(
         self,
         request: web.Request,
         path: str,
         body: Body | BodySource,
-        inst: Instance,
-        engine: EngineProcess,
+        engine: Upstream,
         tap: Tap,
         adapter: AdapterSpec,
         prepared: web.StreamResponse | None = None,
@@ -732,18 +728,16 @@ class Proxy:
         """`_relay` for a request that names a LoRA adapter: the engine registers it first
         (one load per adapter and engine however many requests wait; see `lora`), and it
         counts as in use, never unloaded for another, until the response has ended."""
-        self.metrics.adapter_requests.labels(inst.name, adapter.name).inc()
+        self.metrics.adapter_requests.labels(engine.model, adapter.name).inc()
+        use = engine.adapter(adapter)
         try:
-            slot = await inst.adapters.use(inst.spec, adapter, engine, inst.ctx.session)
+            async with use:
+                return await self._relay(request, path, body, engine, tap, prepared)
         except ProxyError as err:
-            if prepared is None:
+            if prepared is None or use.entered:  # (the relay's own errors go on as before)
                 raise
             await _write_quietly(prepared, sse_error(err.message, err.type_, str(err.code)))
             return prepared
-        try:
-            return await self._relay(request, path, body, inst, engine, tap, prepared)
-        finally:
-            inst.adapters.done(slot)
 
     def observe(self, model: str, status: str, started: float, tap: Tap) -> None:
         series = self.metrics.series(model)
@@ -765,31 +759,30 @@ class Proxy:
         request: web.Request,
         path: str,
         body: Body | BodySource,
-        inst: Instance,
-        engine: EngineProcess,
+        engine: Upstream,
         tap: Tap,
         prepared: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
         """The engine's answer to the client. `prepared`: a stream already answered 200 (while
         the model loaded): an SSE answer goes on in it, anything else becomes an SSE error."""
-        timeout = inst.spec.read_timeout_s
+        timeout = engine.read_timeout_s
         try:
             up = await self.upstream.request(
                 engine.address,
                 "POST",
                 path,
-                _upstream_headers(request, inst.spec.api_key),
+                _upstream_headers(request, engine.api_key),
                 body,
                 timeout,
-                inst.name,
-                inst.progress,
+                engine.model,
+                engine.progress,
             )
         except TimeoutError:
-            raise self.read_timeout(inst) from None
+            raise self.read_timeout(engine) from None
         except NoSlot as err:
-            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
+            raise Unavailable(f"model '{engine.model}': {err}", code="connections_busy") from None
         except UpstreamError as err:
-            raise await inst.upstream_failure_after_exit(engine, err) from None
+            raise await engine.failure(err) from None
         hold = request.get(BODY_HOLD)
         if hold is not None:  # written to the engine: a large body is dropped and given back
             hold.handed_over(body)
@@ -798,9 +791,9 @@ class Proxy:
             if up.status == 503 and "Retry-After" not in headers:  # vLLM's own (queue limits)
                 headers["Retry-After"] = str(RETRY_AFTER_S)
             if headers.get("Content-Type", "").lower().startswith("text/event-stream"):
-                return await self._stream(request, up, headers, inst, engine, tap, prepared)
+                return await self._stream(request, up, headers, engine, tap, prepared)
             if prepared is not None:
-                return await self._error_into_stream(up, inst, prepared)
+                return await self._error_into_stream(up, engine, prepared)
             try:
                 first = await up.read_chunk(timeout)
                 if up.complete():  # the whole body is here (the usual case): one response
@@ -810,22 +803,22 @@ class Proxy:
                     tap.bytes = len(payload)
                     return web.Response(status=up.status, body=payload, headers=headers)
             except TimeoutError:
-                raise self.read_timeout(inst) from None
+                raise self.read_timeout(engine) from None
             except UpstreamError as err:
-                raise await inst.upstream_failure_after_exit(engine, err) from None
-            return await self._body(request, up, headers, first, inst, tap)
+                raise await engine.failure(err) from None
+            return await self._body(request, up, headers, first, engine, tap)
         finally:
             up.release()  # not read to the end (client gone, error): closes, the engine aborts
 
     async def _error_into_stream(
-        self, up: UpstreamResponse, inst: Instance, resp: web.StreamResponse
+        self, up: UpstreamResponse, engine: Upstream, resp: web.StreamResponse
     ) -> web.StreamResponse:
         """A non-stream answer (an engine's error) to a stream that already answered 200."""
         try:
-            data = await up.read_chunk(inst.spec.read_timeout_s) + up.take_rest()
+            data = await up.read_chunk(engine.read_timeout_s) + up.take_rest()
         except (TimeoutError, UpstreamError):
             data = b""
-        message = f"model '{inst.name}': the engine answered {up.status}"
+        message = f"model '{engine.model}': the engine answered {up.status}"
         try:
             err = json.loads(data).get("error")
             if isinstance(err, dict) and isinstance(err.get("message"), str):
@@ -841,7 +834,7 @@ class Proxy:
         up: UpstreamResponse,
         headers: CIMultiDict[str],
         first: bytes,
-        inst: Instance,
+        engine: Upstream,
         tap: Tap,
     ) -> web.StreamResponse:
         """A large or slow non-stream body: passed on as it arrives, never held whole. Past
@@ -851,7 +844,7 @@ class Proxy:
         if up.content_length is not None:
             resp.content_length = up.content_length
         await resp.prepare(request)
-        chunk, timeout = first, inst.spec.read_timeout_s
+        chunk, timeout = first, engine.read_timeout_s
         try:
             while chunk:
                 await self._send(request, resp, chunk)
@@ -864,7 +857,7 @@ class Proxy:
             tap.client_gone = True
             return resp
         except (TimeoutError, UpstreamError) as err:
-            log.error("%s: response body cut short (request %s): %s", inst.id,
+            log.error("%s: response body cut short (request %s): %s", engine.instance,
                       request[REQUEST_ID], err or "no data")  # fmt: skip
             if request.transport is not None:
                 request.transport.close()
@@ -889,9 +882,9 @@ class Proxy:
             raise ClientTooSlow from None
 
     @staticmethod
-    def read_timeout(inst: Instance) -> EngineTimeout:
+    def read_timeout(engine: Upstream) -> EngineTimeout:
         return EngineTimeout(
-            f"model '{inst.name}': no data from the engine for {inst.spec.read_timeout_s:g}s",
+            f"model '{engine.model}': no data from the engine for {engine.read_timeout_s:g}s",
             code="engine_read_timeout",
         )
 
@@ -900,8 +893,7 @@ class Proxy:
         request: web.Request,
         up: UpstreamResponse,
         headers: CIMultiDict[str],
-        inst: Instance,
-        engine: EngineProcess,
+        engine: Upstream,
         tap: Tap,
         resp: web.StreamResponse | None = None,
     ) -> web.StreamResponse:
@@ -922,16 +914,16 @@ class Proxy:
         # chunks, or raw for an HTTP/1.0 client): the writer of an SSE answer has no
         # compression and no length. Its byte count is brought up to date at the end.
         chunked = bool(getattr(writer, "chunked", False))  # aiohttp's StreamWriter has it
-        timeout = inst.spec.read_timeout_s
+        timeout = engine.read_timeout_s
         drain = functools.partial(self._drain, request, writer)
         try:
             await up.relay(request.transport, chunked, drain, timeout)
         except TimeoutError:
-            msg = f"model '{inst.name}': no data for {timeout:g}s"
+            msg = f"model '{engine.model}': no data for {timeout:g}s"
             await _write_quietly(resp, sse_error(msg, "engine_error", "engine_read_timeout"))
             return resp
         except UpstreamError as cause:
-            err = await inst.upstream_failure_after_exit(engine, cause)
+            err = await engine.failure(cause)
             await _write_quietly(resp, sse_error(err.message, err.type_, str(err.code)))
             return resp
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, ClientTooSlow):
@@ -1051,12 +1043,12 @@ def _progress_chunk(model: str, rid: str, waited: float) -> bytes:
     return b"data: " + json.dumps(chunk).encode() + b"\n\n"
 
 
-def _abandon(acquiring: asyncio.Future[tuple[Instance, EngineProcess]]) -> None:
+def _abandon(lease: Lease, acquiring: asyncio.Future[Upstream]) -> None:
     """Stop waiting for an instance; a lease that was taken meanwhile goes back."""
     if not acquiring.done():
         acquiring.cancel()
     elif not acquiring.cancelled() and acquiring.exception() is None:
-        acquiring.result()[0].release()
+        lease.release()
 
 
 async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:

@@ -20,9 +20,6 @@ import aiohttp
 from aiohttp import web
 
 from ..config import ServerConfig
-from ..engines.engine import EngineProcess
-from ..engines.instance import Instance
-from ..engines.model import Model
 from ..errors import (
     BadRequest,
     EngineFailed,
@@ -31,6 +28,8 @@ from ..errors import (
     TooManyRequests,
     Unavailable,
 )
+from ..pool.lease import Upstream
+from ..pool.views import Model
 from .intake import Hold
 from .proxy import CLIENT_CLOSED, CLOSE_TIMEOUT_S, ENGINE_ID, SCOPE, TAP, Proxy, Tap, key_priority
 from .realtime import (
@@ -119,11 +118,11 @@ class RealtimeRoute:
             key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
             with self.sessions.open(model.name, self.max_sessions, key):
                 lease = self.proxy.manager.lease(model, session, None, key_priority(request))
-                async with lease as (inst, engine):
-                    tap.instance = inst.id
-                    slot = await self._slot(inst)
+                async with lease as engine:
+                    tap.instance = engine.instance
+                    slot = await self._slot(engine)
                     try:
-                        await self._relay(request, client, model, first, inst, engine, tap)
+                        await self._relay(request, client, model, first, engine, tap)
                     finally:
                         slot.release()
             status = str(client.status)
@@ -141,13 +140,13 @@ class RealtimeRoute:
             self.proxy.observe(model.name, status, tap.started, tap)
         return client
 
-    async def _slot(self, inst: Instance) -> asyncio.Semaphore:
+    async def _slot(self, engine: Upstream) -> asyncio.Semaphore:
         """A connection of the model's share (``max_upstream_connections``), held for the
         session's lifetime: a session holds an engine connection as a request does."""
         try:
-            return await self.proxy.upstream.take_slot(inst.name)
+            return await self.proxy.upstream.take_slot(engine.model)
         except NoSlot as err:
-            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
+            raise Unavailable(f"model '{engine.model}': {err}", code="connections_busy") from None
 
     async def _relay(
         self,
@@ -155,14 +154,13 @@ class RealtimeRoute:
         client: ClientSocket,
         model: Model,
         first: dict[str, Any] | None,
-        inst: Instance,
-        engine: EngineProcess,
+        engine: Upstream,
         tap: Tap,
     ) -> None:
         """Connect to the engine's realtime socket, accept the client's, and relay."""
         headers = {"X-Request-ID": request[ENGINE_ID]}
-        if inst.spec.api_key:
-            headers["Authorization"] = f"Bearer {inst.spec.api_key}"
+        if engine.api_key:
+            headers["Authorization"] = f"Bearer {engine.api_key}"
         url = engine.base_url + PATH
         wait = self.proxy.upstream.connect_timeout_s
         try:
@@ -170,19 +168,19 @@ class RealtimeRoute:
                 engine.socket_path, url, headers, self.proxy.max_body_bytes, wait
             )
         except TimeoutError:
-            raise self.proxy.read_timeout(inst) from None
+            raise self.proxy.read_timeout(engine) from None
         except aiohttp.WSServerHandshakeError as err:
             if err.status == 404:
                 raise NotFound(
-                    f"model '{inst.name}' does not serve {PATH} (vLLM serves it for "
+                    f"model '{engine.model}' does not serve {PATH} (vLLM serves it for "
                     "realtime models only)",
                     code="unknown_endpoint",
                 ) from None
             raise EngineFailed(
-                f"model '{inst.name}': the engine refused the WebSocket ({err.status})"
+                f"model '{engine.model}': the engine refused the WebSocket ({err.status})"
             ) from None
         except (aiohttp.ClientError, OSError) as err:
-            raise await inst.upstream_failure_after_exit(engine, UpstreamError(str(err))) from None
+            raise await engine.failure(UpstreamError(str(err))) from None
 
         async def inbound(text: str) -> str | None:
             """A ``session.update`` for an alias gets the canonical name; one for another

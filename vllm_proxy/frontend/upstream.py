@@ -27,7 +27,7 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
-from ..engines.progress import Progress
+from ..pool.lease import Progress
 from .body import Body, Pieces
 
 log = logging.getLogger(__name__)
