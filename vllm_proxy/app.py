@@ -30,12 +30,12 @@ from .engines.instance import EngineContext
 from .engines.readahead import ReadAhead
 from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, Forbidden, ProxyError
-from .frontend.admin import Admin, add_admin_routes
-from .frontend.connection import Listener, Runner, Site, listen
-from .frontend.console import Console, add_console_routes
-from .frontend.placement import Holdings, add_placement_routes
-from .frontend.proxy import Proxy, add_routes, check_key, opens_to_pages
-from .frontend.realtime_route import RealtimeRoute, add_realtime_routes
+from .frontend.bytes.connection import Listener, Runner, Site, listen
+from .frontend.routes.admin import Admin, add_admin_routes
+from .frontend.routes.console import Console, add_console_routes
+from .frontend.routes.openai import Proxy, add_routes, check_key, opens_to_pages
+from .frontend.routes.placement_page import Holdings, add_placement_routes
+from .frontend.routes.realtime import RealtimeRoute, add_realtime_routes
 from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
 from .planning.memory import Memory, make_source

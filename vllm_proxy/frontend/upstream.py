@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import httptools
 
 from ..pool.lease import Progress
-from .body import Body, Pieces
+from .bytes.body import Body, Pieces
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import __version__
-from ..config import ServerConfig
-from ..errors import BadRequest, NotFound
-from ..pool.lease import Lease
-from ..pool.manager import Manager
-from ..pool.views import EngineView, Model, engines, read_tail, shown_instances
+from ... import __version__
+from ...config import ServerConfig
+from ...errors import BadRequest, NotFound
+from ...pool.lease import Lease
+from ...pool.manager import Manager
+from ...pool.views import EngineView, Model, engines, read_tail, shown_instances
 from .console import PAGE_HEADERS
 
 log = logging.getLogger(__name__)

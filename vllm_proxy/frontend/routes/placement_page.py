@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..pool.manager import Manager
-from ..pool.views import Fit, InstanceView, Model, fit, fits, instances
+from ...pool.manager import Manager
+from ...pool.views import Fit, InstanceView, Model, fit, fits, instances
 from .admin import Admin, Families
 
 #: The shape of ``/placement``; a consumer refuses another.

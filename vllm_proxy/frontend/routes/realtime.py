@@ -19,8 +19,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..config import ServerConfig
-from ..errors import (
+from ...config import ServerConfig
+from ...errors import (
     BadRequest,
     EngineFailed,
     NotFound,
@@ -28,11 +28,10 @@ from ..errors import (
     TooManyRequests,
     Unavailable,
 )
-from ..pool.lease import Upstream
-from ..pool.views import Model
-from .intake import Hold
-from .proxy import CLIENT_CLOSED, CLOSE_TIMEOUT_S, ENGINE_ID, SCOPE, TAP, Proxy, Tap, key_priority
-from .realtime import (
+from ...pool.lease import Upstream
+from ...pool.views import Model
+from ..bytes.intake import Hold
+from ..realtime_relay import (
     PATH,
     ClientSocket,
     Counts,
@@ -46,7 +45,8 @@ from .realtime import (
     session_created,
     update_of,
 )
-from .upstream import NoSlot, UpstreamError
+from ..upstream import NoSlot, UpstreamError
+from .openai import CLIENT_CLOSED, CLOSE_TIMEOUT_S, ENGINE_ID, SCOPE, TAP, Proxy, Tap, key_priority
 
 
 class RealtimeRoute:

@@ -31,12 +31,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ..config import ServerConfig
-from ..errors import BadRequest, NotFound, TooManyRequests
-from ..pool.journal import SAMPLE_S
-from ..pool.manager import Manager
-from ..pool.views import InstanceView, find_instance, read_tail
-from .recent import MAX_CAPTURE_BYTES, MAX_CAPTURE_COUNT, MAX_CAPTURE_S, Recent
+from ...config import ServerConfig
+from ...errors import BadRequest, NotFound, TooManyRequests
+from ...pool.journal import SAMPLE_S
+from ...pool.manager import Manager
+from ...pool.views import InstanceView, find_instance, read_tail
+from ..recent import MAX_CAPTURE_BYTES, MAX_CAPTURE_COUNT, MAX_CAPTURE_S, Recent
 
 log = logging.getLogger(__name__)
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..pool.manager import Manager
-from ..pool.views import Model, instances
-from .keys import Scope
+from ...pool.manager import Manager
+from ...pool.views import Model, instances
+from ..keys import Scope
 
 OWNER = "vllm-proxy"
 

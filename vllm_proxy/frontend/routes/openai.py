@@ -23,9 +23,9 @@ from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 from multidict import CIMultiDict
 
-from ..adapters import AdapterSpec
-from ..config import ServerConfig
-from ..errors import (
+from ...adapters import AdapterSpec
+from ...config import ServerConfig
+from ...errors import (
     RETRY_AFTER_S,
     BadRequest,
     EngineTimeout,
@@ -38,19 +38,19 @@ from ..errors import (
     Unavailable,
     error_body,
 )
-from ..metrics import KeySeries, Metrics
-from ..pool.lease import Lease, Upstream
-from ..pool.manager import Manager
-from ..pool.views import Model
-from . import heap, realtime
-from .body import Body, bulk, model_of
-from .catalogue import Catalogue
-from .form import MISSING
-from .intake import MIB, Bodies, Hold, read_body, too_large
-from .keys import KeyLimits, KeyRing, Scope, bearer
-from .recent import MAX_CAPTURE_BYTES, Recent
-from .upload import open_upload
-from .upstream import (
+from ...metrics import KeySeries, Metrics
+from ...pool.lease import Lease, Upstream
+from ...pool.manager import Manager
+from ...pool.views import Model
+from .. import realtime_relay
+from ..bytes import heap
+from ..bytes.body import Body, bulk, model_of
+from ..bytes.form import MISSING
+from ..bytes.intake import MIB, Bodies, Hold, read_body, too_large
+from ..bytes.upload import open_upload
+from ..keys import KeyLimits, KeyRing, Scope, bearer
+from ..recent import MAX_CAPTURE_BYTES, Recent
+from ..upstream import (
     BodySource,
     ClientRelay,
     NoSlot,
@@ -59,6 +59,7 @@ from .upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from .catalogue import Catalogue
 
 log = logging.getLogger(__name__)
 
@@ -1062,7 +1063,7 @@ async def _write_quietly(resp: web.StreamResponse, data: bytes) -> None:
 #: The model routes outside ``/v1/``.
 _ROOT_ROUTES = frozenset(r for r in MODEL_ROUTES if not r.startswith("/v1/"))
 #: Routes a page of any site could reach without a CORS preflight and be served (`opens_to_pages`).
-_PAGE_ROUTES = frozenset((*UPLOAD_ROUTES, realtime.PATH))
+_PAGE_ROUTES = frozenset((*UPLOAD_ROUTES, realtime_relay.PATH))
 _PAGE_TAILS = tuple(r.removeprefix("/v1") for r in _PAGE_ROUTES)
 
 
