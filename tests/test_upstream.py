@@ -12,7 +12,7 @@ from aiohttp import web
 from kit import RawEngine, free_port, wait_for
 
 from vllm_proxy.frontend.bytes.body import Pieces
-from vllm_proxy.frontend.routes.openai import Tap
+from vllm_proxy.frontend.serving import Tap
 from vllm_proxy.frontend.upstream import (
     HIGH_WATER,
     ClientRelay,
