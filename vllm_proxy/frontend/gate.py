@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -15,9 +14,8 @@ from aiohttp import web
 from ..config import ServerConfig
 from ..errors import ConfigError, Forbidden, ProxyError
 from .routes.paths import opens_to_pages
-from .serving import check_key
+from .serving import Handler, check_key
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 #: Methods that change nothing; an admin call with any other is refused from another origin.
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 METRICS_PATHS = frozenset({"/metrics", "/metrics/engines", "/placement", "/metrics/model-server"})

@@ -1,7 +1,7 @@
 """Operator endpoints: the admin API, the status page and the engines' own metrics.
 
 Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``admin_open: true``);
-`Proxy.middleware` enforces it. The console at ``/`` is static (its routes: `console`), sent
+`Serving.middleware` enforces it. The console at ``/`` is static (its routes: `console`), sent
 with the console's Content-Security-Policy.
 
 ``/metrics/engines`` reads every engine's own page, at most ``server.max_engine_metrics_mb`` of

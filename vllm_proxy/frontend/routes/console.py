@@ -1,5 +1,5 @@
 """The operator console's API, beside the admin API it extends (all under ``/admin``, so every
-route here needs an admin key; `Proxy.middleware` checks it):
+route here needs an admin key; `Serving.middleware` checks it):
 
 * ``GET /admin/events``: one Server-Sent Events stream of the live state (``state``: the same
   object as ``GET /admin/models``, sent when it changed, checked at every state change and at

@@ -4,7 +4,7 @@ page of any site could reach.
 * `MODEL_ROUTES`: the JSON POST routes routed by the body's ``model``;
 * `UPLOAD_ROUTES`: the form uploads routed by their ``model`` field;
 * `PREFIXED_TAILS`: what ``/serve/{model}/v1/{tail}`` may reach (`UPLOAD_TAILS` of them uploads);
-* `guarded(path)`: the paths under API keys, counted and logged as model routes;
+* `guarded(path)`: the OpenAI routes, under API keys and in the access log;
 * `opens_to_pages(path)`: the paths a page of another site could reach without a CORS preflight.
 """
 
@@ -64,7 +64,8 @@ _PAGE_TAILS = tuple(r.removeprefix("/v1") for r in _PAGE_ROUTES)
 
 
 def guarded(path: str) -> bool:
-    """Whether `path` is a model route: under API keys, counted, in the access log."""
+    """Whether `path` is one of the OpenAI routes: under API keys, in the access log and the
+    ring of recent requests."""
     return path.startswith(("/v1/", "/serve/")) or path in _ROOT_ROUTES
 
 
