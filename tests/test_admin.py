@@ -263,7 +263,7 @@ async def test_engine_metrics_are_relabelled(tmp_path: Path, start_proxy: StartP
 
 
 def test_tap_finds_usage_across_chunks() -> None:
-    from vllm_proxy.frontend.proxy import Tap
+    from vllm_proxy.frontend.serving import Tap
 
     tap = Tap()
     event = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}})

@@ -18,7 +18,7 @@ from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 
 from vllm_proxy.config import GpuDevice
 from vllm_proxy.engines.states import State
-from vllm_proxy.frontend.body import model_of
+from vllm_proxy.frontend.bytes.body import model_of
 from vllm_proxy.planning.planner import Demand, DeviceView, InstanceView, Phase, Plan, plan
 from vllm_proxy.planning.queueing import (
     GO,

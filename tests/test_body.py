@@ -1,4 +1,4 @@
-"""Finding ``model`` in a request body without parsing it whole (`vllm_proxy.frontend.body`).
+"""Finding ``model`` in a request body without parsing it whole (`vllm_proxy.frontend.bytes.body`).
 
 Every case is checked against `json.loads`: the scan must find what the parser finds, and
 refuse what the parser refuses (then the client gets the scan's 400).
@@ -16,8 +16,8 @@ import pytest
 from kit import heap_probe
 
 from vllm_proxy.errors import BadRequest
-from vllm_proxy.frontend import body as body_mod
-from vllm_proxy.frontend.body import (
+from vllm_proxy.frontend.bytes import body as body_mod
+from vllm_proxy.frontend.bytes.body import (
     BULK_DEPTH,
     CHECK_STRINGS_BELOW,
     MAX_DEPTH,
@@ -435,7 +435,7 @@ def test_the_heap_keeps_pages_for_the_next_large_body() -> None:
     faults of its own. Run in a fresh interpreter, as the proxy's entry point runs it."""
     code = (
         "import resource, sys\n"
-        "from vllm_proxy.frontend import heap\n"
+        "from vllm_proxy.frontend.bytes import heap\n"
         "if not heap.tune(): sys.exit(3)\n"
         "piece = b'x' * (256 * 1024 + 1)\n"
         "def body(): return [piece[1:] for _ in range(40)]  # malloc'd, as received pieces\n"

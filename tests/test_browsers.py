@@ -9,8 +9,8 @@ import pytest
 import yaml
 from kit import RunningProxy, StartProxy, make_config, write_config
 
-from vllm_proxy.app import parse_hosts
 from vllm_proxy.errors import ConfigError
+from vllm_proxy.frontend.gate import parse_hosts
 
 #: What a cross-site ``<form method=post action=http://proxy/admin/...>`` sends.
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}

@@ -93,7 +93,7 @@ async def test_a_slow_request_head_is_cut_off(
     server = {"header_timeout_s": 0.5, "keepalive_timeout_s": 60}
     proxy = await start_proxy(make_config(tmp_path, server=server))
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
-    with caplog.at_level(logging.WARNING, logger="vllm_proxy.frontend.connection"):
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.frontend.bytes.connection"):
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
         await writer.drain()
         for _ in range(100):  # one header line at a time, never the blank line that ends it

@@ -16,8 +16,8 @@ from kit.simgpu import sim_config
 
 from fake_vllm.simgpu import Ledger
 from vllm_proxy.config import parse_config
-from vllm_proxy.frontend.console import CSP, _read_from
 from vllm_proxy.frontend.recent import MAX_CAPTURE_COUNT, Recent
+from vllm_proxy.frontend.routes.console import CSP, _read_from
 from vllm_proxy.pool.journal import Journal
 
 KEY = "api-test-key"

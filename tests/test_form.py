@@ -8,7 +8,7 @@ import random
 import pytest
 
 from vllm_proxy.errors import BadRequest
-from vllm_proxy.frontend.form import MAX_PARTS, FormScan, Rename, boundary_of, model_field
+from vllm_proxy.frontend.bytes.form import MAX_PARTS, FormScan, Rename, boundary_of, model_field
 
 B = b"b0und"
 

@@ -4,7 +4,9 @@ and the product never imports its test kit.
 Layers, lowest first: the shared modules at the top of the package (config, engine_args, errors,
 metrics, adapters, names), `planning`, `engines`, `pool`, `frontend`, then the composition root
 (`app`, `cli`). A package may import its own modules, the shared ones and the layers below it,
-never above.
+never above. The request path (`frontend`) skips none: it sees the engines and the planner only
+through the pool (`pool.lease`: the engine a request was given; `pool.views`: what the pages
+show).
 
 Tools (`fleet`: `vllm-proxy-fleet`, which runs beside HAProxy) stand apart: a tool imports its
 own modules and the shared ones only, and nothing imports a tool.
@@ -115,7 +117,9 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def test_imports_go_one_way() -> None:
     edges = graph()
-    assert {"engines.instance", "engines.model", "pool.manager", "frontend.proxy"} <= set(edges)
+    assert {"engines.instance", "engines.model", "pool.manager", "frontend.routes.openai"} <= set(
+        edges
+    )
     assert "engines.instance" in edges["engines.model"]
     assert "engines.model" in edges["pool.manager"]
     assert find_cycle(edges) is None, " -> ".join(find_cycle(edges) or [])
@@ -142,6 +146,40 @@ def test_layers_import_only_downwards() -> None:
             if theirs == "root":
                 continue  # checked by test_nothing_imports_the_composition_root
             assert order[theirs] <= order[mine], f"{name} ({mine}) imports {dep} ({theirs})"
+
+
+#: What `frontend` may import besides itself.
+FRONTEND_SEES = {"pool", "shared"}
+
+
+def test_the_request_path_reaches_engines_only_through_the_pool() -> None:
+    """`frontend` imports `pool` and the shared modules, never `engines` or `planning`: a
+    handler holds an `Upstream` handle from its lease, a page reads `pool.views`."""
+    edges = graph()
+    for name, deps in edges.items():
+        if layer_of(name) != "frontend":
+            continue
+        for dep in deps:
+            theirs = layer_of(dep)
+            assert theirs in {"frontend", *FRONTEND_SEES}, f"{name} imports {dep} ({theirs})"
+    used = set().union(*(deps for name, deps in edges.items() if layer_of(name) == "frontend"))
+    assert {"pool.lease", "pool.views"} <= used
+
+
+def test_a_frontend_import_of_the_engines_would_be_refused(tmp_path: Path) -> None:
+    """The check above, on a package where a handler imports an engine and a page a plan."""
+    for sub in ("frontend", "engines", "planning", "pool"):
+        (tmp_path / sub).mkdir()
+    (tmp_path / "frontend" / "handler.py").write_text("from ..engines.instance import Instance\n")
+    (tmp_path / "frontend" / "page.py").write_text("from ..planning import scheduler\n")
+    (tmp_path / "frontend" / "fine.py").write_text("from ..pool.lease import Lease\n")
+    got = {
+        stem: {layer_of(d) for d in imports_of(tmp_path / "frontend" / f"{stem}.py", tmp_path)[0]}
+        for stem in ("handler", "page", "fine")
+    }
+    assert got == {"handler": {"engines"}, "page": {"planning"}, "fine": {"pool"}}
+    assert not got["handler"] <= FRONTEND_SEES and not got["page"] <= FRONTEND_SEES
+    assert got["fine"] <= FRONTEND_SEES
 
 
 def test_a_tool_imports_only_itself_and_the_shared_modules() -> None:

@@ -11,8 +11,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from vllm_proxy.app import METRICS_PATHS
 from vllm_proxy.config import parse_config
+from vllm_proxy.frontend.gate import METRICS_PATHS
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy" / "kubernetes"
 KUBERNETES = "1.33"

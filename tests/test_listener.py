@@ -12,8 +12,8 @@ import pytest
 import uvloop
 from kit import wait_for
 
-from vllm_proxy.frontend import connection
-from vllm_proxy.frontend.connection import Listener, listen
+from vllm_proxy.frontend.bytes import connection
+from vllm_proxy.frontend.bytes.connection import Listener, listen
 
 
 class Counting(asyncio.Protocol):

@@ -121,7 +121,7 @@ async def test_a_huge_engine_metrics_page_is_left_out_without_stalling_the_proxy
     proxy = await start_proxy(make_config(tmp_path, models, server=OPEN))
     await load(proxy, "big", "ok")
     ticker = Ticker()
-    with caplog.at_level(logging.WARNING, logger="vllm_proxy.frontend.admin"):
+    with caplog.at_level(logging.WARNING, logger="vllm_proxy.frontend.routes.admin"):
         resp = await proxy.http.get(proxy.url + "/metrics/engines")
         text = await resp.text()
     longest = await ticker.stop()

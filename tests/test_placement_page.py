@@ -10,7 +10,7 @@ import pytest
 from kit import RunningProxy, StartProxy, make_config
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_proxy.frontend import placement as placement_module
+from vllm_proxy.frontend.routes import placement_page as placement_module
 
 SLEEPS = {"level": 1, "after_idle_s": 600, "memory_mb": 100}
 #: Three models of 400 MiB on one 1000 MiB device: two fit at once; `b` can sleep.

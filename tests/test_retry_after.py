@@ -14,7 +14,7 @@ from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 from kit import budget_config as budget
 
 from vllm_proxy.errors import RETRY_AFTER_S, EngineFailed, ProxyError, Unavailable
-from vllm_proxy.frontend.proxy import error_response
+from vllm_proxy.frontend.serving import error_response
 
 RAW_ENGINE = [sys.executable, str(Path(__file__).parent / "engines" / "raw_engine.py")]
 SLOW = FakeEngine(tokens=20, token_delay=0.05).env()

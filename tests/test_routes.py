@@ -21,7 +21,7 @@ import pytest
 from kit import FakeEngine, RunningProxy, StartProxy, make_config, wait_for
 from kit.metrics import proxy_samples
 
-from vllm_proxy.frontend.proxy import MODEL_ROUTES
+from vllm_proxy.frontend.routes.paths import MODEL_ROUTES
 
 BOUNDARY = "vllm-proxy-test-boundary"
 FORM = f"multipart/form-data; boundary={BOUNDARY}"

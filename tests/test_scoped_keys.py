@@ -19,7 +19,7 @@ from vllm_proxy.config import load_config, parse_config
 from vllm_proxy.errors import ConfigError
 from vllm_proxy.frontend import keys
 from vllm_proxy.frontend.keys import KeyRing
-from vllm_proxy.frontend.proxy import MODEL_ROUTES, PREFIXED_TAILS
+from vllm_proxy.frontend.routes.paths import MODEL_ROUTES, PREFIXED_TAILS
 
 #: Three models whose names and aliases share no substring with the error message's words.
 MODELS: dict[str, dict[str, Any]] = {

@@ -296,8 +296,8 @@ def test_a_burst_of_large_bodies_leaves_at_most_128_mib_of_free_heap() -> None:
     where it started (it stayed 480 MiB up). Run in a fresh interpreter, as the proxy runs."""
     code = (
         "import sys, psutil\n"
-        "from vllm_proxy.frontend import heap\n"
-        "from vllm_proxy.frontend.intake import Bodies\n"
+        "from vllm_proxy.frontend.bytes import heap\n"
+        "from vllm_proxy.frontend.bytes.intake import Bodies\n"
         "if not heap.tune(): sys.exit(3)\n"
         "rss = lambda: psutil.Process().memory_info().rss\n"
         "bodies = Bodies(1 << 30, heap.give_back())\n"

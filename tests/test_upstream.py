@@ -11,8 +11,8 @@ import pytest
 from aiohttp import web
 from kit import RawEngine, free_port, wait_for
 
-from vllm_proxy.frontend.body import Pieces
-from vllm_proxy.frontend.proxy import Tap
+from vllm_proxy.frontend.bytes.body import Pieces
+from vllm_proxy.frontend.serving import Tap
 from vllm_proxy.frontend.upstream import (
     HIGH_WATER,
     ClientRelay,

@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvloop
 
     from .app import check_memory, serve
-    from .frontend import heap
+    from .frontend.bytes import heap
 
     if args.check:
         try:  # also: does every model fit on a device it may use (as at start)?

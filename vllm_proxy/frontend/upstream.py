@@ -27,8 +27,8 @@ from collections.abc import Awaitable, Callable, Iterable
 
 import httptools
 
-from ..engines.progress import Progress
-from .body import Body, Pieces
+from ..pool.lease import Progress
+from .bytes.body import Body, Pieces
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class UpstreamError(Exception):
 
 
 class BodySource(abc.ABC):
-    """A request body passed on while it is still arriving (a form upload, see `upload`):
+    """A request body passed on while it is still arriving (a form upload, see `bytes.upload`):
     written to the engine by `write_to` after the request head, through a `BodySink`."""
 
     #: The body's length; None: it is sent chunked.

@@ -20,7 +20,6 @@ from typing import Any
 
 from ..adapters import AdapterSpec, find_in, list_folder
 from ..config import ModelSpec
-from ..engines.engine import EngineProcess
 from ..engines.instance import RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
 from ..engines.model import Model
 from ..engines.states import AWAKE, State
@@ -30,6 +29,7 @@ from ..planning.memory import Memory, same_engine
 from ..planning.queueing import Queue, Rules
 from .admission import Admission
 from .journal import Journal
+from .lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -42,34 +42,6 @@ FORCED_KILL_GRACE_S = 0.3
 
 #: A listing of an adapters folder serves ``GET /v1/models`` for this long.
 LISTING_TTL_S = 2.0
-
-
-class Lease:
-    """The request path's hold on an instance: acquired on entry, released in ``__aexit__``.
-
-    A plain class rather than a generator-based context manager: it is on every request.
-    """
-
-    __slots__ = ("adapter", "inst", "model", "priority", "session")
-
-    def __init__(
-        self,
-        model: Model,
-        session: str | None = None,
-        adapter: str | None = None,
-        priority: int = 0,
-    ) -> None:
-        self.model = model
-        self.session = session
-        self.adapter = adapter
-        self.priority = priority
-
-    async def __aenter__(self) -> tuple[Instance, EngineProcess]:
-        self.inst, engine = await self.model.acquire(self.session, self.adapter, self.priority)
-        return self.inst, engine
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.inst.release()
 
 
 class Manager:
@@ -326,7 +298,8 @@ class Manager:
         adapter: str | None = None,
         priority: int = 0,
     ) -> Lease:
-        """``async with manager.lease(name) as (instance, engine):`` holds a lease for the body.
+        """``async with manager.lease(name) as up:`` holds a lease for the body; `up` is the
+        engine's `Upstream` handle (see `lease`).
 
         `session` is the value of the model's affinity header, if any; `adapter` the LoRA
         adapter the request names (a replica holding it is preferred); `priority` the API

@@ -7,7 +7,8 @@ budget as it arrives, the model is found by name within the key's scope (from th
 the client's first ``session.update``), and a lease on an instance and a connection of the
 model's share are held for the session's lifetime. The proxy's and each key's
 ``max_realtime_sessions`` bound how many are open; ``realtime_idle_timeout_s`` ends a silent one.
-The protocol itself (events, the relay loop, metering, the open sessions) is `realtime`.
+The protocol itself (events, the relay loop, metering, the open sessions) is `realtime_relay`;
+what every route shares (scope, key limits, budgets, observation) is `serving.Serving`.
 """
 
 from __future__ import annotations
@@ -19,11 +20,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from ..config import ServerConfig
-from ..engines.engine import EngineProcess
-from ..engines.instance import Instance
-from ..engines.model import Model
-from ..errors import (
+from ...config import ServerConfig
+from ...errors import (
     BadRequest,
     EngineFailed,
     NotFound,
@@ -31,9 +29,10 @@ from ..errors import (
     TooManyRequests,
     Unavailable,
 )
-from .intake import Hold
-from .proxy import CLIENT_CLOSED, CLOSE_TIMEOUT_S, ENGINE_ID, SCOPE, TAP, Proxy, Tap, key_priority
-from .realtime import (
+from ...pool.lease import Upstream
+from ...pool.views import Model
+from ..bytes.intake import Hold
+from ..realtime_relay import (
     PATH,
     ClientSocket,
     Counts,
@@ -47,14 +46,20 @@ from .realtime import (
     session_created,
     update_of,
 )
-from .upstream import NoSlot, UpstreamError
+from ..relay import read_timeout
+from ..serving import CLIENT_CLOSED, ENGINE_ID, SCOPE, TAP, Serving, Tap, key_priority
+from ..upstream import NoSlot, UpstreamError
+
+#: How long a realtime client has to answer the proxy's close frame.
+CLOSE_TIMEOUT_S = 2.0
 
 
 class RealtimeRoute:
     """The realtime sessions of one proxy: their route, their count, their settings."""
 
-    def __init__(self, proxy: Proxy, server: ServerConfig) -> None:
-        self.proxy = proxy
+    def __init__(self, serving: Serving, server: ServerConfig) -> None:
+        #: What the routes share: keys and their scope, limits, budgets, observation.
+        self.serving = serving
         #: The open sessions (closed with 1001 when the proxy shuts down).
         self.sessions = Sessions()
         self.configure(server)
@@ -68,11 +73,11 @@ class RealtimeRoute:
         """vLLM's realtime WebSocket (``GET /v1/realtime``, ``/serve/{model}/v1/realtime``),
         relayed both ways under a lease held for the connection's lifetime; see `realtime`."""
         tap = request[TAP]
-        if self.proxy.manager.closing:
+        if self.serving.manager.closing:
             raise Unavailable("the proxy is shutting down", code="shutting_down")
-        hold = self.proxy.bodies.hold()  # what the client sends, until it has gone on
+        hold = self.serving.bodies.hold()  # what the client sends, until it has gone on
         try:
-            with self.proxy.key_use(request):  # before the upgrade: past a limit, an HTTP 429
+            with self.serving.key_use(request):  # before the upgrade: past a limit, an HTTP 429
                 return await self._session(request, tap, hold)
         finally:
             hold.release()
@@ -83,9 +88,9 @@ class RealtimeRoute:
         # sends is counted in the bodies' budget as it arrives (`Meter`).
         client = ClientSocket(
             Meter(hold),
-            max_msg_size=self.proxy.max_body_bytes,
+            max_msg_size=self.serving.max_body_bytes,
             compress=False,
-            heartbeat=self.proxy.send_timeout_s,
+            heartbeat=self.serving.send_timeout_s,
             timeout=CLOSE_TIMEOUT_S,
         )
         if not client.can_prepare(request).ok:
@@ -96,16 +101,16 @@ class RealtimeRoute:
         named = request.match_info.get("model") or request.query.get("model")
         first: dict[str, Any] | None = None
         if named:
-            model = self.proxy.resolve(request, named, observe=True)
+            model = self.serving.resolve(request, named, observe=True)
         else:  # the model comes in the client's first event
             await client.prepare(request)
             await client.send_str(session_created())
             try:
                 first = await first_update(
-                    client, self.proxy.body_timeout_s, self.sessions.going_away
+                    client, self.serving.body_timeout_s, self.sessions.going_away
                 )
                 client.meter.passed(client.meter.fed)
-                model = self.proxy.resolve(request, first["model"], observe=True)
+                model = self.serving.resolve(request, first["model"], observe=True)
             except ProxyError as err:
                 await refuse(client, err)
                 return client
@@ -118,12 +123,12 @@ class RealtimeRoute:
             scope = request.get(SCOPE)
             key = None if scope is None else (scope.ident, scope.max_realtime_sessions)
             with self.sessions.open(model.name, self.max_sessions, key):
-                lease = self.proxy.manager.lease(model, session, None, key_priority(request))
-                async with lease as (inst, engine):
-                    tap.instance = inst.id
-                    slot = await self._slot(inst)
+                lease = self.serving.manager.lease(model, session, None, key_priority(request))
+                async with lease as engine:
+                    tap.instance = engine.instance
+                    slot = await self._slot(engine)
                     try:
-                        await self._relay(request, client, model, first, inst, engine, tap)
+                        await self._relay(request, client, model, first, engine, tap)
                     finally:
                         slot.release()
             status = str(client.status)
@@ -138,16 +143,16 @@ class RealtimeRoute:
             status = str(tap.ended) if tap.ended else CLIENT_CLOSED
             raise
         finally:
-            self.proxy.observe(model.name, status, tap.started, tap)
+            self.serving.observe(model.name, status, tap.started, tap)
         return client
 
-    async def _slot(self, inst: Instance) -> asyncio.Semaphore:
+    async def _slot(self, engine: Upstream) -> asyncio.Semaphore:
         """A connection of the model's share (``max_upstream_connections``), held for the
         session's lifetime: a session holds an engine connection as a request does."""
         try:
-            return await self.proxy.upstream.take_slot(inst.name)
+            return await self.serving.upstream.take_slot(engine.model)
         except NoSlot as err:
-            raise Unavailable(f"model '{inst.name}': {err}", code="connections_busy") from None
+            raise Unavailable(f"model '{engine.model}': {err}", code="connections_busy") from None
 
     async def _relay(
         self,
@@ -155,34 +160,33 @@ class RealtimeRoute:
         client: ClientSocket,
         model: Model,
         first: dict[str, Any] | None,
-        inst: Instance,
-        engine: EngineProcess,
+        engine: Upstream,
         tap: Tap,
     ) -> None:
         """Connect to the engine's realtime socket, accept the client's, and relay."""
         headers = {"X-Request-ID": request[ENGINE_ID]}
-        if inst.spec.api_key:
-            headers["Authorization"] = f"Bearer {inst.spec.api_key}"
+        if engine.api_key:
+            headers["Authorization"] = f"Bearer {engine.api_key}"
         url = engine.base_url + PATH
-        wait = self.proxy.upstream.connect_timeout_s
+        wait = self.serving.upstream.connect_timeout_s
         try:
             session, up = await connect(
-                engine.socket_path, url, headers, self.proxy.max_body_bytes, wait
+                engine.socket_path, url, headers, self.serving.max_body_bytes, wait
             )
         except TimeoutError:
-            raise self.proxy.read_timeout(inst) from None
+            raise read_timeout(engine) from None
         except aiohttp.WSServerHandshakeError as err:
             if err.status == 404:
                 raise NotFound(
-                    f"model '{inst.name}' does not serve {PATH} (vLLM serves it for "
+                    f"model '{engine.model}' does not serve {PATH} (vLLM serves it for "
                     "realtime models only)",
                     code="unknown_endpoint",
                 ) from None
             raise EngineFailed(
-                f"model '{inst.name}': the engine refused the WebSocket ({err.status})"
+                f"model '{engine.model}': the engine refused the WebSocket ({err.status})"
             ) from None
         except (aiohttp.ClientError, OSError) as err:
-            raise await inst.upstream_failure_after_exit(engine, UpstreamError(str(err))) from None
+            raise await engine.failure(UpstreamError(str(err))) from None
 
         async def inbound(text: str) -> str | None:
             """A ``session.update`` for an alias gets the canonical name; one for another
@@ -192,7 +196,7 @@ class RealtimeRoute:
             if event is None or not isinstance(wanted, str) or wanted == model.name:
                 return text
             try:
-                target = self.proxy.resolve(request, wanted)
+                target = self.serving.resolve(request, wanted)
             except NotFound as err:
                 await client.send_str(error_event(err.message, "model_not_found"))
                 return None
@@ -213,7 +217,7 @@ class RealtimeRoute:
             going_away = self.sessions.going_away
             await relay(
                 client, up, inbound, first is not None, counts, going_away,
-                self.proxy.body_timeout_s, self.idle_timeout_s,
+                self.serving.body_timeout_s, self.idle_timeout_s,
             )  # fmt: skip
         finally:
             self.sessions.close_later(up, session, client)

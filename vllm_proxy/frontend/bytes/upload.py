@@ -32,10 +32,10 @@ from typing import IO
 
 from aiohttp import web
 
-from ..errors import BadRequest, RequestTimeout
+from ...errors import BadRequest, RequestTimeout
+from ..upstream import BodySink, BodySource
 from .form import FORM_DATA, MISSING, FormScan, Rename, boundary_of, model_field
 from .intake import Hold, check_type, is_form, too_large
-from .upstream import BodySink, BodySource
 
 #: What is read before the model is known is kept in memory up to this many bytes ...
 SPOOL_FROM = 256 * 1024

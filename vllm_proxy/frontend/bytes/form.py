@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import BadRequest
+from ...errors import BadRequest
 
 #: A part's head (its header lines) may be at most this long.
 MAX_HEAD_BYTES = 16 * 1024

@@ -25,7 +25,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
-from ..errors import error_body
+from ...errors import error_body
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The operator console's API, beside the admin API it extends (all under ``/admin``, so every
-route here needs an admin key; `Proxy.middleware` checks it):
+route here needs an admin key; `Serving.middleware` checks it):
 
 * ``GET /admin/events``: one Server-Sent Events stream of the live state (``state``: the same
   object as ``GET /admin/models``, sent when it changed, checked at every state change and at
@@ -31,13 +31,12 @@ from typing import Any
 
 from aiohttp import web
 
-from ..config import ServerConfig
-from ..engines.engine import read_tail
-from ..engines.instance import Instance
-from ..errors import BadRequest, NotFound, TooManyRequests
-from ..pool.journal import SAMPLE_S
-from ..pool.manager import Manager
-from .recent import MAX_CAPTURE_BYTES, MAX_CAPTURE_COUNT, MAX_CAPTURE_S, Recent
+from ...config import ServerConfig
+from ...errors import BadRequest, NotFound, TooManyRequests
+from ...pool.journal import SAMPLE_S
+from ...pool.manager import Manager
+from ...pool.views import InstanceView, find_instance, read_tail
+from ..recent import MAX_CAPTURE_BYTES, MAX_CAPTURE_COUNT, MAX_CAPTURE_S, Recent
 
 log = logging.getLogger(__name__)
 
@@ -242,12 +241,8 @@ class Console:
 
     # -- logs ----------------------------------------------------------------------------
 
-    def _instance(self, iid: str) -> Instance:
-        inst = self.manager.instance(iid)
-        if inst is None:
-            models = (*self.manager.models.values(), *self.manager.removed)
-            inst = next((m.last_ended for m in models
-                         if m.last_ended is not None and m.last_ended.id == iid), None)  # fmt: skip
+    def _instance(self, iid: str) -> InstanceView:
+        inst = find_instance(self.manager, iid)
         if inst is None:
             raise NotFound(f"no live or last-ended instance '{iid}'", code="instance_not_found")
         return inst

@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from ..errors import BadRequest, PayloadTooLarge, RequestTimeout, Unavailable
+from ...errors import BadRequest, PayloadTooLarge, RequestTimeout, Unavailable
 from . import heap
 from .body import SCAN_MIN_BYTES, Body, Pieces, Scan, needs_scan
 

@@ -32,10 +32,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
-from ..engines.model import Model
-from ..engines.states import State
-from ..planning.planner import NoFit, Plan
-from ..pool.manager import Manager
+from ...pool.manager import Manager
+from ...pool.views import Fit, InstanceView, Model, fit, fits, instances
 from .admin import Admin, Families
 
 #: The shape of ``/placement``; a consumer refuses another.
@@ -45,10 +43,10 @@ VIEW_TTL_S = 1.0
 log = logging.getLogger(__name__)
 #: Each model's state as ``/placement`` names it, from `Model.state`.
 STATES = {
-    State.RUNNING: "awake",
-    State.SLEEPING: "asleep",
-    State.STARTING: "starting",
-    State.WAKING: "waking",
+    "running": "awake",
+    "sleeping": "asleep",
+    "starting": "starting",
+    "waking": "waking",
 }
 
 
@@ -63,7 +61,7 @@ class Holdings:
         self._polled = False
         self._refresher: asyncio.Task[None] | None = None
         #: Each model's `Admission.fits` answer while a view is made.
-        self._fits: dict[str, Plan | NoFit] = {}
+        self._fits: dict[str, Fit] = {}
 
     def pages(self) -> tuple[bytes, bytes]:
         """The pages last made (made now when there are none yet, or `VIEW_TTL_S` is 0); a
@@ -118,7 +116,7 @@ class Holdings:
         self._fits = {}
         if adm is not None and memory is not None:
             memory.refresh()  # (the readings first: every row and GPU from the same ones)
-            self._fits = adm.fits([m.spec for m in models if m.name in memory.estimates])
+            self._fits = fits(adm, [m.spec for m in models if m.name in memory.estimates])
         return {
             "version": PLACEMENT_VERSION,
             "closing": manager.closing,
@@ -155,18 +153,19 @@ class Holdings:
 
     def _model(self, model: Model) -> dict[str, Any]:
         memory = self.manager.memory
-        state = model.state()
-        asleep = [i.sleep_level for i in model.instances if i.asleep]
+        state = model.state().value
+        shown = instances(model)
+        asleep = [i.sleep_level for i in shown if i.asleep]
         row: dict[str, Any] = {
             "name": model.name,
-            "names": self.names(model),
+            "names": self.names(model, shown),
             "state": STATES.get(state, "stopped"),
-            "sleep_level": min(asleep) if state is State.SLEEPING and asleep else None,
-            "load": sum(i.leases for i in model.instances) + model.waiting,
+            "sleep_level": min(asleep) if state == "sleeping" and asleep else None,
+            "load": sum(i.leases for i in shown) + model.waiting,
             "instances": [
                 {
                     "id": i.id,
-                    "state": i.state.public.value,
+                    "state": i.state,
                     "sleep_level": i.sleep_level if i.asleep else None,
                     "devices": list(i.devices),
                     "leases": i.leases,
@@ -174,7 +173,7 @@ class Holdings:
                     if memory is not None and i.id in memory.claims
                     else None,
                 }
-                for i in model.instances
+                for i in shown
             ],
             "footprint_mb": None,
             "gpus": None,
@@ -186,9 +185,9 @@ class Holdings:
             return row  # memory is not managed: nothing is ever evicted for room
         row["footprint_mb"] = memory.footprint(model.name)
         row["gpus"] = memory.estimates[model.name].gpus
-        fits = self._fits
-        decision = fits[model.name] if model.name in fits else adm.fit(model.spec)
-        if isinstance(decision, NoFit):
+        known = self._fits
+        decision = known[model.name] if model.name in known else fit(adm, model.spec)
+        if not decision.possible:
             row["fits_now"] = False
             row["evict_cost"] = {
                 "possible": False,
@@ -198,12 +197,12 @@ class Holdings:
                 "sleep_mb": 0,
                 "evict_mb": 0,
             }
-        elif decision.sleep or decision.evict:
+        elif not decision.now:
             row["fits_now"] = False
             row["evict_cost"] = self._cost(decision)
         return row
 
-    def _cost(self, decision: Plan) -> dict[str, Any]:
+    def _cost(self, decision: Fit) -> dict[str, Any]:
         """What a start would take from the others, in MiB over all their devices."""
         memory = self.manager.memory
         assert memory is not None
@@ -222,14 +221,15 @@ class Holdings:
             "evict_mb": mb(decision.evict),
         }
 
-    def names(self, model: Model) -> list[str]:
+    def names(self, model: Model, shown: list[InstanceView] | None = None) -> list[str]:
         """Every name a request may give for `model`: its own, its aliases, its configured
-        adapters' names and aliases, and adapters from its folder an engine holds."""
+        adapters' names and aliases, and adapters from its folder an engine holds (`shown`:
+        its instances, when they were viewed already)."""
         out = [model.name, *model.spec.aliases]
         for a in model.spec.adapters:
             out += [a.name, *a.aliases]
-        for inst in model.instances:
-            out += [n for n in inst.adapters.status() if n not in out]
+        for inst in instances(model) if shown is None else shown:
+            out += [n for n in inst.adapters if n not in out]
         return list(dict.fromkeys(out))
 
     # -- the model-server page -----------------------------------------------------------

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..engines.model import Model
-from ..pool.manager import Manager
-from .keys import Scope
+from ...pool.manager import Manager
+from ...pool.views import Model, instances
+from ..keys import Scope
 
 OWNER = "vllm-proxy"
 
@@ -72,7 +72,7 @@ class Catalogue:
 
         cards = []
         for name, model, adapter in await self.manager.adapter_entries(visible):
-            held = {i.id: i.adapters.status().get(adapter.name) for i in model.instances}
+            held = {i.id: i.adapters.get(adapter.name) for i in instances(model)}
             states = set(held.values())
             state = "loaded" if "loaded" in states else "loading" if "loading" in states else None
             card = {

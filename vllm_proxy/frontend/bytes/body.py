@@ -44,7 +44,7 @@ import re
 from collections.abc import Generator
 from typing import Any
 
-from ..errors import BadRequest
+from ...errors import BadRequest
 
 #: Bodies from this size on are scanned rather than parsed whole.
 SCAN_MIN_BYTES = 256 * 1024

@@ -46,7 +46,7 @@ import aiohttp
 from aiohttp import WSMsgType, web
 
 from ..errors import BadRequest, ProxyError, RequestTimeout, TooManyRequests, Unavailable
-from .intake import Hold
+from .bytes.intake import Hold
 
 PATH = "/v1/realtime"
 UPDATE = "session.update"

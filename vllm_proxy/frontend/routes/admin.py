@@ -1,7 +1,7 @@
 """Operator endpoints: the admin API, the status page and the engines' own metrics.
 
 Everything under ``/admin`` needs a key from ``server.admin_api_keys`` (or ``admin_open: true``);
-`Proxy.middleware` enforces it. The console at ``/`` is static (its routes: `console`), sent
+`Serving.middleware` enforces it. The console at ``/`` is static (its routes: `console`), sent
 with the console's Content-Security-Policy.
 
 ``/metrics/engines`` reads every engine's own page, at most ``server.max_engine_metrics_mb`` of
@@ -26,14 +26,12 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from .. import __version__
-from ..config import ServerConfig
-from ..engines.engine import read_tail
-from ..engines.instance import Instance
-from ..engines.model import Model
-from ..engines.states import AWAKE
-from ..errors import BadRequest, NotFound
-from ..pool.manager import Manager
+from ... import __version__
+from ...config import ServerConfig
+from ...errors import BadRequest, NotFound
+from ...pool.lease import Lease
+from ...pool.manager import Manager
+from ...pool.views import EngineView, Model, engines, read_tail, shown_instances
 from .console import PAGE_HEADERS
 
 log = logging.getLogger(__name__)
@@ -123,9 +121,8 @@ class Admin:
     # -- actions -------------------------------------------------------------------------
 
     async def load(self, request: web.Request) -> web.Response:
-        model = self._model(request)
-        inst, _ = await model.acquire()  # starts one unless one serves; errors as for requests
-        inst.release()
+        async with Lease(self._model(request)):  # starts one unless one serves; errors as
+            pass  # for requests
         return web.json_response(self._row(request))
 
     async def unload(self, request: web.Request) -> web.Response:
@@ -170,9 +167,7 @@ class Admin:
             raise BadRequest(f"tail must be between 1 and {LOG_TAIL_MAX}", param="tail")
         lines = int(tail)
         wanted = request.query.get("instance")
-        shown = [*model.instances]
-        if model.last_ended is not None:
-            shown.insert(0, model.last_ended)
+        shown = shown_instances(model)
         if wanted is not None:
             shown = [i for i in shown if i.id == wanted]
             if not shown:
@@ -181,7 +176,7 @@ class Admin:
         parts = []
         for inst in shown:
             text = read_tail(inst.log_path, lines=lines, max_bytes=lines * 1024)
-            state = inst.state.public.value  # the state operators see everywhere else
+            state = inst.state  # the state operators see everywhere else
             parts.append(f"==> {inst.id} ({state}) <==\n{text}\n" if text else "")
         return web.Response(text="".join(parts), content_type="text/plain")
 
@@ -234,23 +229,19 @@ class Admin:
             self.engine_sums = sums
 
     async def _read_engines(self) -> tuple[bytes, dict[str, float]]:
-        running = [
-            i for i in self.manager.all_instances()
-            if (i.state in AWAKE or i.asleep) and i.engine is not None
-        ]  # fmt: skip
+        running = engines(self.manager)
         self._too_large &= {i.id for i in running}
         pages = await asyncio.gather(*(self._scrape(i) for i in running))
         read = [(i.name, i.id, p) for i, p in zip(running, pages, strict=True) if p is not None]
         return await asyncio.to_thread(_render, read)
 
-    async def _scrape(self, inst: Instance) -> bytes | None:
+    async def _scrape(self, inst: EngineView) -> bytes | None:
         """The engine's page, or None: not answered, or larger than the bound."""
-        assert inst.engine is not None
         limit = self.engine_metrics_max
         try:
             timeout = aiohttp.ClientTimeout(total=ENGINE_METRICS_TIMEOUT_S)
-            client = inst.engine.client(self.session)
-            async with client.get(inst.engine.base_url + "/metrics", timeout=timeout) as r:
+            client = inst.client(self.session)
+            async with client.get(inst.base_url + "/metrics", timeout=timeout) as r:
                 if r.status != 200:
                     return None
                 if r.content_length is not None and r.content_length > limit:
@@ -267,7 +258,7 @@ class Admin:
             log.warning("%s: cannot read engine metrics: %s", inst.id, err)
             return None
 
-    def _report_too_large(self, inst: Instance, size: int | None) -> None:
+    def _report_too_large(self, inst: EngineView, size: int | None) -> None:
         if inst.id in self._too_large:
             return
         self._too_large.add(inst.id)
