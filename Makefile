@@ -54,19 +54,16 @@ test: system-deps lint
 test-busy:
 	bash scripts/test-busy.sh test
 
-# On Python 3.12 (a venv without torch or vLLM), the tests of what differs between 3.11 and 3.12
-# or runs on 3.12 elsewhere: asyncio's servers, transports, cancellation and signals (3.12
-# changed Server.wait_closed, task cancellation and eager tasks) under uvloop's 3.12 build; the
-# config schema (pydantic and typing on 3.12); the ctypes calls (prctl in the guard, glibc's
-# mallopt and malloc_trim); and the GPU tier, the GPU check and NVML handling, which GPU
-# machines run on their own Python 3.12 (docs/gpu.md). The rest is pure Python whose behaviour
-# does not depend on the minor version; `make test-py312-all` runs it all.
-PY312_TESTS := tests/test_listener.py tests/test_lifecycle.py tests/test_signals.py \
-	tests/test_client_timeouts.py tests/test_upstream.py tests/test_keepalive.py \
-	tests/test_proxy_http.py tests/test_conformance.py tests/test_config.py tests/test_guard.py \
-	tests/test_registry.py tests/test_body.py tests/test_gpu.py tests/test_gpu_check.py \
-	tests/test_gpu_fake_engine.py tests/test_gpu_tier.py tests/test_simgpu.py \
-	tests/test_openai_sdk.py tests/test_imports.py
+# On Python 3.12 (a venv without torch or vLLM), the folders of what differs between 3.11 and
+# 3.12 or runs on 3.12 elsewhere: the layers' module tests (config schema: pydantic and typing on
+# 3.12; ctypes: prctl in the guard, glibc's mallopt and malloc_trim; the accept loop, the engine
+# client), asyncio's servers, transports, cancellation and signals through the whole proxy (3.12
+# changed Server.wait_closed, task cancellation and eager tasks) under uvloop's 3.12 build, and
+# the GPU tier, the GPU check and NVML handling, which GPU machines run on their own Python 3.12
+# (docs/gpu.md). The rest is pure Python whose behaviour does not depend on the minor version;
+# `make test-py312-all` runs it all.
+PY312_TESTS := tests/package tests/shared tests/planning tests/engines tests/frontend \
+	tests/behaviour/http tests/behaviour/process tests/gpu
 
 test-py312: $(VENV312)/.installed
 	$(VENV312)/bin/python -m pytest -n $(JOBS) --dist worksteal -m "not realvllm" $(PY312_TESTS)

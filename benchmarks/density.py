@@ -45,7 +45,7 @@ The policies, side by side on the same requests:
   and time jumps to the next timer (benchmarks/vproxy.py). The scheduler is ``Admission`` as
   it is; the planner is the same code with no measured prices (victims least recently used
   first), no holds, no turns (any waiting bring-up takes memory as soon as its plan fits) and
-  no minimum residency. tests/test_density_differential.py holds this engine model to the proxy
+  no minimum residency. tests/bench/test_density_differential.py holds this engine model to the proxy
   on fake engines.
 
 The one-model policies and the groups serve a request in order; with ``--give-up-s`` a request
@@ -1836,7 +1836,7 @@ def docs_section(
         "admission queue and host-RAM check, built from a parsed config with the shipped "
         "defaults; only the engine process is virtual (the profile's start, sleep, wake and "
         "stop times) and the clock jumps to the next timer (`benchmarks/vproxy.py`). "
-        "`tests/test_density_differential.py` runs one small trace through this engine model "
+        "`tests/bench/test_density_differential.py` runs one small trace through this engine model "
         "and through the proxy on fake engines, both with the shipped defaults, and checks that "
         "both take the same starts, sleeps, wakes and stops and answer alike, and that each "
         "request's time to first token in the model lies between what the proxy showed it must "
@@ -1844,7 +1844,7 @@ def docs_section(
         "llama-swap's groups are a discrete-event simulation of those tools. The method is in "
         "the script's docstring. Every run checks that GPU memory is never over-committed and "
         "that no engine with a request in flight is put to sleep or stopped (every run below: "
-        "none), and the test suite runs it at a small size (`tests/test_density.py`).",
+        "none), and the test suite runs it at a small size (`tests/bench/test_density.py`).",
         "",
         f"Figures (`benchmarks/density_profile.yaml`, the one file to change them, each figure "
         f"with its source there; {prof.gpu_name}, {prof.total_mib} MiB, {prof.reserve_mib} MiB "
@@ -2019,7 +2019,7 @@ def reading(res: dict[str, Any]) -> list[str]:
                 f" Without a minimum residency ({off[0]['settings']}): "
                 f"{off[0]['swaps_per_min']:.1f} swaps, {off[0]['answers_per_min']:.1f} answers a "
                 f"minute, {pc(off[0]['attainment'])}. The planner's answers go to whichever "
-                "client holds the GPU (tests/test_density.py: the other one is starved); the "
+                "client holds the GPU (tests/bench/test_density.py: the other one is starved); the "
                 "scheduler serves both in turns, at the price of the swaps."
             )
         out.append(text)

@@ -1,5 +1,5 @@
 #!/bin/sh
-# The GPU check: the GPU tier (tests/test_gpu_tier.py) on this host's NVIDIA GPU, device 0, then
+# The GPU check: the GPU tier (tests/gpu/test_gpu_tier.py) on this host's NVIDIA GPU, device 0, then
 # the real allocator check (scripts/gpu_cumem_check.py: vLLM 0.33's CuMem allocator), and what
 # they measured written into docs/gpu.md ("## Results", between its markers).
 #
@@ -134,7 +134,7 @@ PLUGINS="-p pytest_asyncio.plugin -p pytest_timeout"
 if [ "$DRY" -eq 1 ]; then
     # shellcheck disable=SC2086
     if ! PYTHONPATH="${SITE}$ROOT" "$RUNPY" -m pytest $PLUGINS -p no:cacheprovider -q \
-        --collect-only -m gpu tests/test_gpu_tier.py >"$RESULTS/pytest.log" 2>&1; then
+        --collect-only -m gpu tests/gpu/test_gpu_tier.py >"$RESULTS/pytest.log" 2>&1; then
         tail -n 20 "$RESULTS/pytest.log"
         say "dry run: the GPU tier does not collect"
         exit 2
@@ -145,12 +145,12 @@ fi
 
 # -- the GPU tier, bounded -------------------------------------------------------------------
 export PYTHONPATH="${SITE}$ROOT" PYTHONUNBUFFERED=1 GPU_CHECK_OUT="$RESULTS/measure.json"
-COMMAND="pytest -m gpu -v -rs tests/test_gpu_tier.py"
+COMMAND="pytest -m gpu -v -rs tests/gpu/test_gpu_tier.py"
 say "running $COMMAND (bound: ${BOUND}s)"
 {
     # shellcheck disable=SC2086
     timeout -k 15 "$BOUND" "$RUNPY" -m pytest $PLUGINS -m gpu -v -rs -p no:cacheprovider \
-        --junitxml="$RESULTS/junit.xml" tests/test_gpu_tier.py 2>&1
+        --junitxml="$RESULTS/junit.xml" tests/gpu/test_gpu_tier.py 2>&1
     echo $? >"$RESULTS/rc"
 } | tee "$RESULTS/pytest.log"
 RC=$(cat "$RESULTS/rc" 2>/dev/null || echo 1)

@@ -3,7 +3,7 @@
 #   chromium    the status page test (headless screenshot and DOM)
 #   prometheus  the scrape test against /metrics
 #   systemd     systemd-analyze, for the unit file test
-#   haproxy     the cluster tier (tests/test_cluster.py: HAProxy in front of three proxies)
+#   haproxy     the cluster tier (tests/cluster/test_cluster.py: HAProxy in front of three proxies)
 #   nginx, wrk  the benchmarks
 #   stress-ng   `make test-busy` (the suite with one core kept busy)
 # Idempotent: nothing is installed when every binary is already there.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,12 @@ async def start_proxy() -> AsyncIterator[Proxies]:
 def ledger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Ledger:
     """Two simulated 24000 MiB GPUs (`kit.simgpu`); the proxy's NVML import reads them."""
     return sim_ledger(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """Temporary files (an upload's spool) go to a folder of the test's own."""
+    folder = tmp_path / "spool"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    yield folder

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 CHROMIUM = "/usr/bin/chromium"
 #: Headless, no sandbox (root), and none of the background connections a closed network refuses.
@@ -197,3 +198,35 @@ async def _listening(stream: asyncio.StreamReader) -> str:
 async def _drain(stream: asyncio.StreamReader) -> None:
     while await stream.read(65536):
         pass
+
+
+CHROMIUM_TIMEOUT_S = 90.0
+
+
+async def run_chromium(url: str, profile: Path, *args: str) -> tuple[int, str, str]:
+    if not os.access(CHROMIUM, os.X_OK):
+        pytest.fail(f"{CHROMIUM} missing: run scripts/system-deps.sh (make test does)")
+    """Run headless Chromium in its own process group; kill the whole group when done."""
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        *args,
+        url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), CHROMIUM_TIMEOUT_S)
+    except TimeoutError:
+        raise AssertionError(f"chromium did not finish within {CHROMIUM_TIMEOUT_S}s") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if proc.returncode is None:
+            await proc.wait()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(errors="replace"), err.decode(errors="replace")

@@ -1,8 +1,10 @@
-"""`RawEngine`: a loopback HTTP/1.1 server that answers with scripted bytes."""
+"""`RawEngine`: a loopback HTTP/1.1 server that answers with scripted bytes; and the script of an
+engine command that does the same as a process of its own (`RAW_ENGINE_SCRIPT`)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 
 class RawEngine:
@@ -60,3 +62,7 @@ class RawEngine:
             pass
         finally:
             writer.close()
+
+
+#: The engine command's script that answers every request with a file's bytes as they are.
+RAW_ENGINE_SCRIPT = Path(__file__).with_name("raw_engine.py")
