@@ -104,7 +104,8 @@ import docs_writer  # noqa: E402
 import vproxy  # noqa: E402
 
 from vllm_proxy.config import AdmissionConfig, EngineKeys  # noqa: E402
-from vllm_proxy.engines.instance import HOST_RAM_MARGIN_MB, RUNTIME_POOL_MB  # noqa: E402
+from vllm_proxy.planning.footprint import RUNTIME_POOL_MB  # noqa: E402
+from vllm_proxy.planning.hostmem import HOST_RAM_MARGIN_MB  # noqa: E402
 from vllm_proxy.planning.scheduler import (  # noqa: E402
     Phase,
 )

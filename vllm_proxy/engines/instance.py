@@ -20,9 +20,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -31,36 +30,30 @@ from prometheus_client import Gauge
 
 from ..config import ModelSpec
 from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
-from ..metrics import Metrics
-from ..planning.hostmem import HostRam, backed_up_mb, log_size
+from ..planning.hostmem import HOST_RAM_MARGIN_MB, backed_up_mb, log_size
 from ..planning.memory import (
     KV_SHORT_MARKERS,
-    NOT_SIZED,
     OOM_MARKERS,
     PROFILING_MARKERS,
     Held,
     Placement,
-    Usage,
     Use,
 )
 from ..planning.memory import sized as memory_sized
-from ..planning.queueing import Queue, Rank
-from .breaker import WakeBreaker
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
     CallFailed,
     EngineProcess,
-    PortAllocator,
     log_path,
     read_tail,
     socket_path,
 )
 from .lora import Registrations
 from .oracle import Oracle, mismatch, take
+from .ports import EngineContext, no_hold
 from .progress import Progress
-from .readahead import Outcome, ReadAhead
-from .registry import EngineRegistry
+from .readahead import Outcome
 from .states import (
     ASLEEP_OR_FALLING,
     AWAKE,
@@ -76,11 +69,6 @@ log = logging.getLogger(__name__)
 
 #: After a broken engine connection: how long to look for the exit of an engine that seems alive.
 EXIT_LOOK_S = 0.25
-#: Host RAM left free beyond what a sleep pins when choosing its level.
-HOST_RAM_MARGIN_MB = 1024
-#: The ``runtime`` pool a sleep of either level pins in host RAM, when unknown (LoRA slots come
-#: on top: `EngineContext.runtime_mb`).
-RUNTIME_POOL_MB = 512
 
 
 class Stopped(Unavailable):
@@ -110,96 +98,6 @@ class WrongAnswer(Exception):
     """A woken engine answered the check request differently from its start (`oracle`)."""
 
 
-async def _no_admission(_inst: Instance) -> Placement | None:
-    return None
-
-
-async def _no_readmission(_inst: Instance) -> None:
-    return None
-
-
-async def _no_usage(_pgid: int | None, _devices: tuple[int, ...]) -> Usage | None:
-    return None
-
-
-async def _no_wait(_before: Usage | None) -> bool:
-    return True
-
-
-#: A start's hold on its devices (see `EngineContext.memory_lock`).
-StartLock = Callable[[tuple[int, ...], str, bool], AbstractAsyncContextManager[Held]]
-
-
-@dataclass
-class EngineContext:
-    """What every instance shares: session, ports, registry, metrics, the manager's hooks."""
-
-    session: aiohttp.ClientSession
-    ports: PortAllocator
-    registry: EngineRegistry
-    metrics: Metrics
-    #: Called when a lease is released or an engine goes down: memory may have become free.
-    on_capacity: Callable[[], None] = lambda: None
-    #: Waits until the instance may start; returns where (None: memory is not managed).
-    admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
-    #: Gives a stopped engine's memory back to the budget (memory managed only).
-    release_claim: Callable[[str], None] = lambda _iid: None
-    #: A start's hold on its devices (memory managed only): (devices, instance id, whether it
-    #: is told its KV cache size) -> `Held` (`memory.Memory.starting_on`).
-    memory_lock: StartLock | None = None
-    #: A wake's, sleep's or stop's hold on its devices (memory managed only): (devices, `Use`,
-    #: instance id) (`memory.Memory.device_lock`).
-    device_lock: Callable[..., AbstractAsyncContextManager[Any]] | None = None
-    #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
-    readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
-    #: An instance whose /sleep call returned now holds this many MiB per device (None: what
-    #: its model is expected to hold asleep), asleep at that level (memory managed only).
-    sleep_claim: Callable[[str, int | None, int | None], None] = lambda _iid, _mb, _level: None
-    #: A fresh reading of an engine's devices (NVML only) ...
-    usage: Callable[[int | None, tuple[int, ...]], Awaitable[Usage | None]] = _no_usage
-    #: ... what an instance holds after its /sleep, from readings before and after ...
-    residue: Callable[[str, Usage | None, Usage | None], int | None] = lambda _i, _b, _a: None
-    #: ... and a wait until a stopped engine's processes have left the GPU (bounded).
-    wait_released: Callable[[Usage | None], Awaitable[bool]] = _no_wait
-    #: Host RAM (MiB) a level-1 sleep pins for the model's weights, all devices together, when
-    #: known ...
-    weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
-    #: ... and for its ``runtime`` pool (pinned at both levels).
-    runtime_mb: Callable[[ModelSpec], int] = lambda _spec: RUNTIME_POOL_MB
-    #: Host RAM (MiB) an engine of the model pins as it starts, all ranks together (Model
-    #: Runner V2's token buffer); 0: not known.
-    start_host_mb: Callable[[ModelSpec], int] = lambda _spec: 0
-    #: After vLLM found no room for the KV cache: raise the model's budget for its next start
-    #: (None), or say why that cannot help.
-    grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
-    #: Host RAM promised to level-1 sleeps in flight.
-    host: HostRam = field(default_factory=HostRam)
-    #: Engines asleep to stop, least recently used first, so that a sleep of this instance
-    #: finds this many more MiB of host RAM (empty: no such set frees that much).
-    host_victims: Callable[[Instance, int], list[Instance]] = lambda _inst, _mb: []
-    #: The admission queue: every request that waits holds a ticket in it.
-    queue: Queue = field(default_factory=Queue)
-    #: Whether a request of this rank, arrived then (monotonic), for a serving instance must
-    #: queue behind a waiter before it whose reorder window has run out and whose plan takes
-    #: that instance (see `admission`).
-    hold: Callable[[Instance, Rank, float], bool] = lambda _inst, _rank, _arrived: False
-    #: Seconds a start, a wake or a sleep ("start", "wake", "first sleep" of an engine,
-    #: later "sleep") of a model took: the planner's price of putting it to sleep or
-    #: stopping it.
-    timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
-    #: The engine process class (the density benchmark's runs in virtual time).
-    engine_factory: type[EngineProcess] = EngineProcess
-    #: Weights read ahead into the page cache (None: never).
-    read_ahead: ReadAhead | None = None
-    #: Told of every state change of every instance after its model was (the console's feed).
-    observe: Callable[[Instance, State], None] = lambda _inst, _old: None
-    #: Sleep levels whose wakes keep failing the wake check, per model and engine.
-    breaker: WakeBreaker = field(default_factory=WakeBreaker)
-    #: The awake instances beside this one (on its devices) below their claim now: each may
-    #: regrow its transient peak while this start profiles (memory managed only).
-    regrowing: Callable[[Instance], list[str]] = lambda _inst: []
-
-
 #: Called by an instance after each of its state changes: (instance, old state).
 StateHook = Callable[["Instance", State], None]
 
@@ -223,7 +121,7 @@ class Instance:
         self,
         spec: ModelSpec,
         iid: str,
-        ctx: EngineContext,
+        ctx: EngineContext[Instance],
         on_state: StateHook,
         queued: Callable[[], int] = lambda: 0,
         policy: ReplicaPolicy | None = None,
@@ -374,15 +272,15 @@ class Instance:
         if new in DOWN:
             metrics.forget_instance(self.name, self.id)
             self.placement = None
-            self.ctx.release_claim(self.id)
+            self.ctx.memory.release_claim(self.id)
             self.ctx.host.forget(self.id)
-            self.ctx.on_capacity()
+            self.ctx.pool.on_capacity()
         elif new.public is not old.public:
             metrics.set_instance_state(self.name, self.id, old.public.value, new.public.value)
         self._changed.set()
         self._changed = asyncio.Event()
         self._on_state(self, old)
-        self.ctx.observe(self, old)
+        self.ctx.pool.observe(self, old)
 
     def wait_change(self) -> Coroutine[Any, Any, Literal[True]]:
         """Until the next state change after this call: the change is bound now, not when the
@@ -411,7 +309,7 @@ class Instance:
         if self.leases == 0:
             if self.routable:
                 self._arm_idle_timer()
-            self.ctx.on_capacity()
+            self.ctx.pool.on_capacity()
 
     def _arm_idle_timer(self) -> None:
         """Idle from now: the stop timer (``idle_timeout_s`` of total idleness, asleep or not)
@@ -511,7 +409,7 @@ class Instance:
     async def _start_steps(self) -> None:
         self.read_ahead("start")  # while it waits for memory, its devices and vLLM's imports
         try:
-            self.placement = await self.ctx.admit(self)
+            self.placement = await self.ctx.admission.admit(self)
         except ProxyError:
             if self.state is State.STARTING:
                 self._set_state(State.STOPPED)
@@ -535,7 +433,7 @@ class Instance:
         (`memory.sized`). A measured KV cache size is given to the model's later starts."""
         devices = self.devices
         sized = memory_sized(self.spec, self.placement)
-        lock = self.ctx.memory_lock(devices, self.id, sized) if self.ctx.memory_lock else _nothing()
+        lock = self.ctx.memory.starting_on(devices, self.id, sized)
         async with contextlib.AsyncExitStack() as stack:
             self._promise_start_host(stack)
             self._awaiting_devices = True
@@ -569,7 +467,7 @@ class Instance:
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
-        self.ctx.timed(self.spec, "start", seconds)
+        self.ctx.admission.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = self.ctx.queue.clock()
@@ -611,7 +509,7 @@ class Instance:
         must be available: promised until the start ends, so that sleeps meanwhile count it;
         `Unavailable` when it is not there (vLLM would fail to pin it, or the kernel would kill
         something to make room)."""
-        need = self.ctx.start_host_mb(self.spec)
+        need = self.ctx.memory.start_host_mb(self.spec)
         if need <= 0:
             return
         room = self.ctx.host.room_mb()
@@ -687,7 +585,7 @@ class Instance:
         self.engine = engine
         # vLLM's profiling measures the whole device: a neighbour that takes its peak back
         # meanwhile shrinks this engine's KV cache (a "no room" there is not this model's).
-        self.profiled_beside = self.ctx.regrowing(self)
+        self.profiled_beside = self.ctx.admission.regrowing(self)
         self.ctx.registry.add(engine.pid, self.id)
         asyncio.get_running_loop().create_task(self._monitor(engine))
         if self.state is not State.STARTING:
@@ -951,8 +849,8 @@ class Instance:
         the host RAM available to the proxy's cgroup less what other sleeps in flight will pin.
         Level 1 falls back to level 2 only where the model can reload its weights."""
         key = self.host_key
-        runtime = self.ctx.runtime_mb(self.spec)
-        weights = self.ctx.weights_mb(self.spec)
+        runtime = self.ctx.memory.runtime_mb(self.spec)
+        weights = self.ctx.memory.weights_mb(self.spec)
         guesses = {1: None if weights is None else weights + runtime, 2: runtime}
         levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
         levels = [v for v in levels if self.usable_level(v) == v]
@@ -984,7 +882,7 @@ class Instance:
         first, so that its sleep finds `short_mb` more of host RAM (their pinned memory goes
         with them; the sleep waits for their stops: `_host_freeing`); False when they cannot
         free that much (none is stopped then)."""
-        victims = self.ctx.host_victims(self, short_mb)
+        victims = self.ctx.pool.host_victims(self, short_mb)
         tasks = [t for t in (v.evict("host memory") for v in victims) if t is not None]
         if not tasks:
             return False
@@ -995,10 +893,10 @@ class Instance:
 
     def _pin_guess(self, level: int) -> int | None:
         """The estimate of what a sleep at `level` pins in host RAM (None: unknown)."""
-        runtime = self.ctx.runtime_mb(self.spec)
+        runtime = self.ctx.memory.runtime_mb(self.spec)
         if level != 1:
             return runtime
-        weights = self.ctx.weights_mb(self.spec)
+        weights = self.ctx.memory.weights_mb(self.spec)
         return None if weights is None else weights + runtime
 
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
@@ -1017,14 +915,14 @@ class Instance:
             async with self._devices_held(Use.SLEEP):
                 started = self.ctx.queue.clock()
                 try:
-                    before = await self.ctx.usage(engine.pid, self.devices)
+                    before = await self.ctx.memory.usage(engine.pid, self.devices)
                     host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                     shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
                     log_at = await asyncio.to_thread(log_size, engine.log_path)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
-                    after = await self.ctx.usage(engine.pid, self.devices)
-                    residue = self.ctx.residue(self.id, before, after)
+                    after = await self.ctx.memory.usage(engine.pid, self.devices)
+                    residue = self.ctx.memory.residue(self.id, before, after)
                     host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
                     shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
                     backed = await asyncio.to_thread(backed_up_mb, engine.log_path, log_at)
@@ -1040,7 +938,7 @@ class Instance:
             return  # stopped meanwhile
         seconds = self.ctx.queue.clock() - started
         self.sleep_level = level
-        self.ctx.timed(self.spec, self.next_sleep_kind, seconds)
+        self.ctx.admission.timed(self.spec, self.next_sleep_kind, seconds)
         self.slept_at_1 = self.slept_at_1 or level == 1
         grown = None if host_before is None or host_after is None else host_after - host_before
         shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
@@ -1053,11 +951,11 @@ class Instance:
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
-        self.ctx.sleep_claim(self.id, residue, level)
+        self.ctx.memory.sleep_claim(self.id, residue, level)
         if level >= 2:  # its wake reads the weights from disk again
             self.read_ahead("asleep at level 2")
         self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
-        self.ctx.on_capacity()
+        self.ctx.pool.on_capacity()
         idle = self.leases == 0 and not self.retired and not self.wake_asked
         if idle and self._idle_timer is None:
             self._arm_idle_timer()  # only the stop timer: it is not RUNNING
@@ -1080,12 +978,8 @@ class Instance:
         and stops, a stop beside all but a start that profiles). A stop begun while it is held
         (its own failed sleep or wake, an unload) runs without the lock and is waited for
         before the lock goes: the engine's memory is back by then."""
-        lock = (
-            self.ctx.device_lock(self.devices, use, self.id)
-            if self.ctx.device_lock and self.devices
-            else None
-        )
-        async with lock or _nothing():
+        memory = self.ctx.memory
+        async with memory.device_lock(self.devices, use, self.id) if self.devices else no_hold():
             self._owns_devices = True
             try:
                 yield
@@ -1126,7 +1020,7 @@ class Instance:
         self._cancel_idle_timer()
         self._set_state(State.WAKE_WAITING)
         try:
-            await self.ctx.readmit(self)
+            await self.ctx.admission.readmit(self)
         except ProxyError:
             if self.state is State.WAKE_WAITING:
                 self._set_state(State.SLEEPING)
@@ -1182,7 +1076,7 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = self.ctx.queue.clock() - started
         self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
-        self.ctx.timed(self.spec, "wake", seconds)
+        self.ctx.admission.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
         if self.oracle is not None:
@@ -1298,17 +1192,17 @@ class Instance:
             if engine.exit_code is not None:
                 code = await engine.stop(grace)  # gone already: its memory with it
             elif self._owns_devices:  # its own start, wake or sleep holds the lock and waits
-                before = await self.ctx.usage(engine.pid, self.devices)
+                before = await self.ctx.memory.usage(engine.pid, self.devices)
                 code = await engine.stop(grace)
-                await self.ctx.wait_released(before)
+                await self.ctx.memory.wait_released(before)
             else:
                 # Memory given back while a neighbour profiles its start fails that start
                 # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
                 # it until the driver has taken the memory back (beside wakes and other stops).
                 async with self._devices_held(Use.STOP):
-                    before = await self.ctx.usage(engine.pid, self.devices)
+                    before = await self.ctx.memory.usage(engine.pid, self.devices)
                     code = await engine.stop(grace)
-                    await self.ctx.wait_released(before)
+                    await self.ctx.memory.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None and not self._awaiting_devices:
             # (A start still queued for its devices spawns nothing once it gets them.)
@@ -1355,11 +1249,6 @@ class Instance:
 def _forget(metric: Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):
         metric.remove(*labels)
-
-
-@asynccontextmanager
-async def _nothing() -> AsyncIterator[None]:
-    yield
 
 
 def consume_exception(task: asyncio.Task[None]) -> None:

@@ -46,6 +46,8 @@ MIB = 1024 * 1024
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: This process's cgroup membership.
 PROC_CGROUP = Path("/proc/self/cgroup")
+#: Host RAM left free beyond what a sleep pins when choosing its level.
+HOST_RAM_MARGIN_MB = 1024
 #: What a sleep of a model pins is learned by: its name and its engine (`Instance.host_key`).
 LearnKey = tuple[str, str]
 

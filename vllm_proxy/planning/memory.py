@@ -38,7 +38,15 @@ from ..config import Config, GpuDevice, ModelSpec
 from ..engine_args import ArgValue
 from ..errors import ConfigError
 from ..metrics import Metrics
-from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
+from .footprint import (
+    Footprint,
+    footprint_for_spec,
+    host_runtime_mb,
+    host_start_mb,
+    host_weights_mb,
+    reload_peak_mb,
+    utilization_for,
+)
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
 from .scheduler import Demand, DeviceView, never_fits
 
@@ -861,6 +869,19 @@ class Memory:
                             sorted(listed & before.pids))  # fmt: skip
                 return False
             await asyncio.sleep(FREE_POLL_S)
+
+    def weights_mb(self, spec: ModelSpec) -> int | None:
+        """Host RAM a level-1 sleep of `spec` pins for its weights (`footprint.host_weights_mb`
+        of its estimate)."""
+        return host_weights_mb(spec, self.estimates.get(spec.name))
+
+    def runtime_mb(self, spec: ModelSpec) -> int:
+        """Host RAM a sleep of `spec` pins for its runtime pool (`footprint.host_runtime_mb`)."""
+        return host_runtime_mb(self.estimates.get(spec.name))
+
+    def start_host_mb(self, spec: ModelSpec) -> int:
+        """Host RAM an engine of `spec` pins as it starts (`footprint.host_start_mb`)."""
+        return host_start_mb(self.estimates.get(spec.name))
 
     async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
         """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""
