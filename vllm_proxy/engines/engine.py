@@ -31,7 +31,7 @@ import aiohttp
 import psutil
 
 from ..config import ModelSpec, file_stem
-from ..engine_args import ArgValue, profiled_lines
+from ..engine_args import PORT_IN_USE, ArgValue, profiled_lines
 from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 from .statedir import open_nofollow, private_dirs
@@ -51,7 +51,6 @@ LOG_TAIL_LINES = 20
 PROFILE_POLL_FIRST_S, PROFILE_POLL_MAX_S = 0.1, 1.0
 #: The most of a start's log read in one poll.
 PROFILE_READ_MAX = 1 << 20
-_PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
 #: The longest path a Unix socket address holds (``sun_path``: 108 bytes with its final NUL).
 SUN_PATH_MAX = 107
 
@@ -440,7 +439,7 @@ class EngineProcess:
             )
         if self._exited.is_set():
             tail = read_tail(self.log_path, lines=200).encode()
-            taken = self.socket_path is None and _PORT_IN_USE.search(tail)
+            taken = self.socket_path is None and PORT_IN_USE.search(tail)
             cls = PortInUse if taken else EngineFailed
             log.error("%s", self.failure_message("exited while starting"))
             raise cls(self.short_failure("exited while starting"), code="engine_start_failed")

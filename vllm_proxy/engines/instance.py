@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import aiohttp
 from prometheus_client import Gauge
@@ -31,14 +31,7 @@ from prometheus_client import Gauge
 from ..config import ModelSpec
 from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
 from ..planning.hostmem import HOST_RAM_MARGIN_MB, backed_up_mb, log_size
-from ..planning.memory import (
-    KV_SHORT_MARKERS,
-    OOM_MARKERS,
-    PROFILING_MARKERS,
-    Held,
-    Placement,
-    Use,
-)
+from ..planning.memory import Held, Placement, Use
 from ..planning.memory import sized as memory_sized
 from .engine import (
     KILL_WAIT_S,
@@ -49,6 +42,9 @@ from .engine import (
     read_tail,
     socket_path,
 )
+from .failures import Stopped, WakeFailed, WrongAnswer, classify
+from .health import unhealthy_error, watch_health
+from .idle import IdleTimers, ReplicaPolicy
 from .lora import Registrations
 from .oracle import Oracle, mismatch, take
 from .ports import EngineContext, no_hold
@@ -71,47 +67,8 @@ log = logging.getLogger(__name__)
 EXIT_LOOK_S = 0.25
 
 
-class Stopped(Unavailable):
-    """The instance was stopped (unloaded, retired by a reload, shut down) while starting."""
-
-
-class OutOfMemory(EngineFailed):
-    """The engine failed to start because the GPU had too little free memory."""
-
-
-class KvCacheShort(EngineFailed):
-    """vLLM started but its budget left no room for the KV cache (non-KV memory took more than
-    planned): a larger budget may work, evicting others does not."""
-
-
-class ProfilingDisturbed(EngineFailed):
-    """vLLM's start failed its memory-profiling check: another process freed GPU memory on the
-    device meanwhile (an engine that crashed, a program outside the proxy). Worth a retry."""
-
-
-class WakeFailed(Unavailable):
-    """A wake that failed (or a sleep that failed under it): the engine was stopped; the caller
-    starts a new instance."""
-
-
-class WrongAnswer(Exception):
-    """A woken engine answered the check request differently from its start (`oracle`)."""
-
-
 #: Called by an instance after each of its state changes: (instance, old state).
 StateHook = Callable[["Instance", State], None]
-
-
-class ReplicaPolicy(Protocol):
-    """What the model decides for its replicas when one of them has been idle."""
-
-    def may_idle_stop(self, inst: Instance) -> bool:
-        """Whether the idle timeout may stop `inst` now (else it is asked again later)."""
-        ...
-
-    def downscale(self, inst: Instance) -> bool:
-        """`downscale_delay_s` idle: remove it if the model may shrink; False: ask again later."""
-        ...
 
 
 class Instance:
@@ -124,7 +81,7 @@ class Instance:
         ctx: EngineContext[Instance],
         on_state: StateHook,
         queued: Callable[[], int] = lambda: 0,
-        policy: ReplicaPolicy | None = None,
+        policy: ReplicaPolicy[Instance] | None = None,
     ) -> None:
         self.spec = spec
         #: ``<model>#<n>``: never reused, the key of everything this instance owns.
@@ -185,12 +142,10 @@ class Instance:
         self.running_since = 0.0
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
-        self._policy = policy
         self._start_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._sleep_timer: asyncio.TimerHandle | None = None
-        self._downscale_timer: asyncio.TimerHandle | None = None
+        #: Its stop, sleep and downscale timers while idle (they ask, it decides).
+        self.timers = IdleTimers(self, policy)
         #: The LoRA adapters this engine holds (a new instance starts with none).
         self.adapters = Registrations(iid, ctx.metrics, lambda: ctx.queue.timeout_s)
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.public.value)
@@ -295,8 +250,8 @@ class Instance:
         if not self.routable or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        if self._idle_timer or self._sleep_timer or self._downscale_timer:
-            self._cancel_idle_timer()
+        if self.timers.armed:
+            self.timers.cancel()
         return self.engine
 
     def release(self) -> None:
@@ -308,72 +263,15 @@ class Instance:
             self._released = None
         if self.leases == 0:
             if self.routable:
-                self._arm_idle_timer()
+                self.timers.arm()
             self.ctx.pool.on_capacity()
-
-    def _arm_idle_timer(self) -> None:
-        """Idle from now: the stop timer (``idle_timeout_s`` of total idleness, asleep or not)
-        and, with a sleep policy, the sleep timer (``after_idle_s``)."""
-        self._cancel_idle_timer()
-        spec = self.spec
-        policy, scale = spec.sleep, spec.autoscale
-        if spec.idle_timeout_s <= 0 and policy is None and scale is None:
-            return  # nothing to arm (and no asyncio.get_running_loop(): a getpid() call)
-        loop = asyncio.get_running_loop()
-        if spec.idle_timeout_s > 0:
-            self._idle_timer = loop.call_later(spec.idle_timeout_s, self._idle_expired)
-        if policy is not None and self.state is State.RUNNING and self.usable_level() is not None:
-            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
-        if scale is not None and self.state is State.RUNNING:
-            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
-
-    def _cancel_idle_timer(self) -> None:
-        for timer in (self._idle_timer, self._sleep_timer, self._downscale_timer):
-            if timer is not None:
-                timer.cancel()
-        self._idle_timer = self._sleep_timer = self._downscale_timer = None
-
-    def _idle_expired(self) -> None:
-        self._idle_timer = None
-        if self._policy is not None and not self._policy.may_idle_stop(self):
-            loop = asyncio.get_running_loop()
-            self._idle_timer = loop.call_later(self.spec.idle_timeout_s, self._idle_expired)
-            return
-        if self.evict("idle") is not None:
-            log.info("%s: idle for %gs, unloaded", self.id, self.spec.idle_timeout_s)
-
-    def _downscale_due(self) -> None:
-        self._downscale_timer = None
-        scale = self.spec.autoscale
-        if scale is None or self._policy is None or not self.routable:
-            return
-        if not self._policy.downscale(self):
-            loop = asyncio.get_running_loop()
-            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
-
-    def _sleep_due(self) -> None:
-        self._sleep_timer = None
-        policy = self.spec.sleep
-        if self.sleep("idle") is not None:
-            assert policy is not None
-            log.info("%s: idle for %gs, put to sleep", self.id, policy.after_idle_s)
-        elif (
-            policy is not None
-            and self.state is State.RUNNING
-            and self.leases == 0
-            and self.usable_level() is not None
-        ):
-            # Not now (a request of its model waits in admission): idle still, so ask again
-            # after another period rather than stay awake until its next lease.
-            loop = asyncio.get_running_loop()
-            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
 
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
         idle = (State.RUNNING, State.FALLING_ASLEEP, State.SLEEPING)
         if self.state in idle and self.leases == 0:
             if not self.retired and not self.wake_asked:  # a wake: a request waits
-                self._arm_idle_timer()
+                self.timers.arm()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -477,9 +375,9 @@ class Instance:
             self._exited(engine, "exited right after becoming ready")
             return
         if self.leases == 0:
-            self._arm_idle_timer()
+            self.timers.arm()
         if self.spec.health_interval_s > 0:
-            watcher = asyncio.ensure_future(self._watch_health(engine))
+            watcher = asyncio.ensure_future(watch_health(self, engine, self.ctx.session))
             watcher.add_done_callback(consume_exception)
 
     async def _until_ready(self, engine: EngineProcess, held: Held | None, sized: bool) -> float:
@@ -550,18 +448,10 @@ class Instance:
                         self.id, why)  # fmt: skip
 
     def _classify(self, err: ProxyError) -> ProxyError:
-        """A failed start, by what the engine's log says: no room for the KV cache in its
-        budget, profiling disturbed by another process, out of GPU memory, or `err` itself."""
+        """A failed start, by what the engine's log says (`failures.classify`)."""
         if not self.devices or self.engine is None:
             return err
-        tail = read_tail(self.engine.log_path, lines=200)
-        if any(marker in tail for marker in KV_SHORT_MARKERS):
-            return KvCacheShort(err.message, code="insufficient_gpu_memory")
-        if any(marker in tail for marker in PROFILING_MARKERS):
-            return ProfilingDisturbed(err.message, code="engine_start_failed")
-        if any(marker in tail for marker in OOM_MARKERS):
-            return OutOfMemory(err.message, code="insufficient_gpu_memory")
-        return err
+        return classify(err, read_tail(self.engine.log_path, lines=200))
 
     async def _spawn(self) -> EngineProcess:
         address = self._address()
@@ -624,7 +514,7 @@ class Instance:
         if self.state not in (State.STARTING, *LIVE):
             return
         self.last_error = message
-        self._cancel_idle_timer()
+        self.timers.cancel()
         log.error("%s: %s", self.id, message)
         self._set_state(end)
 
@@ -649,54 +539,8 @@ class Instance:
 
     # -- health --------------------------------------------------------------------------
 
-    async def _watch_health(self, engine: EngineProcess) -> None:
-        """Probe the RUNNING engine every `health_interval_s`; `health_misses` failed probes in a
-        row (no 200 within `health_timeout_s`: hung, deadlocked, SIGSTOPped) or a listener that
-        is no longer the engine's own socket mark it unhealthy: it is killed, and the next
-        request starts a new instance. With a sleep policy, an engine the proxy has running
-        that says it is asleep (someone else called its /sleep) is killed the same way, and so
-        is one that answers its probes but has sent no byte on any request in flight for
-        `stall_timeout_s` (a decode stall, which /health does not see)."""
-        spec = self.spec
-        misses = 0
-        while True:
-            await asyncio.sleep(spec.health_interval_s)
-            if self.state not in LIVE or self.engine is not engine:
-                return
-            if self.state in (State.FALLING_ASLEEP, State.WAKE_WAITING, State.WAKING):
-                continue  # a wake or sleep call is bounded on its own
-            if not engine.listener_unchanged():
-                where = "socket path" if engine.socket_path else "port"
-                self._unhealthy(engine, f"its {where} is no longer held by the engine's own socket")
-                return
-            client = engine.client(self.ctx.session)
-            healthy = await engine.probe(client, spec.health_timeout_s)
-            misses = 0 if healthy else misses + 1
-            if misses >= spec.health_misses and self.state in (*AWAKE, *ASLEEP_OR_FALLING):
-                why = f"no answer to {misses} health probes in a row"
-                self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
-                return
-            if healthy and spec.stall_timeout_s > 0 and self._awake(engine):
-                stalled = self.progress.stalled_for()
-                if stalled >= spec.stall_timeout_s:
-                    n = len(self.progress.flows)
-                    self._unhealthy(engine, f"no byte on any of its {n} request(s) in flight for "
-                                    f"{stalled:.0f}s while its /health answers 200 (a decode "
-                                    "stall)", reason="stalled")  # fmt: skip
-                    return
-            if healthy and spec.sleep is not None and self._awake(engine):
-                asleep = await engine.probe_sleeping(client, spec.health_timeout_s)
-                if asleep and self._awake(engine):  # (no sleep of its own began meanwhile)
-                    why = "/is_sleeping says asleep while the proxy has it running"
-                    self._unhealthy(engine, f"put to sleep by someone else ({why})",
-                                    reason="sleep_not_ordered")  # fmt: skip
-                    return
-
-    def _awake(self, engine: EngineProcess) -> bool:
-        """Awake on `engine` as far as the proxy knows: none of its sleeps or wakes under way."""
-        return self.state in AWAKE and self.engine is engine and not self.wake_asked
-
-    def _unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
+    def mark_unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
+        """The health watcher found `engine` unhealthy (`health`): UNHEALTHY, and killed."""
         self.unhealthy_reason = reason
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
         self._fail(f"model '{self.name}': engine not healthy: {why}; killed", State.UNHEALTHY)
@@ -710,15 +554,7 @@ class Instance:
         Never engine log lines (they may hold other users' prompts); those go to the log, with
         `cause` (what the connection raised: a refused response says why) when it lives."""
         if self.unhealthy:
-            what, code = {
-                "sleep_not_ordered": ("was put to sleep outside the proxy", "engine_unhealthy"),
-                "stalled": ("stopped making progress", "engine_stalled"),
-            }.get(self.unhealthy_reason, ("stopped answering health checks", "engine_unhealthy"))
-            return Unavailable(
-                f"model '{self.name}': the engine {what} and was restarted; retry",
-                code=code,
-                retry_after_s=1,
-            )
+            return unhealthy_error(self.name, self.unhealthy_reason)
         if engine.exit_code is not None:
             log.error("%s", engine.failure_message("exited while serving a request"))
             return EngineFailed(engine.short_failure("exited while serving the request"))
@@ -831,9 +667,7 @@ class Instance:
             self.ctx.metrics.evictions.labels(self.name, reason).inc()
             self.change_reason = f"{reason} (no host RAM to sleep)"
             return self._begin_stop()
-        if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
-            self._sleep_timer.cancel()
-            self._sleep_timer = None
+        self.timers.cancel_sleep()
         self.change_reason = reason
         self._set_state(State.FALLING_ASLEEP)
         self._sleep_call = asyncio.ensure_future(self._fall_asleep(self.engine, chosen, reason))
@@ -957,8 +791,8 @@ class Instance:
         self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
         self.ctx.pool.on_capacity()
         idle = self.leases == 0 and not self.retired and not self.wake_asked
-        if idle and self._idle_timer is None:
-            self._arm_idle_timer()  # only the stop timer: it is not RUNNING
+        if idle and not self.timers.stop_armed:
+            self.timers.arm()  # only the stop timer: it is not RUNNING
 
     def _sleep_failed(self, engine: EngineProcess, err: Exception) -> None:
         """A /sleep that failed or ran out of time: stop the engine (begun at once, so that the
@@ -999,7 +833,7 @@ class Instance:
         # (A wake that has just failed, its callback not yet run, is not joined: a new one.)
         if self._wake_task is None or self._wake_task.done():
             if self.state in ASLEEP_OR_FALLING:  # a request waits for it: it is not idle
-                self._cancel_idle_timer()
+                self.timers.cancel()
             self._wake_task = asyncio.ensure_future(self._wake())
             self._wake_task.add_done_callback(self._wake_done)
         return self._wake_task
@@ -1017,7 +851,7 @@ class Instance:
         if self.state is not State.SLEEPING or self.engine is None:
             raise Stopped(f"model '{self.name}' was stopped while asleep", code="stopped")
         engine = self.engine
-        self._cancel_idle_timer()
+        self.timers.cancel()
         self._set_state(State.WAKE_WAITING)
         try:
             await self.ctx.admission.readmit(self)
@@ -1025,7 +859,7 @@ class Instance:
             if self.state is State.WAKE_WAITING:
                 self._set_state(State.SLEEPING)
                 if self.leases == 0 and not self.retired:
-                    self._arm_idle_timer()
+                    self.timers.arm()
             raise
         except Exception as err:  # a bug or an OS error: never left half-woken
             log.exception("%s: admission of the wake failed", self.id)
@@ -1086,7 +920,7 @@ class Instance:
         self.sleep_level = 0
         self._set_state(self._awake_state())
         if self.leases == 0 and self.routable:
-            self._arm_idle_timer()
+            self.timers.arm()
 
     async def _verify(
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
@@ -1145,7 +979,7 @@ class Instance:
 
         The caller has made sure no new request is routed here (retired, or its model drains).
         """
-        self._cancel_idle_timer()
+        self.timers.cancel()
         if not await self.drained(timeout):
             log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
         await self.stop()
@@ -1167,7 +1001,7 @@ class Instance:
         """Take no new requests from now on (DRAINING while it runs); drain for up to
         `timeout`, then stop."""
         self.retired = True
-        self._cancel_idle_timer()
+        self.timers.cancel()
         if self.state is State.RUNNING:
             self._set_state(State.DRAINING)
         task = asyncio.ensure_future(self.drain_and_stop(timeout))
@@ -1179,7 +1013,7 @@ class Instance:
         starting = self.state is State.STARTING
         if self.sleep_level or self.state in ASLEEP_OR_FALLING:
             _forget(self.ctx.metrics.sleep_level, self.name, self.id)
-        self._cancel_idle_timer()
+        self.timers.cancel()
         self._set_state(State.STOPPING)
         self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
         self._stopping.add_done_callback(consume_exception)

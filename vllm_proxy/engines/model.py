@@ -26,15 +26,8 @@ from ..planning.queueing import Rank
 from .autoscale import Autoscaler
 from .backoff import Backoff
 from .engine import EngineProcess, PortInUse, prune_logs
-from .instance import (
-    Instance,
-    KvCacheShort,
-    OutOfMemory,
-    ProfilingDisturbed,
-    Stopped,
-    WakeFailed,
-    consume_exception,
-)
+from .failures import KvCacheShort, OutOfMemory, ProfilingDisturbed, Stopped, WakeFailed
+from .instance import Instance, consume_exception
 from .ports import EngineContext
 from .states import ASLEEP_OR_FALLING, AWAKE, DORMANT, DOWN, State
 

@@ -35,11 +35,12 @@ file cache there, and is not added.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from pathlib import Path
 
 import psutil
+
+from ..engine_args import BACKED_UP
 
 MIB = 1024 * 1024
 #: Where the cgroup hierarchy is mounted (v2; v1 mounts each controller below it).
@@ -153,11 +154,6 @@ def shmem_mb(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int |
     return None
 
 
-#: vLLM's line at each rank's sleep (``device_allocator/cumem.py:282-289``).
-BACKED_UP = re.compile(
-    r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which ([\d.]+) GiB is backed"
-    r" up in CPU"
-)
 #: At most this much of an engine's log is read for one sleep's lines.
 LOG_READ_BYTES = 256 * 1024
 

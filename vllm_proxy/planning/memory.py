@@ -54,17 +54,6 @@ log = logging.getLogger(__name__)
 
 #: How often `wait_free` re-reads the GPUs while waiting for a stopped engine's memory.
 FREE_POLL_S = 0.2
-#: vLLM's log lines for a start that ran out of device memory.
-OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "less than desired")
-#: vLLM's log lines for a budget that holds the weights but leaves no room for the KV cache
-#: (activations, the sampler or CUDA graphs took more than planned): a larger budget may work,
-#: evicting others does not help (vLLM 0.33 ``v1/core/kv_cache_utils.py``).
-KV_SHORT_MARKERS = (
-    "No available memory for the cache blocks",
-    "which is larger than the available KV cache memory",
-)
-#: vLLM's assertion when another process freed memory while it profiled: retry the start.
-PROFILING_MARKERS = ("Error in memory profiling",)
 #: How much a budget grows after vLLM found no room for the KV cache: a quarter, at least this.
 KV_BOOST_MIN_MB = 512
 #: Why a budget cannot be grown where the proxy does not pass --gpu-memory-utilization.

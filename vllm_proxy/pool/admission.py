@@ -24,7 +24,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..config import ModelSpec
-from ..engines.instance import Instance, Stopped
+from ..engines.failures import Stopped
+from ..engines.instance import Instance
 from ..engines.model import Model, rank_of
 from ..engines.states import AWAKE, State
 from ..errors import Unavailable
