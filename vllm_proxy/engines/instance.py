@@ -29,8 +29,8 @@ import aiohttp
 from prometheus_client import Gauge
 
 from ..config import ModelSpec
-from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
-from ..planning.hostmem import HOST_RAM_MARGIN_MB, backed_up_mb, log_size
+from ..errors import Conflict, EngineFailed, ProxyError
+from ..planning.hostmem import sleep_guess, sleep_levels
 from ..planning.memory import Held, Placement, Use
 from ..planning.memory import sized as memory_sized
 from .engine import (
@@ -38,9 +38,9 @@ from .engine import (
     STARTING_STOP_GRACE_S,
     CallFailed,
     EngineProcess,
+    address_for,
     log_path,
     read_tail,
-    socket_path,
 )
 from .failures import Stopped, WakeFailed, WrongAnswer, classify
 from .health import unhealthy_error, watch_health
@@ -381,45 +381,25 @@ class Instance:
             watcher.add_done_callback(consume_exception)
 
     async def _until_ready(self, engine: EngineProcess, held: Held | None, sized: bool) -> float:
-        """`engine.wait_ready`, relaxing a measuring start's hold on its devices (`held`) once
-        every worker has measured its memory."""
+        """`engine.wait_ready`; a measuring start's hold on its devices (`held`) is relaxed once
+        every worker has measured its memory (`EngineProcess.wait_ready_profiled`)."""
         if held is None or sized:
             return await engine.wait_ready(self.ctx.session)
-        ready = asyncio.ensure_future(engine.wait_ready(self.ctx.session))
-        watch = asyncio.ensure_future(engine.watch_profiling(max(len(self.devices), 1)))
-        try:
-            await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
-            measured = watch.done() and watch.exception() is None and watch.result()
-            if measured and not ready.done():
-                log.info("%s: memory profiled; its devices are shared from here", self.id)
-                held.profiled()
-            seconds = await ready
-        finally:
-            ready.cancel()
-            watch.cancel()
-        with contextlib.suppress(OSError):  # what the log gained after the last read
-            while await engine.scan_profiling():
-                pass
-        return seconds
+
+        def profiled() -> None:
+            log.info("%s: memory profiled; its devices are shared from here", self.id)
+            held.profiled()
+
+        workers = max(len(self.devices), 1)
+        return await engine.wait_ready_profiled(self.ctx.session, workers, profiled)
 
     def _promise_start_host(self, stack: contextlib.AsyncExitStack) -> None:
-        """The host RAM the engine pins as it starts (V2's token buffer, `ctx.start_host_mb`)
-        must be available: promised until the start ends, so that sleeps meanwhile count it;
-        `Unavailable` when it is not there (vLLM would fail to pin it, or the kernel would kill
-        something to make room)."""
+        """The host RAM its engine pins as it starts, promised until the start ends
+        (`HostRam.promise_start`: `Unavailable` when it is not there)."""
         need = self.ctx.memory.start_host_mb(self.spec)
-        if need <= 0:
-            return
-        room = self.ctx.host.room_mb()
-        if need > room:
-            raise Unavailable(
-                f"model '{self.name}': not enough host memory to start: its engine pins "
-                f"{need} MiB for its token buffer (max_num_seqs x max_model_len x 4 bytes per "
-                f"GPU), {room} MiB are available",
-                code="insufficient_host_memory",
-            )
-        self.ctx.host.promise(self.id, need)
-        stack.callback(self.ctx.host.settle, self.id)
+        if need > 0:
+            self.ctx.host.promise_start(self.name, self.id, need)
+            stack.callback(self.ctx.host.settle, self.id)
 
     async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
@@ -454,7 +434,7 @@ class Instance:
         return classify(err, read_tail(self.engine.log_path, lines=200))
 
     async def _spawn(self) -> EngineProcess:
-        address = self._address()
+        address = address_for(self.spec, self.id, self.ctx.ports)
         p = self.placement
         engine = self.ctx.engine_factory(
             self.spec,
@@ -482,19 +462,6 @@ class Instance:
             await engine.stop(STARTING_STOP_GRACE_S)
             self._raise_if_stopped()
         return engine
-
-    def _address(self) -> int | str:
-        """Where the new engine will serve: its socket's path (uds), or a free port (tcp)."""
-        if self.spec.transport == "tcp":
-            return self.ctx.ports.allocate(self.spec.port_range)
-        try:
-            return socket_path(self.spec, self.id)
-        except OSError as err:
-            log.error("%s: no place for the engine's socket: %s", self.id, err)
-            raise EngineFailed(
-                f"model '{self.name}': no place for the engine's socket (see the proxy's log)",
-                code="engine_start_failed",
-            ) from None
 
     @property
     def next_sleep_kind(self) -> str:
@@ -676,40 +643,13 @@ class Instance:
 
     def _choose_level(self, level: int) -> int | None:
         """The level a sleep asked at `level` takes, promised in host RAM until the /sleep call
-        returns; None when no level fits (the caller stops the engine instead).
-
-        Level 1 pins the weights and the runtime pool, level 2 the runtime pool alone, each less
-        what the engine already keeps pinned from an earlier sleep (PyTorch's host cache), within
-        the host RAM available to the proxy's cgroup less what other sleeps in flight will pin.
-        Level 1 falls back to level 2 only where the model can reload its weights."""
-        key = self.host_key
-        runtime = self.ctx.memory.runtime_mb(self.spec)
-        weights = self.ctx.memory.weights_mb(self.spec)
-        guesses = {1: None if weights is None else weights + runtime, 2: runtime}
-        levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
-        levels = [v for v in levels if self.usable_level(v) == v]
-        room = self.ctx.host.room_mb()
-        for chosen in levels:
-            guess = guesses.get(chosen)
-            if guess is None:  # nothing known of what it pins: as asked
-                return chosen
-            need = self.ctx.host.need_mb(self.id, key, chosen, guess)
-            short = need + HOST_RAM_MARGIN_MB - room if need else 0
-            if short > 0 and not self._free_host_ram(short):
-                log.warning(
-                    "%s: sleep level %d would pin ~%d MiB more in host RAM but only %d MiB are"
-                    " available (cgroup limits and sleeps in flight counted)",
-                    self.id, chosen, need, room,
-                )  # fmt: skip
-                continue
-            if chosen != level:
-                log.warning("%s: using level %d (the weights are reloaded from disk on wake)",
-                            self.id, chosen)  # fmt: skip
-            if need:
-                self.ctx.host.promise(self.id, need)
-            return chosen
-        log.warning("%s: no sleep level fits in host RAM; stopping the engine instead", self.id)
-        return None
+        returns (`HostRam.choose_level`, over the levels its breaker allows); None when no level
+        fits (the caller stops the engine instead)."""
+        levels = [v for v in sleep_levels(level, self.spec.reloadable) if self.usable_level(v) == v]
+        guesses = {v: self._pin_guess(v) for v in levels}
+        return self.ctx.host.choose_level(
+            self.id, self.host_key, level, guesses, self._free_host_ram
+        )
 
     def _free_host_ram(self, short_mb: int) -> bool:
         """Stop engines asleep that were used less recently than this one, least recently used
@@ -726,12 +666,10 @@ class Instance:
         return True
 
     def _pin_guess(self, level: int) -> int | None:
-        """The estimate of what a sleep at `level` pins in host RAM (None: unknown)."""
-        runtime = self.ctx.memory.runtime_mb(self.spec)
-        if level != 1:
-            return runtime
-        weights = self.ctx.memory.weights_mb(self.spec)
-        return None if weights is None else weights + runtime
+        """What a sleep at `level` pins in host RAM before it was measured (`sleep_guess`)."""
+        memory = self.ctx.memory
+        weights = memory.weights_mb(self.spec) if level == 1 else None
+        return sleep_guess(level, weights, memory.runtime_mb(self.spec))
 
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
@@ -739,8 +677,7 @@ class Instance:
         profiles); what the engine still holds afterwards is measured and from then on is its
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
-        residue: int | None = None
-        host_before = host_after = shmem_before = shmem_after = backed = None
+        residue = grown = seen = None
         failed = False
         try:
             if self._host_freeing:  # engines stopped for the host RAM it pins: gone first
@@ -750,16 +687,13 @@ class Instance:
                 started = self.ctx.queue.clock()
                 try:
                     before = await self.ctx.memory.usage(engine.pid, self.devices)
-                    host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
-                    shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
-                    log_at = await asyncio.to_thread(log_size, engine.log_path)
+                    host, pid, path = self.ctx.host, engine.pid, engine.log_path
+                    mark = await asyncio.to_thread(host.before_sleep, pid, path)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
                     after = await self.ctx.memory.usage(engine.pid, self.devices)
                     residue = self.ctx.memory.residue(self.id, before, after)
-                    host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
-                    shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
-                    backed = await asyncio.to_thread(backed_up_mb, engine.log_path, log_at)
+                    grown, seen = await asyncio.to_thread(host.after_sleep, mark, pid, path)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -774,9 +708,6 @@ class Instance:
         self.sleep_level = level
         self.ctx.admission.timed(self.spec, self.next_sleep_kind, seconds)
         self.slept_at_1 = self.slept_at_1 or level == 1
-        grown = None if host_before is None or host_after is None else host_after - host_before
-        shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
-        seen = max((v for v in (shmem, backed) if v is not None), default=None)
         self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), seen)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
