@@ -1,5 +1,4 @@
-"""The health watcher of one running engine, and what a request whose engine was killed for its
-health is told.
+"""The health watcher of one running engine.
 
 Every ``health_interval_s`` (none while a sleep or wake call is in flight: those are bounded on
 their own), the watcher marks the engine unhealthy (its instance kills it; the next request
@@ -24,26 +23,9 @@ from typing import Protocol
 import aiohttp
 
 from ..config import ModelSpec
-from ..errors import Unavailable
 from .engine import EngineProcess
 from .progress import Progress
 from .states import ASLEEP_OR_FALLING, AWAKE, LIVE, State
-
-#: What a request is told of an engine killed for its health, by the reason it was killed for:
-#: (what the engine did, the error code).
-UNHEALTHY_WORDS = {
-    "sleep_not_ordered": ("was put to sleep outside the proxy", "engine_unhealthy"),
-    "stalled": ("stopped making progress", "engine_stalled"),
-}
-_NO_ANSWER = ("stopped answering health checks", "engine_unhealthy")
-
-
-def unhealthy_error(name: str, reason: str) -> Unavailable:
-    """503 + Retry-After for a request to model `name` whose engine was killed for `reason`."""
-    what, code = UNHEALTHY_WORDS.get(reason, _NO_ANSWER)
-    return Unavailable(
-        f"model '{name}': the engine {what} and was restarted; retry", code=code, retry_after_s=1
-    )
 
 
 class Watched(Protocol):

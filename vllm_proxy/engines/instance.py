@@ -29,7 +29,7 @@ import aiohttp
 from prometheus_client import Gauge
 
 from ..config import ModelSpec
-from ..errors import Conflict, EngineFailed, ProxyError
+from ..errors import EngineFailed, ProxyError
 from ..planning.hostmem import sleep_guess, sleep_levels
 from ..planning.memory import Held, Placement, Use
 from ..planning.memory import sized as memory_sized
@@ -42,11 +42,19 @@ from .engine import (
     log_path,
     read_tail,
 )
-from .failures import Stopped, WakeFailed, WrongAnswer, classify
-from .health import unhealthy_error, watch_health
+from .failures import (
+    Stopped,
+    WakeFailed,
+    WrongAnswer,
+    classify,
+    level_barred,
+    no_level_fits,
+    upstream_error,
+)
+from .health import watch_health
 from .idle import IdleTimers, ReplicaPolicy
 from .lora import Registrations
-from .oracle import Oracle, mismatch, take
+from .oracle import Oracle, check, record
 from .ports import EngineContext, no_hold
 from .progress import Progress
 from .readahead import Outcome
@@ -361,7 +369,9 @@ class Instance:
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         if self.spec.verify_wake:
-            await self._record_oracle(engine, self.spec.startup_timeout_s)
+            self.oracle = await record(
+                engine, self.ctx.session, self.spec.startup_timeout_s, self.id
+            )
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
@@ -415,17 +425,6 @@ class Instance:
                 f"model '{self.name}': the engine's warm-up request failed",
                 code="engine_start_failed",
             ) from None
-
-    async def _record_oracle(self, engine: EngineProcess, timeout: float) -> None:
-        """Record the answer its wakes are checked against; where that fails, say so and leave
-        its wakes unchecked (the engine still serves: the warm-up, if any, judged the start)."""
-        try:
-            async with asyncio.timeout(timeout):
-                self.oracle = await take(engine, engine.client(self.ctx.session))
-        except (CallFailed, TimeoutError) as err:
-            why = str(err) or f"no answer within {timeout:g}s"
-            log.warning("%s: its wakes will not be checked: the check request failed: %s",
-                        self.id, why)  # fmt: skip
 
     def _classify(self, err: ProxyError) -> ProxyError:
         """A failed start, by what the engine's log says (`failures.classify`)."""
@@ -516,18 +515,9 @@ class Instance:
     def upstream_failure(
         self, engine: EngineProcess, cause: BaseException | None = None
     ) -> ProxyError:
-        """What a request whose engine connection broke is told: 503 + Retry-After when the
-        health watcher killed the engine, else 502 with the exit code or signal if it died.
-        Never engine log lines (they may hold other users' prompts); those go to the log, with
-        `cause` (what the connection raised: a refused response says why) when it lives."""
-        if self.unhealthy:
-            return unhealthy_error(self.name, self.unhealthy_reason)
-        if engine.exit_code is not None:
-            log.error("%s", engine.failure_message("exited while serving a request"))
-            return EngineFailed(engine.short_failure("exited while serving the request"))
-        if cause is not None:
-            log.warning("%s: the request failed on a live engine: %s", self.id, cause)
-        return EngineFailed(f"model '{self.name}': connection to the engine was lost")
+        """What a request whose engine connection broke is told (`failures.upstream_error`)."""
+        reason = self.unhealthy_reason if self.unhealthy else None
+        return upstream_error(self.name, self.id, reason, engine, cause)
 
     async def upstream_failure_after_exit(
         self, engine: EngineProcess, cause: BaseException | None = None
@@ -574,26 +564,11 @@ class Instance:
     def read_ahead(self, why: str) -> asyncio.Task[Outcome] | None:
         """Ask the kernel to read the model's weight files into the page cache, off the loop,
         where host RAM has room for them (``read_ahead``): its next start or level-2 wake reads
-        them from RAM. Never fails; None when nothing was begun."""
-        ahead = self.ctx.read_ahead
-        if ahead is None or not self.spec.read_ahead:
+        them from RAM. Never fails; None when nothing was begun (`ReadAhead.for_instance`)."""
+        ahead, ctx = self.ctx.read_ahead, self.ctx
+        if ahead is None:
             return None
-        name, metrics = self.name, self.ctx.metrics
-
-        def done(outcome: Outcome) -> None:
-            if outcome.skipped:
-                log.debug("%s: no read-ahead (%s): %s", self.id, why, outcome.skipped)
-                return
-            metrics.read_ahead_bytes.labels(name).inc(outcome.bytes)
-            metrics.read_ahead_files.labels(name).inc(outcome.files)
-            log.debug("%s: read ahead %d files, %d MiB (%s)", self.id, outcome.files,
-                      outcome.bytes >> 20, why)  # fmt: skip
-
-        try:
-            return ahead.start(self.spec.model, self.spec.engine_env(), self.ctx.host.room_mb, done)
-        except Exception as err:  # a hint only
-            log.debug("%s: read-ahead not begun: %r", self.id, err)
-            return None
+        return ahead.for_instance(self.spec, ctx.metrics, ctx.host.room_mb, self.id, why)
 
     # -- sleep and wake ------------------------------------------------------------------
 
@@ -615,21 +590,12 @@ class Instance:
         asked = level or self.spec.sleep.level
         usable = self.usable_level(asked)
         if usable is None and reason == "admin":
-            raise Conflict(
-                f"model '{self.name}': its wakes from sleep level {asked} kept failing the wake"
-                " check, so it no longer sleeps there (clear with POST"
-                f" /admin/models/{self.name}/wake_check/clear)",
-                code="sleep_level_barred",
-            )
+            raise level_barred(self.name, asked)
         if usable is None:  # kept awake, as with sleep: null
             return None
         chosen = self._choose_level(usable)
         if chosen is None and reason == "admin":  # an operator asked for a sleep, not a stop
-            raise Conflict(
-                f"model '{self.name}': no sleep level fits in the host RAM available (the proxy's"
-                " log says how much each needs); not put to sleep",
-                code="insufficient_host_memory",
-            )
+            raise no_level_fits(self.name)
         if chosen is None:  # no host RAM to pin even the runtime pool: free the GPU anyway
             self.ctx.metrics.evictions.labels(self.name, reason).inc()
             self.change_reason = f"{reason} (no host RAM to sleep)"
@@ -856,17 +822,9 @@ class Instance:
     async def _verify(
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
     ) -> None:
-        """Ask the woken engine the check request, and once more when the answer differs (a
-        near-tie that flipped once must not cost a cold start); `WrongAnswer` when both
-        answers differ from the recording."""
+        """The wake check (`oracle.check`), timed; `WrongAnswer` when it failed."""
         began = self.ctx.queue.clock()
-        first_only = self.spec.expert_data_parallel
-        why = mismatch(oracle, await take(engine, client), first_only=first_only)
-        if why is not None:
-            again = mismatch(oracle, await take(engine, client), first_only=first_only)
-            if again is None:
-                log.warning("%s: the wake check differed once (%s), then matched", self.id, why)
-            why = again
+        why = await check(engine, client, oracle, self.spec.expert_data_parallel, self.id)
         self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
         if why is not None:
             raise WrongAnswer(why)

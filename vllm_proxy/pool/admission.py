@@ -27,7 +27,7 @@ from ..config import ModelSpec
 from ..engines.failures import Stopped
 from ..engines.instance import Instance
 from ..engines.model import Model, rank_of
-from ..engines.states import AWAKE, State
+from ..engines.states import AWAKE, PHASES, State
 from ..errors import Unavailable
 from ..metrics import Metrics
 from ..planning import queueing
@@ -41,7 +41,6 @@ from ..planning.scheduler import (
     DeviceView,
     InstanceView,
     NoFit,
-    Phase,
     Plan,
     after,
     plan,
@@ -55,18 +54,6 @@ log = logging.getLogger(__name__)
 #: or a timer tick (uvloop's are milliseconds, and it runs shorter delays at once) after now
 #: would otherwise wake the waiter over and over until the clock reaches it.
 MIN_WAIT_S = 0.001
-
-#: The planner's phase of each state of a placed instance (one that holds a memory claim).
-PHASES = {
-    State.STARTING: Phase.STARTING,
-    State.RUNNING: Phase.RUNNING,
-    State.DRAINING: Phase.RUNNING,
-    State.FALLING_ASLEEP: Phase.FALLING_ASLEEP,
-    State.SLEEPING: Phase.ASLEEP,
-    State.WAKE_WAITING: Phase.WAKING,
-    State.WAKING: Phase.WAKING,
-    State.STOPPING: Phase.STOPPING,
-}
 
 
 class Admission:
