@@ -10,8 +10,9 @@ Each `Instance` is the single owner of its state. Its `Model` (model.py) decides
 serves a request; callers never read the state and then act on it, they ask:
 ``await instance.start()``, ``instance.acquire()``, ``instance.release()``,
 ``await instance.stop()``, ``instance.evict(reason)``, ``instance.retire(timeout)``. What an
-instance needs from the rest of the proxy (ports, registry, metrics, admission) comes in
-`EngineContext`.
+instance needs from the rest of the proxy comes in its `EngineContext` (`ports.py`): admission,
+the memory book and the pool's hooks as named ports, with the session, registry and metrics.
+Its idle timers (`idle.py`) and health watcher (`health.py`) ask it; only it changes its state.
 """
 
 from __future__ import annotations
