@@ -88,6 +88,7 @@ class Manager:
     ) -> None:
         """`ctx` is built whole beforehand, with `roster` as its pool hooks and, where memory
         is managed, `memory` as its memory book and `admission` as its admission port."""
+        assert ctx.pool is roster and (admission is None or ctx.admission is admission)
         self.ctx = ctx
         self.roster = roster
         self.memory = memory
