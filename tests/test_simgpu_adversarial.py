@@ -407,16 +407,16 @@ async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_re
     profiles."""
     models = {"a": {"model": "x", "memory_mb": 8_000}, "b": {"model": "x", "memory_mb": 8_000}}
     proxy, a = await start_proxy.serving(sim_config(tmp_path, ledger, models), "a", max_tokens=2)
-    ctx = proxy.manager.ctx
-    assert ctx.memory_lock is not None
-    starting_on = ctx.memory_lock
+    memory = proxy.manager.memory
+    assert memory is not None and proxy.manager.ctx.memory is memory
+    starting_on = memory.starting_on
 
     def hostile(devices: tuple[int, ...], owner: str, sized: bool) -> Any:
         if not ledger.held(os.getpid()):  # once: right before b's first spawn
             outsider(ledger, 0, ledger.read()[0].free_mb - 4_000)
         return starting_on(devices, owner, sized)
 
-    ctx.memory_lock = hostile
+    memory.starting_on = hostile  # type: ignore[method-assign]
     status, text = await chat(proxy, "b")
     assert status == 200, text
     assert STARTUP_REFUSAL in proxy.engine_log("b")

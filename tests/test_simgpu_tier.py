@@ -134,9 +134,9 @@ async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
     b_request = asyncio.ensure_future(chat(proxy, "b"))
     await wait_for(lambda: profiling(ledger, a_pids), what="b profiling its start")
     if how == "sleep":
-        a._sleep_due()  # the idle timer firing now
+        a.timers.sleep_due()  # the idle timer firing now
     else:
-        a._idle_expired()
+        a.timers.idle_expired()
     status, text = await b_request
     assert status == 200, text
     assert "Error in memory profiling" not in proxy.engine_log("b")
