@@ -104,10 +104,8 @@ import docs_writer  # noqa: E402
 import vproxy  # noqa: E402
 
 from vllm_proxy.config import AdmissionConfig, EngineKeys  # noqa: E402
-from vllm_proxy.engines.instance import HOST_RAM_MARGIN_MB, RUNTIME_POOL_MB  # noqa: E402
-from vllm_proxy.planning.planner import (  # noqa: E402
-    Phase,
-)
+from vllm_proxy.planning.footprint import RUNTIME_POOL_MB  # noqa: E402
+from vllm_proxy.planning.hostmem import HOST_RAM_MARGIN_MB  # noqa: E402
 
 PROFILE = Path(__file__).resolve().parent / "density_profile.yaml"
 RESULTS = ROOT / "benchmarks" / "results" / "density.json"
@@ -444,16 +442,6 @@ COLD, STARTING, AWAKE, FALLING, ASLEEP, WAKING, STOPPING = (
 )  # fmt: skip
 #: States in which a model has a process (its requests count as warm).
 WARM = frozenset({AWAKE, FALLING, ASLEEP, WAKING})
-#: The planner's phase of each engine state (a cold engine appears once its start claimed memory).
-PHASES = {
-    COLD: Phase.STARTING,
-    STARTING: Phase.STARTING,
-    AWAKE: Phase.RUNNING,
-    FALLING: Phase.FALLING_ASLEEP,
-    ASLEEP: Phase.ASLEEP,
-    WAKING: Phase.WAKING,
-    STOPPING: Phase.STOPPING,
-}
 ARRIVE, LEASE_END, DONE, TICK = 0, 1, 2, 3
 
 

@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm_proxy.app import admission_rules, build_memory
+from vllm_proxy.app import admission_rules, build_memory, engine_context
 from vllm_proxy.config import ModelSpec, parse_config
-from vllm_proxy.engines.engine import EngineProcess, PortAllocator
-from vllm_proxy.engines.instance import EngineContext
+from vllm_proxy.engines.engine import EngineProcess
 from vllm_proxy.errors import ProxyError
 from vllm_proxy.metrics import Metrics
 from vllm_proxy.planning.hostmem import HostRam
@@ -463,18 +462,18 @@ async def _serve(cfg: Any, world: World, requests: Sequence[Request], planner: b
     memory.sizes_kv = True  # an NVML-managed GPU: starts are told the KV size once measured
     engine_class = type("Engine", (VirtualEngine,), {"world": world})
     host = HostRam(reader=world.free_ram_mb, rss=lambda pgid: world.pinned.get(pgid or 0))
-    ctx = EngineContext(session=None, ports=PortAllocator(), registry=_Registry(),  # type: ignore[arg-type]
-                        metrics=metrics, host=host, queue=Queue(clock=loop.time),
-                        engine_factory=engine_class)  # fmt: skip
-    adm = cfg.admission
-    manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
-    # The same object, watched (and for the planner, without the queue's rules).
-    assert manager.admission is not None
+    # The proxy's admission, watched (and for the planner, without the queue's rules).
     kind = PlannerAdmission if planner else ObservedAdmission
     removed = dict(ABLATIONS[name] for name in without)
-    manager.admission.__class__ = type("Watched", (kind,), {"world": world, **removed})
-    ctx.hold = manager.admission.holds
-    ctx.timed = manager.admission.timed
+    watched = type("Watched", (kind,), {"world": world, **removed})
+    ctx, roster, admission = engine_context(
+        None, _Registry(), metrics, memory, queue=Queue(clock=loop.time), host=host,  # type: ignore[arg-type]
+        admission_class=watched, engine_factory=engine_class,
+    )  # fmt: skip
+    adm = cfg.admission
+    manager = Manager(specs, ctx, roster, memory, admission, adm.queue_timeout_s, adm.max_queue,
+                      admission_rules(adm))  # fmt: skip
+    assert manager.admission is not None
     outcomes: list[Outcome] = []
     tasks: list[asyncio.Task[None]] = []
 

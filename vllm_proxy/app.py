@@ -23,8 +23,9 @@ import aiohttp
 from aiohttp import web
 
 from .config import AdmissionConfig, Config, ModelSpec, load_for_reload, state_dir
-from .engines.engine import PortAllocator, prune_caches
-from .engines.instance import EngineContext
+from .engines.engine import EngineProcess, PortAllocator, prune_caches
+from .engines.instance import Instance
+from .engines.ports import EngineContext, NoAdmission, UnmanagedMemory
 from .engines.readahead import ReadAhead
 from .engines.registry import EngineRegistry, StateDirBusy, StateLock
 from .errors import BadRequest, ConfigError, ProxyError
@@ -37,9 +38,12 @@ from .frontend.routes.placement_page import Holdings, add_placement_routes
 from .frontend.routes.realtime import RealtimeRoute, add_realtime_routes
 from .frontend.upstream import UpstreamPool
 from .metrics import Metrics
+from .planning.hostmem import HostRam
 from .planning.memory import Memory, make_source, source_kind
-from .planning.queueing import Rules
+from .planning.queueing import Queue, Rules
+from .pool.admission import Admission
 from .pool.manager import Manager
+from .pool.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +151,52 @@ def check_memory(config: Config) -> str:
     return f"{memory.kind}, every model fits"
 
 
+def engine_context(
+    session: aiohttp.ClientSession,
+    registry: EngineRegistry,
+    metrics: Metrics,
+    memory: Memory | None,
+    *,
+    queue: Queue | None = None,
+    host: HostRam | None = None,
+    admission_class: type[Admission] = Admission,
+    engine_factory: type[EngineProcess] = EngineProcess,
+    read_ahead: ReadAhead | None = None,
+) -> tuple[EngineContext[Instance], Roster, Admission | None]:
+    """The context every instance shares, built whole, in the order its ports need:
+
+    - the queue, host RAM and the roster (empty until the manager fills it);
+    - admission over the roster's instances, where memory is managed;
+    - the context, with memory (or `UnmanagedMemory`), admission (or `NoAdmission`) and the
+      roster as the pool's hooks.
+
+    The density benchmark passes its virtual clock's queue, its world's host RAM, a watched
+    admission and its virtual engines.
+    """
+    queue = queue or Queue()
+    host = host or HostRam()
+    roster = Roster(queue, host)
+    admission = (
+        admission_class(queue, metrics, memory, roster.all_instances, lambda: roster.models)
+        if memory is not None
+        else None
+    )
+    ctx = EngineContext(
+        session=session,
+        ports=PortAllocator(),
+        registry=registry,
+        metrics=metrics,
+        admission=admission or NoAdmission(),
+        memory=memory or UnmanagedMemory(),
+        pool=roster,
+        host=host,
+        queue=queue,
+        engine_factory=engine_factory,
+        read_ahead=read_ahead,
+    )
+    return ctx, roster, admission
+
+
 async def create_app(
     config: Config, config_path: str | None = None, overrides: dict[str, Any] | None = None
 ) -> web.Application:
@@ -167,10 +217,11 @@ async def create_app(
         log.warning("stopped %d engine group(s) left by a previous proxy", len(swept))
     # For health polling, engine metrics and admin calls; requests go through `UpstreamPool`.
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-    ctx = EngineContext(session=session, ports=PortAllocator(), registry=registry, metrics=metrics,
-                        read_ahead=ReadAhead())  # fmt: skip
+    ctx, roster, admission = engine_context(session, registry, metrics, memory,
+                                            read_ahead=ReadAhead())  # fmt: skip
     adm = config.admission
-    manager = Manager(specs, ctx, memory, adm.queue_timeout_s, adm.max_queue, admission_rules(adm))
+    manager = Manager(specs, ctx, roster, memory, admission, adm.queue_timeout_s, adm.max_queue,
+                      admission_rules(adm))  # fmt: skip
     manager.start()
     upstream = UpstreamPool(
         config.server.max_upstream_connections, slot_wait_s=config.server.connection_queue_timeout_s

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ArgValue = bool | int | float | str | list[Any] | dict[str, Any] | None
 
@@ -158,3 +158,43 @@ def profiled_lines(text: str) -> tuple[int, int | None]:
         elif KV_GIVEN_MARKER in line:
             ended += 1
     return ended, smallest
+
+
+#: vLLM's log lines for a start that ran out of device memory.
+OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "less than desired")
+#: vLLM's log lines for a budget that holds the weights but leaves no room for the KV cache
+#: (activations, the sampler or CUDA graphs took more than planned): a larger budget may work,
+#: evicting others does not help (vLLM 0.33 ``v1/core/kv_cache_utils.py``).
+KV_SHORT_MARKERS = (
+    "No available memory for the cache blocks",
+    "which is larger than the available KV cache memory",
+)
+#: vLLM's assertion when another process freed memory while it profiled: retry the start.
+PROFILING_MARKERS = ("Error in memory profiling",)
+#: vLLM's line at each rank's sleep (``device_allocator/cumem.py:282-289``): what it backed up
+#: in host memory.
+BACKED_UP = re.compile(
+    r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which ([\d.]+) GiB is backed"
+    r" up in CPU"
+)
+#: vLLM's (or the OS's) words for a listener whose port was taken.
+PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
+
+#: Why a start failed, by its log (`start_failure`).
+StartFailure = Literal["kv_short", "profiling", "oom"]
+
+
+def start_failure(tail: str) -> StartFailure | None:
+    """Why a start failed, from the end of its engine's log, first match wins:
+
+    - ``kv_short``: its budget holds the weights but no KV cache (`KV_SHORT_MARKERS`);
+    - ``profiling``: another process freed memory while it profiled (`PROFILING_MARKERS`);
+    - ``oom``: out of device memory (`OOM_MARKERS`);
+    - None: none of these (the failure stands as it is)."""
+    if any(marker in tail for marker in KV_SHORT_MARKERS):
+        return "kv_short"
+    if any(marker in tail for marker in PROFILING_MARKERS):
+        return "profiling"
+    if any(marker in tail for marker in OOM_MARKERS):
+        return "oom"
+    return None

@@ -10,7 +10,8 @@ from unittest.mock import MagicMock
 import pytest
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines.instance import EngineContext, Instance
+from vllm_proxy.engines.instance import Instance
+from vllm_proxy.engines.ports import EngineContext
 from vllm_proxy.engines.states import DOWN, TRANSITIONS, InvalidTransition, State
 from vllm_proxy.metrics import Metrics
 

@@ -495,7 +495,7 @@ def test_the_level_1_guess_pins_the_sampler_state_of_the_batch_the_estimate_plan
 ) -> None:
     """The manager's level-1 guess counts V2's sampler state for the max_num_seqs the engine is
     started with: a tight estimate's 256, not the H100's 1024."""
-    from vllm_proxy.pool.manager import Manager
+    from vllm_proxy.planning.footprint import host_weights_mb
 
     tensors = {"embed": ("BF16", [151_936, 896]), **{f"n{i}": ("F32", [448]) for i in range(64)}}
     write_header_only(tmp_path / "model.safetensors", tensors)
@@ -503,8 +503,7 @@ def test_the_level_1_guess_pins_the_sampler_state_of_the_batch_the_estimate_plan
     spec = parse_config({"models": {"m": {"model": str(tmp_path)}}}).specs()["m"]
     fp = footprint_for_spec(spec, 81_559, device_name="NVIDIA H100 80GB HBM3")
     assert (fp.detail["batch_from"], fp.detail["max_num_seqs"]) == ("tight", 256)
-    manager = SimpleNamespace(memory=SimpleNamespace(estimates={"m": fp}))
-    assert Manager._weights_mb(manager, spec) == 512 + 2 + 32 + 256  # type: ignore[arg-type]
+    assert host_weights_mb(spec, fp) == 512 + 2 + 32 + 256
 
 
 def write_header_only(path: Path, tensors: dict[str, tuple[str, list[int]]]) -> None:

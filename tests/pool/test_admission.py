@@ -22,7 +22,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
@@ -44,6 +43,7 @@ from vllm_proxy.config import parse_config
 from vllm_proxy.engines.model import Model
 from vllm_proxy.engines.states import State
 from vllm_proxy.frontend.bytes.body import model_of
+from vllm_proxy.metrics import Metrics
 from vllm_proxy.planning.planner import Demand, DeviceView, InstanceView, NoFit, Phase, Plan, plan
 from vllm_proxy.planning.queueing import (
     GO,
@@ -199,8 +199,7 @@ def test_a_deadline_a_float_step_ahead_is_waited_for_long_enough_to_pass() -> No
     due = math.nextafter(now, math.inf)
     queue.enter("b", (0, 0), since=due - RULES.window_s)
     assert next_deadline(queue.waiters(), [], now, RULES) == due
-    ctx = SimpleNamespace(queue=queue)
-    adm = Admission(ctx, None, lambda: [], lambda: {})  # type: ignore[arg-type]
+    adm = Admission(queue, Metrics(), None, lambda: [], lambda: {})  # type: ignore[arg-type]
     assert adm._next_change() == MIN_WAIT_S
     assert adm._next_change() > due - now
     # A deadline further off is waited for as it is.
@@ -654,16 +653,19 @@ async def test_a_hold_ends_exactly_at_its_deadline(tmp_path: Path) -> None:
     from unittest.mock import MagicMock
 
     from vllm_proxy.config import parse_config
-    from vllm_proxy.engines.instance import EngineContext
     from vllm_proxy.engines.model import Model
-    from vllm_proxy.metrics import Metrics
+    from vllm_proxy.engines.ports import EngineContext, NoAdmission
+
+    class Holding(NoAdmission):
+        def holds(self, inst: Any, rank: Any, arrived: float) -> bool:
+            return True
 
     readings = iter([0.1])
     clock = lambda: next(readings, 0.3)  # noqa: E731  arrived at 0.1, then 0.3 for good
     queue = Queue(Rules(queue_timeout_s=0.2), clock=clock)
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": {"model": "x"}}})
     ctx = EngineContext(session=MagicMock(), ports=MagicMock(), registry=MagicMock(),
-                        metrics=Metrics(), queue=queue, hold=lambda *_: True)  # fmt: skip
+                        metrics=Metrics(), queue=queue, admission=Holding())  # fmt: skip
     model = Model(cfg.specs()["m"], ctx, lambda name: f"{name}#1")
     inst = model._new_instance()
     inst.state = State.RUNNING

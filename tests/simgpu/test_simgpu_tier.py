@@ -160,9 +160,9 @@ async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
     b_request = asyncio.ensure_future(chat(proxy, "b"))
     await wait_for(lambda: profiling(ledger, a_pids), what="b profiling its start")
     if how == "sleep":
-        a._sleep_due()  # the idle timer firing now
+        a.timers.sleep_due()  # the idle timer firing now
     else:
-        a._idle_expired()
+        a.timers.idle_expired()
     status, text = await b_request
     assert status == 200, text
     assert "Error in memory profiling" not in proxy.engine_log("b")
@@ -868,16 +868,16 @@ async def test_a_start_refused_by_another_programs_memory_evicts_one_more_and_re
     proxy, a = await start_proxy.serving(
         simgpu.sim_config(tmp_path, ledger, models), "a", max_tokens=2
     )
-    ctx = proxy.manager.ctx
-    assert ctx.memory_lock is not None
-    starting_on = ctx.memory_lock
+    memory = proxy.manager.memory
+    assert memory is not None and proxy.manager.ctx.memory is memory
+    starting_on = memory.starting_on
 
     def hostile(devices: tuple[int, ...], owner: str, sized: bool) -> Any:
         if not ledger.held(os.getpid()):  # once: right before b's first spawn
             outsider(ledger, 0, ledger.read()[0].free_mb - 4_000)
         return starting_on(devices, owner, sized)
 
-    ctx.memory_lock = hostile
+    memory.starting_on = hostile  # type: ignore[method-assign]
     status, text = await chat(proxy, "b")
     assert status == 200, text
     assert STARTUP_REFUSAL in proxy.engine_log("b")

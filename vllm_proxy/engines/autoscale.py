@@ -5,7 +5,7 @@ The rules are pure functions of the spec and a few counts (`desired`, `may_shrin
 instances. It decides and the model acts: adding replicas is `Model.grow` (wake sleeping ones
 first, then start new ones), and retiring those a reload leaves above the ceiling is the model's
 too. The one thing it does itself is ask an idle replica to leave (`downscale`): it is the
-`instance.ReplicaPolicy` the model's instances call from their idle and downscale timers.
+`idle.ReplicaPolicy` the model's instances call from their idle and downscale timers.
 
 * **Desired** replicas: the fixed count, or ``ceil((requests in flight + waiting) /
   target_ongoing_requests)`` within ``[max(min_replicas, 1), max_replicas]``.
@@ -90,7 +90,7 @@ class Replicas(Protocol):
 
 
 class Autoscaler:
-    """One model's replica count: the `instance.ReplicaPolicy` of its instances."""
+    """One model's replica count: the `idle.ReplicaPolicy` of its instances."""
 
     def __init__(self, model: Replicas) -> None:
         self._model = model
@@ -182,7 +182,7 @@ class Autoscaler:
             "live": len(self.replicas()),
         }
 
-    # -- instance.ReplicaPolicy ----------------------------------------------------------
+    # -- idle.ReplicaPolicy --------------------------------------------------------------
 
     def may_idle_stop(self, inst: Instance) -> bool:
         """Whether `inst`'s idle timeout may stop it. Fixed replicas stop together, once none

@@ -24,14 +24,14 @@ import struct
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import aiohttp
 import psutil
 
 from ..config import ModelSpec, file_stem
-from ..engine_args import ArgValue, profiled_lines
+from ..engine_args import PORT_IN_USE, ArgValue, profiled_lines
 from ..errors import EngineFailed, EngineTimeout
 from .guard import DEATH_SIGNAL
 from .statedir import open_nofollow, private_dirs
@@ -51,7 +51,6 @@ LOG_TAIL_LINES = 20
 PROFILE_POLL_FIRST_S, PROFILE_POLL_MAX_S = 0.1, 1.0
 #: The most of a start's log read in one poll.
 PROFILE_READ_MAX = 1 << 20
-_PORT_IN_USE = re.compile(rb"Errno 98|Address already in use|EADDRINUSE")
 #: The longest path a Unix socket address holds (``sun_path``: 108 bytes with its final NUL).
 SUN_PATH_MAX = 107
 
@@ -129,6 +128,21 @@ def port_is_free(port: int) -> bool:
             except OSError:
                 return False
     return True
+
+
+def address_for(spec: ModelSpec, instance_id: str, ports: PortAllocator) -> int | str:
+    """Where a new engine of instance `instance_id` will serve: its socket's path (uds), or a
+    free port of the model's range (tcp); `EngineFailed` when there is no place for the socket."""
+    if spec.transport == "tcp":
+        return ports.allocate(spec.port_range)
+    try:
+        return socket_path(spec, instance_id)
+    except OSError as err:
+        log.error("%s: no place for the engine's socket: %s", instance_id, err)
+        raise EngineFailed(
+            f"model '{spec.name}': no place for the engine's socket (see the proxy's log)",
+            code="engine_start_failed",
+        ) from None
 
 
 def socket_path(spec: ModelSpec, instance_id: str) -> str:
@@ -440,13 +454,35 @@ class EngineProcess:
             )
         if self._exited.is_set():
             tail = read_tail(self.log_path, lines=200).encode()
-            taken = self.socket_path is None and _PORT_IN_USE.search(tail)
+            taken = self.socket_path is None and PORT_IN_USE.search(tail)
             cls = PortInUse if taken else EngineFailed
             log.error("%s", self.failure_message("exited while starting"))
             raise cls(self.short_failure("exited while starting"), code="engine_start_failed")
         what = f"not ready after {self.spec.startup_timeout_s:g}s, stopped"
         log.error("%s", self.failure_message(what))
         raise EngineTimeout(self.short_failure(what))
+
+    async def wait_ready_profiled(
+        self, session: aiohttp.ClientSession, workers: int, profiled: Callable[[], None]
+    ) -> float:
+        """`wait_ready`, calling `profiled()` once `workers` workers have ended their memory
+        profiling (`watch_profiling`) if the engine is not ready by then; what the log gained
+        after the last read is scanned too (`kv_measured`)."""
+        ready = asyncio.ensure_future(self.wait_ready(session))
+        watch = asyncio.ensure_future(self.watch_profiling(workers))
+        try:
+            await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
+            measured = watch.done() and watch.exception() is None and watch.result()
+            if measured and not ready.done():
+                profiled()
+            seconds = await ready
+        finally:
+            ready.cancel()
+            watch.cancel()
+        with contextlib.suppress(OSError):
+            while await self.scan_profiling():
+                pass
+        return seconds
 
     async def watch_profiling(self, workers: int) -> bool:
         """Read the engine's log as it starts until `workers` workers have ended their memory

@@ -10,8 +10,9 @@ Each `Instance` is the single owner of its state. Its `Model` (model.py) decides
 serves a request; callers never read the state and then act on it, they ask:
 ``await instance.start()``, ``instance.acquire()``, ``instance.release()``,
 ``await instance.stop()``, ``instance.evict(reason)``, ``instance.retire(timeout)``. What an
-instance needs from the rest of the proxy (ports, registry, metrics, admission) comes in
-`EngineContext`.
+instance needs from the rest of the proxy comes in its `EngineContext` (`ports.py`): admission,
+the memory book and the pool's hooks as named ports, with the session, registry and metrics.
+Its idle timers (`idle.py`) and health watcher (`health.py`) ask it; only it changes its state.
 """
 
 from __future__ import annotations
@@ -20,47 +21,44 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import aiohttp
 from prometheus_client import Gauge
 
 from ..config import ModelSpec
-from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
-from ..metrics import Metrics
-from ..planning.hostmem import HostRam, backed_up_mb, log_size
-from ..planning.memory import (
-    KV_SHORT_MARKERS,
-    NOT_SIZED,
-    OOM_MARKERS,
-    PROFILING_MARKERS,
-    Held,
-    Placement,
-    Usage,
-    Use,
-)
+from ..errors import EngineFailed, ProxyError
+from ..planning.hostmem import sleep_guess, sleep_levels
+from ..planning.memory import Held, Placement, Use
 from ..planning.memory import sized as memory_sized
-from ..planning.queueing import Queue, Rank
-from .breaker import WakeBreaker
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
     CallFailed,
     EngineProcess,
-    PortAllocator,
+    address_for,
     log_path,
     read_tail,
-    socket_path,
 )
+from .failures import (
+    Stopped,
+    WakeFailed,
+    WrongAnswer,
+    classify,
+    level_barred,
+    no_level_fits,
+    upstream_error,
+)
+from .health import watch_health
+from .idle import IdleTimers, ReplicaPolicy
 from .lora import Registrations
-from .oracle import Oracle, mismatch, take
+from .oracle import Oracle, check, record
+from .ports import EngineContext, no_hold
 from .progress import Progress
-from .readahead import Outcome, ReadAhead
-from .registry import EngineRegistry
+from .readahead import Outcome
 from .states import (
     ASLEEP_OR_FALLING,
     AWAKE,
@@ -76,144 +74,10 @@ log = logging.getLogger(__name__)
 
 #: After a broken engine connection: how long to look for the exit of an engine that seems alive.
 EXIT_LOOK_S = 0.25
-#: Host RAM left free beyond what a sleep pins when choosing its level.
-HOST_RAM_MARGIN_MB = 1024
-#: The ``runtime`` pool a sleep of either level pins in host RAM, when unknown (LoRA slots come
-#: on top: `EngineContext.runtime_mb`).
-RUNTIME_POOL_MB = 512
-
-
-class Stopped(Unavailable):
-    """The instance was stopped (unloaded, retired by a reload, shut down) while starting."""
-
-
-class OutOfMemory(EngineFailed):
-    """The engine failed to start because the GPU had too little free memory."""
-
-
-class KvCacheShort(EngineFailed):
-    """vLLM started but its budget left no room for the KV cache (non-KV memory took more than
-    planned): a larger budget may work, evicting others does not."""
-
-
-class ProfilingDisturbed(EngineFailed):
-    """vLLM's start failed its memory-profiling check: another process freed GPU memory on the
-    device meanwhile (an engine that crashed, a program outside the proxy). Worth a retry."""
-
-
-class WakeFailed(Unavailable):
-    """A wake that failed (or a sleep that failed under it): the engine was stopped; the caller
-    starts a new instance."""
-
-
-class WrongAnswer(Exception):
-    """A woken engine answered the check request differently from its start (`oracle`)."""
-
-
-async def _no_admission(_inst: Instance) -> Placement | None:
-    return None
-
-
-async def _no_readmission(_inst: Instance) -> None:
-    return None
-
-
-async def _no_usage(_pgid: int | None, _devices: tuple[int, ...]) -> Usage | None:
-    return None
-
-
-async def _no_wait(_before: Usage | None) -> bool:
-    return True
-
-
-#: A start's hold on its devices (see `EngineContext.memory_lock`).
-StartLock = Callable[[tuple[int, ...], str, bool], AbstractAsyncContextManager[Held]]
-
-
-@dataclass
-class EngineContext:
-    """What every instance shares: session, ports, registry, metrics, the manager's hooks."""
-
-    session: aiohttp.ClientSession
-    ports: PortAllocator
-    registry: EngineRegistry
-    metrics: Metrics
-    #: Called when a lease is released or an engine goes down: memory may have become free.
-    on_capacity: Callable[[], None] = lambda: None
-    #: Waits until the instance may start; returns where (None: memory is not managed).
-    admit: Callable[[Instance], Awaitable[Placement | None]] = _no_admission
-    #: Gives a stopped engine's memory back to the budget (memory managed only).
-    release_claim: Callable[[str], None] = lambda _iid: None
-    #: A start's hold on its devices (memory managed only): (devices, instance id, whether it
-    #: is told its KV cache size) -> `Held` (`memory.Memory.starting_on`).
-    memory_lock: StartLock | None = None
-    #: A wake's, sleep's or stop's hold on its devices (memory managed only): (devices, `Use`,
-    #: instance id) (`memory.Memory.device_lock`).
-    device_lock: Callable[..., AbstractAsyncContextManager[Any]] | None = None
-    #: Waits until a sleeping instance's full footprint fits again on its devices (a wake).
-    readmit: Callable[[Instance], Awaitable[None]] = _no_readmission
-    #: An instance whose /sleep call returned now holds this many MiB per device (None: what
-    #: its model is expected to hold asleep), asleep at that level (memory managed only).
-    sleep_claim: Callable[[str, int | None, int | None], None] = lambda _iid, _mb, _level: None
-    #: A fresh reading of an engine's devices (NVML only) ...
-    usage: Callable[[int | None, tuple[int, ...]], Awaitable[Usage | None]] = _no_usage
-    #: ... what an instance holds after its /sleep, from readings before and after ...
-    residue: Callable[[str, Usage | None, Usage | None], int | None] = lambda _i, _b, _a: None
-    #: ... and a wait until a stopped engine's processes have left the GPU (bounded).
-    wait_released: Callable[[Usage | None], Awaitable[bool]] = _no_wait
-    #: Host RAM (MiB) a level-1 sleep pins for the model's weights, all devices together, when
-    #: known ...
-    weights_mb: Callable[[ModelSpec], int | None] = lambda _spec: None
-    #: ... and for its ``runtime`` pool (pinned at both levels).
-    runtime_mb: Callable[[ModelSpec], int] = lambda _spec: RUNTIME_POOL_MB
-    #: Host RAM (MiB) an engine of the model pins as it starts, all ranks together (Model
-    #: Runner V2's token buffer); 0: not known.
-    start_host_mb: Callable[[ModelSpec], int] = lambda _spec: 0
-    #: After vLLM found no room for the KV cache: raise the model's budget for its next start
-    #: (None), or say why that cannot help.
-    grow_budget: Callable[[ModelSpec], str | None] = lambda _spec: NOT_SIZED
-    #: Host RAM promised to level-1 sleeps in flight.
-    host: HostRam = field(default_factory=HostRam)
-    #: Engines asleep to stop, least recently used first, so that a sleep of this instance
-    #: finds this many more MiB of host RAM (empty: no such set frees that much).
-    host_victims: Callable[[Instance, int], list[Instance]] = lambda _inst, _mb: []
-    #: The admission queue: every request that waits holds a ticket in it.
-    queue: Queue = field(default_factory=Queue)
-    #: Whether a request of this rank, arrived then (monotonic), for a serving instance must
-    #: queue behind a waiter before it whose reorder window has run out and whose plan takes
-    #: that instance (see `admission`).
-    hold: Callable[[Instance, Rank, float], bool] = lambda _inst, _rank, _arrived: False
-    #: Seconds a start, a wake or a sleep ("start", "wake", "first sleep" of an engine,
-    #: later "sleep") of a model took: the planner's price of putting it to sleep or
-    #: stopping it.
-    timed: Callable[[ModelSpec, str, float], None] = lambda _spec, _kind, _s: None
-    #: The engine process class (the density benchmark's runs in virtual time).
-    engine_factory: type[EngineProcess] = EngineProcess
-    #: Weights read ahead into the page cache (None: never).
-    read_ahead: ReadAhead | None = None
-    #: Told of every state change of every instance after its model was (the console's feed).
-    observe: Callable[[Instance, State], None] = lambda _inst, _old: None
-    #: Sleep levels whose wakes keep failing the wake check, per model and engine.
-    breaker: WakeBreaker = field(default_factory=WakeBreaker)
-    #: The awake instances beside this one (on its devices) below their claim now: each may
-    #: regrow its transient peak while this start profiles (memory managed only).
-    regrowing: Callable[[Instance], list[str]] = lambda _inst: []
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
 StateHook = Callable[["Instance", State], None]
-
-
-class ReplicaPolicy(Protocol):
-    """What the model decides for its replicas when one of them has been idle."""
-
-    def may_idle_stop(self, inst: Instance) -> bool:
-        """Whether the idle timeout may stop `inst` now (else it is asked again later)."""
-        ...
-
-    def downscale(self, inst: Instance) -> bool:
-        """`downscale_delay_s` idle: remove it if the model may shrink; False: ask again later."""
-        ...
 
 
 class Instance:
@@ -223,10 +87,10 @@ class Instance:
         self,
         spec: ModelSpec,
         iid: str,
-        ctx: EngineContext,
+        ctx: EngineContext[Instance],
         on_state: StateHook,
         queued: Callable[[], int] = lambda: 0,
-        policy: ReplicaPolicy | None = None,
+        policy: ReplicaPolicy[Instance] | None = None,
     ) -> None:
         self.spec = spec
         #: ``<model>#<n>``: never reused, the key of everything this instance owns.
@@ -287,12 +151,10 @@ class Instance:
         self.running_since = 0.0
         #: Requests waiting for this model to come up: no sleep while there are any.
         self._queued = queued
-        self._policy = policy
         self._start_task: asyncio.Task[None] | None = None
         self._stopping: asyncio.Task[None] | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
-        self._sleep_timer: asyncio.TimerHandle | None = None
-        self._downscale_timer: asyncio.TimerHandle | None = None
+        #: Its stop, sleep and downscale timers while idle (they ask, it decides).
+        self.timers = IdleTimers(self, policy)
         #: The LoRA adapters this engine holds (a new instance starts with none).
         self.adapters = Registrations(iid, ctx.metrics, lambda: ctx.queue.timeout_s)
         ctx.metrics.set_instance_state(spec.name, iid, None, self.state.public.value)
@@ -374,15 +236,15 @@ class Instance:
         if new in DOWN:
             metrics.forget_instance(self.name, self.id)
             self.placement = None
-            self.ctx.release_claim(self.id)
+            self.ctx.memory.release_claim(self.id)
             self.ctx.host.forget(self.id)
-            self.ctx.on_capacity()
+            self.ctx.pool.on_capacity()
         elif new.public is not old.public:
             metrics.set_instance_state(self.name, self.id, old.public.value, new.public.value)
         self._changed.set()
         self._changed = asyncio.Event()
         self._on_state(self, old)
-        self.ctx.observe(self, old)
+        self.ctx.pool.observe(self, old)
 
     def wait_change(self) -> Coroutine[Any, Any, Literal[True]]:
         """Until the next state change after this call: the change is bound now, not when the
@@ -397,8 +259,8 @@ class Instance:
         if not self.routable or self.engine is None:
             raise InvalidTransition(f"{self.id}: lease taken while {self.state.name}")
         self.leases += 1
-        if self._idle_timer or self._sleep_timer or self._downscale_timer:
-            self._cancel_idle_timer()
+        if self.timers.armed:
+            self.timers.cancel()
         return self.engine
 
     def release(self) -> None:
@@ -410,72 +272,15 @@ class Instance:
             self._released = None
         if self.leases == 0:
             if self.routable:
-                self._arm_idle_timer()
-            self.ctx.on_capacity()
-
-    def _arm_idle_timer(self) -> None:
-        """Idle from now: the stop timer (``idle_timeout_s`` of total idleness, asleep or not)
-        and, with a sleep policy, the sleep timer (``after_idle_s``)."""
-        self._cancel_idle_timer()
-        spec = self.spec
-        policy, scale = spec.sleep, spec.autoscale
-        if spec.idle_timeout_s <= 0 and policy is None and scale is None:
-            return  # nothing to arm (and no asyncio.get_running_loop(): a getpid() call)
-        loop = asyncio.get_running_loop()
-        if spec.idle_timeout_s > 0:
-            self._idle_timer = loop.call_later(spec.idle_timeout_s, self._idle_expired)
-        if policy is not None and self.state is State.RUNNING and self.usable_level() is not None:
-            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
-        if scale is not None and self.state is State.RUNNING:
-            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
-
-    def _cancel_idle_timer(self) -> None:
-        for timer in (self._idle_timer, self._sleep_timer, self._downscale_timer):
-            if timer is not None:
-                timer.cancel()
-        self._idle_timer = self._sleep_timer = self._downscale_timer = None
-
-    def _idle_expired(self) -> None:
-        self._idle_timer = None
-        if self._policy is not None and not self._policy.may_idle_stop(self):
-            loop = asyncio.get_running_loop()
-            self._idle_timer = loop.call_later(self.spec.idle_timeout_s, self._idle_expired)
-            return
-        if self.evict("idle") is not None:
-            log.info("%s: idle for %gs, unloaded", self.id, self.spec.idle_timeout_s)
-
-    def _downscale_due(self) -> None:
-        self._downscale_timer = None
-        scale = self.spec.autoscale
-        if scale is None or self._policy is None or not self.routable:
-            return
-        if not self._policy.downscale(self):
-            loop = asyncio.get_running_loop()
-            self._downscale_timer = loop.call_later(scale.downscale_delay_s, self._downscale_due)
-
-    def _sleep_due(self) -> None:
-        self._sleep_timer = None
-        policy = self.spec.sleep
-        if self.sleep("idle") is not None:
-            assert policy is not None
-            log.info("%s: idle for %gs, put to sleep", self.id, policy.after_idle_s)
-        elif (
-            policy is not None
-            and self.state is State.RUNNING
-            and self.leases == 0
-            and self.usable_level() is not None
-        ):
-            # Not now (a request of its model waits in admission): idle still, so ask again
-            # after another period rather than stay awake until its next lease.
-            loop = asyncio.get_running_loop()
-            self._sleep_timer = loop.call_later(policy.after_idle_s, self._sleep_due)
+                self.timers.arm()
+            self.ctx.pool.on_capacity()
 
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
         idle = (State.RUNNING, State.FALLING_ASLEEP, State.SLEEPING)
         if self.state in idle and self.leases == 0:
             if not self.retired and not self.wake_asked:  # a wake: a request waits
-                self._arm_idle_timer()
+                self.timers.arm()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -511,7 +316,7 @@ class Instance:
     async def _start_steps(self) -> None:
         self.read_ahead("start")  # while it waits for memory, its devices and vLLM's imports
         try:
-            self.placement = await self.ctx.admit(self)
+            self.placement = await self.ctx.admission.admit(self)
         except ProxyError:
             if self.state is State.STARTING:
                 self._set_state(State.STOPPED)
@@ -535,7 +340,7 @@ class Instance:
         (`memory.sized`). A measured KV cache size is given to the model's later starts."""
         devices = self.devices
         sized = memory_sized(self.spec, self.placement)
-        lock = self.ctx.memory_lock(devices, self.id, sized) if self.ctx.memory_lock else _nothing()
+        lock = self.ctx.memory.starting_on(devices, self.id, sized)
         async with contextlib.AsyncExitStack() as stack:
             self._promise_start_host(stack)
             self._awaiting_devices = True
@@ -565,11 +370,13 @@ class Instance:
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         if self.spec.verify_wake:
-            await self._record_oracle(engine, self.spec.startup_timeout_s)
+            self.oracle = await record(
+                engine, self.ctx.session, self.spec.startup_timeout_s, self.id
+            )
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
-        self.ctx.timed(self.spec, "start", seconds)
+        self.ctx.admission.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = self.ctx.queue.clock()
@@ -579,51 +386,31 @@ class Instance:
             self._exited(engine, "exited right after becoming ready")
             return
         if self.leases == 0:
-            self._arm_idle_timer()
+            self.timers.arm()
         if self.spec.health_interval_s > 0:
-            watcher = asyncio.ensure_future(self._watch_health(engine))
+            watcher = asyncio.ensure_future(watch_health(self, engine, self.ctx.session))
             watcher.add_done_callback(consume_exception)
 
     async def _until_ready(self, engine: EngineProcess, held: Held | None, sized: bool) -> float:
-        """`engine.wait_ready`, relaxing a measuring start's hold on its devices (`held`) once
-        every worker has measured its memory."""
+        """`engine.wait_ready`; a measuring start's hold on its devices (`held`) is relaxed once
+        every worker has measured its memory (`EngineProcess.wait_ready_profiled`)."""
         if held is None or sized:
             return await engine.wait_ready(self.ctx.session)
-        ready = asyncio.ensure_future(engine.wait_ready(self.ctx.session))
-        watch = asyncio.ensure_future(engine.watch_profiling(max(len(self.devices), 1)))
-        try:
-            await asyncio.wait({ready, watch}, return_when=asyncio.FIRST_COMPLETED)
-            measured = watch.done() and watch.exception() is None and watch.result()
-            if measured and not ready.done():
-                log.info("%s: memory profiled; its devices are shared from here", self.id)
-                held.profiled()
-            seconds = await ready
-        finally:
-            ready.cancel()
-            watch.cancel()
-        with contextlib.suppress(OSError):  # what the log gained after the last read
-            while await engine.scan_profiling():
-                pass
-        return seconds
+
+        def profiled() -> None:
+            log.info("%s: memory profiled; its devices are shared from here", self.id)
+            held.profiled()
+
+        workers = max(len(self.devices), 1)
+        return await engine.wait_ready_profiled(self.ctx.session, workers, profiled)
 
     def _promise_start_host(self, stack: contextlib.AsyncExitStack) -> None:
-        """The host RAM the engine pins as it starts (V2's token buffer, `ctx.start_host_mb`)
-        must be available: promised until the start ends, so that sleeps meanwhile count it;
-        `Unavailable` when it is not there (vLLM would fail to pin it, or the kernel would kill
-        something to make room)."""
-        need = self.ctx.start_host_mb(self.spec)
-        if need <= 0:
-            return
-        room = self.ctx.host.room_mb()
-        if need > room:
-            raise Unavailable(
-                f"model '{self.name}': not enough host memory to start: its engine pins "
-                f"{need} MiB for its token buffer (max_num_seqs x max_model_len x 4 bytes per "
-                f"GPU), {room} MiB are available",
-                code="insufficient_host_memory",
-            )
-        self.ctx.host.promise(self.id, need)
-        stack.callback(self.ctx.host.settle, self.id)
+        """The host RAM its engine pins as it starts, promised until the start ends
+        (`HostRam.promise_start`: `Unavailable` when it is not there)."""
+        need = self.ctx.memory.start_host_mb(self.spec)
+        if need > 0:
+            self.ctx.host.promise_start(self.name, self.id, need)
+            stack.callback(self.ctx.host.settle, self.id)
 
     async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
         """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
@@ -640,33 +427,14 @@ class Instance:
                 code="engine_start_failed",
             ) from None
 
-    async def _record_oracle(self, engine: EngineProcess, timeout: float) -> None:
-        """Record the answer its wakes are checked against; where that fails, say so and leave
-        its wakes unchecked (the engine still serves: the warm-up, if any, judged the start)."""
-        try:
-            async with asyncio.timeout(timeout):
-                self.oracle = await take(engine, engine.client(self.ctx.session))
-        except (CallFailed, TimeoutError) as err:
-            why = str(err) or f"no answer within {timeout:g}s"
-            log.warning("%s: its wakes will not be checked: the check request failed: %s",
-                        self.id, why)  # fmt: skip
-
     def _classify(self, err: ProxyError) -> ProxyError:
-        """A failed start, by what the engine's log says: no room for the KV cache in its
-        budget, profiling disturbed by another process, out of GPU memory, or `err` itself."""
+        """A failed start, by what the engine's log says (`failures.classify`)."""
         if not self.devices or self.engine is None:
             return err
-        tail = read_tail(self.engine.log_path, lines=200)
-        if any(marker in tail for marker in KV_SHORT_MARKERS):
-            return KvCacheShort(err.message, code="insufficient_gpu_memory")
-        if any(marker in tail for marker in PROFILING_MARKERS):
-            return ProfilingDisturbed(err.message, code="engine_start_failed")
-        if any(marker in tail for marker in OOM_MARKERS):
-            return OutOfMemory(err.message, code="insufficient_gpu_memory")
-        return err
+        return classify(err, read_tail(self.engine.log_path, lines=200))
 
     async def _spawn(self) -> EngineProcess:
-        address = self._address()
+        address = address_for(self.spec, self.id, self.ctx.ports)
         p = self.placement
         engine = self.ctx.engine_factory(
             self.spec,
@@ -687,26 +455,13 @@ class Instance:
         self.engine = engine
         # vLLM's profiling measures the whole device: a neighbour that takes its peak back
         # meanwhile shrinks this engine's KV cache (a "no room" there is not this model's).
-        self.profiled_beside = self.ctx.regrowing(self)
+        self.profiled_beside = self.ctx.admission.regrowing(self)
         self.ctx.registry.add(engine.pid, self.id)
         asyncio.get_running_loop().create_task(self._monitor(engine))
         if self.state is not State.STARTING:
             await engine.stop(STARTING_STOP_GRACE_S)
             self._raise_if_stopped()
         return engine
-
-    def _address(self) -> int | str:
-        """Where the new engine will serve: its socket's path (uds), or a free port (tcp)."""
-        if self.spec.transport == "tcp":
-            return self.ctx.ports.allocate(self.spec.port_range)
-        try:
-            return socket_path(self.spec, self.id)
-        except OSError as err:
-            log.error("%s: no place for the engine's socket: %s", self.id, err)
-            raise EngineFailed(
-                f"model '{self.name}': no place for the engine's socket (see the proxy's log)",
-                code="engine_start_failed",
-            ) from None
 
     @property
     def next_sleep_kind(self) -> str:
@@ -726,7 +481,7 @@ class Instance:
         if self.state not in (State.STARTING, *LIVE):
             return
         self.last_error = message
-        self._cancel_idle_timer()
+        self.timers.cancel()
         log.error("%s: %s", self.id, message)
         self._set_state(end)
 
@@ -751,54 +506,8 @@ class Instance:
 
     # -- health --------------------------------------------------------------------------
 
-    async def _watch_health(self, engine: EngineProcess) -> None:
-        """Probe the RUNNING engine every `health_interval_s`; `health_misses` failed probes in a
-        row (no 200 within `health_timeout_s`: hung, deadlocked, SIGSTOPped) or a listener that
-        is no longer the engine's own socket mark it unhealthy: it is killed, and the next
-        request starts a new instance. With a sleep policy, an engine the proxy has running
-        that says it is asleep (someone else called its /sleep) is killed the same way, and so
-        is one that answers its probes but has sent no byte on any request in flight for
-        `stall_timeout_s` (a decode stall, which /health does not see)."""
-        spec = self.spec
-        misses = 0
-        while True:
-            await asyncio.sleep(spec.health_interval_s)
-            if self.state not in LIVE or self.engine is not engine:
-                return
-            if self.state in (State.FALLING_ASLEEP, State.WAKE_WAITING, State.WAKING):
-                continue  # a wake or sleep call is bounded on its own
-            if not engine.listener_unchanged():
-                where = "socket path" if engine.socket_path else "port"
-                self._unhealthy(engine, f"its {where} is no longer held by the engine's own socket")
-                return
-            client = engine.client(self.ctx.session)
-            healthy = await engine.probe(client, spec.health_timeout_s)
-            misses = 0 if healthy else misses + 1
-            if misses >= spec.health_misses and self.state in (*AWAKE, *ASLEEP_OR_FALLING):
-                why = f"no answer to {misses} health probes in a row"
-                self._unhealthy(engine, f"{why} ({spec.health_timeout_s:g}s each)")
-                return
-            if healthy and spec.stall_timeout_s > 0 and self._awake(engine):
-                stalled = self.progress.stalled_for()
-                if stalled >= spec.stall_timeout_s:
-                    n = len(self.progress.flows)
-                    self._unhealthy(engine, f"no byte on any of its {n} request(s) in flight for "
-                                    f"{stalled:.0f}s while its /health answers 200 (a decode "
-                                    "stall)", reason="stalled")  # fmt: skip
-                    return
-            if healthy and spec.sleep is not None and self._awake(engine):
-                asleep = await engine.probe_sleeping(client, spec.health_timeout_s)
-                if asleep and self._awake(engine):  # (no sleep of its own began meanwhile)
-                    why = "/is_sleeping says asleep while the proxy has it running"
-                    self._unhealthy(engine, f"put to sleep by someone else ({why})",
-                                    reason="sleep_not_ordered")  # fmt: skip
-                    return
-
-    def _awake(self, engine: EngineProcess) -> bool:
-        """Awake on `engine` as far as the proxy knows: none of its sleeps or wakes under way."""
-        return self.state in AWAKE and self.engine is engine and not self.wake_asked
-
-    def _unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
+    def mark_unhealthy(self, engine: EngineProcess, why: str, reason: str = "unhealthy") -> None:
+        """The health watcher found `engine` unhealthy (`health`): UNHEALTHY, and killed."""
         self.unhealthy_reason = reason
         self.ctx.metrics.restarts.labels(self.name, reason).inc()
         self._fail(f"model '{self.name}': engine not healthy: {why}; killed", State.UNHEALTHY)
@@ -807,26 +516,9 @@ class Instance:
     def upstream_failure(
         self, engine: EngineProcess, cause: BaseException | None = None
     ) -> ProxyError:
-        """What a request whose engine connection broke is told: 503 + Retry-After when the
-        health watcher killed the engine, else 502 with the exit code or signal if it died.
-        Never engine log lines (they may hold other users' prompts); those go to the log, with
-        `cause` (what the connection raised: a refused response says why) when it lives."""
-        if self.unhealthy:
-            what, code = {
-                "sleep_not_ordered": ("was put to sleep outside the proxy", "engine_unhealthy"),
-                "stalled": ("stopped making progress", "engine_stalled"),
-            }.get(self.unhealthy_reason, ("stopped answering health checks", "engine_unhealthy"))
-            return Unavailable(
-                f"model '{self.name}': the engine {what} and was restarted; retry",
-                code=code,
-                retry_after_s=1,
-            )
-        if engine.exit_code is not None:
-            log.error("%s", engine.failure_message("exited while serving a request"))
-            return EngineFailed(engine.short_failure("exited while serving the request"))
-        if cause is not None:
-            log.warning("%s: the request failed on a live engine: %s", self.id, cause)
-        return EngineFailed(f"model '{self.name}': connection to the engine was lost")
+        """What a request whose engine connection broke is told (`failures.upstream_error`)."""
+        reason = self.unhealthy_reason if self.unhealthy else None
+        return upstream_error(self.name, self.id, reason, engine, cause)
 
     async def upstream_failure_after_exit(
         self, engine: EngineProcess, cause: BaseException | None = None
@@ -873,26 +565,11 @@ class Instance:
     def read_ahead(self, why: str) -> asyncio.Task[Outcome] | None:
         """Ask the kernel to read the model's weight files into the page cache, off the loop,
         where host RAM has room for them (``read_ahead``): its next start or level-2 wake reads
-        them from RAM. Never fails; None when nothing was begun."""
-        ahead = self.ctx.read_ahead
-        if ahead is None or not self.spec.read_ahead:
+        them from RAM. Never fails; None when nothing was begun (`ReadAhead.for_instance`)."""
+        ahead, ctx = self.ctx.read_ahead, self.ctx
+        if ahead is None:
             return None
-        name, metrics = self.name, self.ctx.metrics
-
-        def done(outcome: Outcome) -> None:
-            if outcome.skipped:
-                log.debug("%s: no read-ahead (%s): %s", self.id, why, outcome.skipped)
-                return
-            metrics.read_ahead_bytes.labels(name).inc(outcome.bytes)
-            metrics.read_ahead_files.labels(name).inc(outcome.files)
-            log.debug("%s: read ahead %d files, %d MiB (%s)", self.id, outcome.files,
-                      outcome.bytes >> 20, why)  # fmt: skip
-
-        try:
-            return ahead.start(self.spec.model, self.spec.engine_env(), self.ctx.host.room_mb, done)
-        except Exception as err:  # a hint only
-            log.debug("%s: read-ahead not begun: %r", self.id, err)
-            return None
+        return ahead.for_instance(self.spec, ctx.metrics, ctx.host.room_mb, self.id, why)
 
     # -- sleep and wake ------------------------------------------------------------------
 
@@ -914,28 +591,17 @@ class Instance:
         asked = level or self.spec.sleep.level
         usable = self.usable_level(asked)
         if usable is None and reason == "admin":
-            raise Conflict(
-                f"model '{self.name}': its wakes from sleep level {asked} kept failing the wake"
-                " check, so it no longer sleeps there (clear with POST"
-                f" /admin/models/{self.name}/wake_check/clear)",
-                code="sleep_level_barred",
-            )
+            raise level_barred(self.name, asked)
         if usable is None:  # kept awake, as with sleep: null
             return None
         chosen = self._choose_level(usable)
         if chosen is None and reason == "admin":  # an operator asked for a sleep, not a stop
-            raise Conflict(
-                f"model '{self.name}': no sleep level fits in the host RAM available (the proxy's"
-                " log says how much each needs); not put to sleep",
-                code="insufficient_host_memory",
-            )
+            raise no_level_fits(self.name)
         if chosen is None:  # no host RAM to pin even the runtime pool: free the GPU anyway
             self.ctx.metrics.evictions.labels(self.name, reason).inc()
             self.change_reason = f"{reason} (no host RAM to sleep)"
             return self._begin_stop()
-        if self._sleep_timer is not None:  # the stop timer keeps counting total idleness
-            self._sleep_timer.cancel()
-            self._sleep_timer = None
+        self.timers.cancel_sleep()
         self.change_reason = reason
         self._set_state(State.FALLING_ASLEEP)
         self._sleep_call = asyncio.ensure_future(self._fall_asleep(self.engine, chosen, reason))
@@ -944,47 +610,20 @@ class Instance:
 
     def _choose_level(self, level: int) -> int | None:
         """The level a sleep asked at `level` takes, promised in host RAM until the /sleep call
-        returns; None when no level fits (the caller stops the engine instead).
-
-        Level 1 pins the weights and the runtime pool, level 2 the runtime pool alone, each less
-        what the engine already keeps pinned from an earlier sleep (PyTorch's host cache), within
-        the host RAM available to the proxy's cgroup less what other sleeps in flight will pin.
-        Level 1 falls back to level 2 only where the model can reload its weights."""
-        key = self.host_key
-        runtime = self.ctx.runtime_mb(self.spec)
-        weights = self.ctx.weights_mb(self.spec)
-        guesses = {1: None if weights is None else weights + runtime, 2: runtime}
-        levels = [level] if level != 1 or not self.spec.reloadable else [1, 2]
-        levels = [v for v in levels if self.usable_level(v) == v]
-        room = self.ctx.host.room_mb()
-        for chosen in levels:
-            guess = guesses.get(chosen)
-            if guess is None:  # nothing known of what it pins: as asked
-                return chosen
-            need = self.ctx.host.need_mb(self.id, key, chosen, guess)
-            short = need + HOST_RAM_MARGIN_MB - room if need else 0
-            if short > 0 and not self._free_host_ram(short):
-                log.warning(
-                    "%s: sleep level %d would pin ~%d MiB more in host RAM but only %d MiB are"
-                    " available (cgroup limits and sleeps in flight counted)",
-                    self.id, chosen, need, room,
-                )  # fmt: skip
-                continue
-            if chosen != level:
-                log.warning("%s: using level %d (the weights are reloaded from disk on wake)",
-                            self.id, chosen)  # fmt: skip
-            if need:
-                self.ctx.host.promise(self.id, need)
-            return chosen
-        log.warning("%s: no sleep level fits in host RAM; stopping the engine instead", self.id)
-        return None
+        returns (`HostRam.choose_level`, over the levels its breaker allows); None when no level
+        fits (the caller stops the engine instead)."""
+        levels = [v for v in sleep_levels(level, self.spec.reloadable) if self.usable_level(v) == v]
+        guesses = {v: self._pin_guess(v) for v in levels}
+        return self.ctx.host.choose_level(
+            self.id, self.host_key, level, guesses, self._free_host_ram
+        )
 
     def _free_host_ram(self, short_mb: int) -> bool:
         """Stop engines asleep that were used less recently than this one, least recently used
         first, so that its sleep finds `short_mb` more of host RAM (their pinned memory goes
         with them; the sleep waits for their stops: `_host_freeing`); False when they cannot
         free that much (none is stopped then)."""
-        victims = self.ctx.host_victims(self, short_mb)
+        victims = self.ctx.pool.host_victims(self, short_mb)
         tasks = [t for t in (v.evict("host memory") for v in victims) if t is not None]
         if not tasks:
             return False
@@ -994,12 +633,10 @@ class Instance:
         return True
 
     def _pin_guess(self, level: int) -> int | None:
-        """The estimate of what a sleep at `level` pins in host RAM (None: unknown)."""
-        runtime = self.ctx.runtime_mb(self.spec)
-        if level != 1:
-            return runtime
-        weights = self.ctx.weights_mb(self.spec)
-        return None if weights is None else weights + runtime
+        """What a sleep at `level` pins in host RAM before it was measured (`sleep_guess`)."""
+        memory = self.ctx.memory
+        weights = memory.weights_mb(self.spec) if level == 1 else None
+        return sleep_guess(level, weights, memory.runtime_mb(self.spec))
 
     async def _fall_asleep(self, engine: EngineProcess, level: int, reason: str) -> None:
         """The /sleep call, under its devices' lock (vLLM asserts that nobody allocated on the
@@ -1007,8 +644,7 @@ class Instance:
         profiles); what the engine still holds afterwards is measured and from then on is its
         claim. A sleep that fails or runs out of time stops the engine before the lock goes:
         the engine may still be freeing memory."""
-        residue: int | None = None
-        host_before = host_after = shmem_before = shmem_after = backed = None
+        residue = grown = seen = None
         failed = False
         try:
             if self._host_freeing:  # engines stopped for the host RAM it pins: gone first
@@ -1017,17 +653,14 @@ class Instance:
             async with self._devices_held(Use.SLEEP):
                 started = self.ctx.queue.clock()
                 try:
-                    before = await self.ctx.usage(engine.pid, self.devices)
-                    host_before = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
-                    shmem_before = await asyncio.to_thread(self.ctx.host.shmem)
-                    log_at = await asyncio.to_thread(log_size, engine.log_path)
+                    before = await self.ctx.memory.usage(engine.pid, self.devices)
+                    host, pid, path = self.ctx.host, engine.pid, engine.log_path
+                    mark = await asyncio.to_thread(host.before_sleep, pid, path)
                     async with asyncio.timeout(self.spec.sleep_timeout_s):
                         await engine.sleep(engine.client(self.ctx.session), level)
-                    after = await self.ctx.usage(engine.pid, self.devices)
-                    residue = self.ctx.residue(self.id, before, after)
-                    host_after = await asyncio.to_thread(self.ctx.host.rss, engine.pid)
-                    shmem_after = await asyncio.to_thread(self.ctx.host.shmem)
-                    backed = await asyncio.to_thread(backed_up_mb, engine.log_path, log_at)
+                    after = await self.ctx.memory.usage(engine.pid, self.devices)
+                    residue = self.ctx.memory.residue(self.id, before, after)
+                    grown, seen = await asyncio.to_thread(host.after_sleep, mark, pid, path)
                 except Exception as err:  # failed, timed out, or a bug: the engine is stopped
                     failed = True
                     self._sleep_failed(engine, err)
@@ -1040,11 +673,8 @@ class Instance:
             return  # stopped meanwhile
         seconds = self.ctx.queue.clock() - started
         self.sleep_level = level
-        self.ctx.timed(self.spec, self.next_sleep_kind, seconds)
+        self.ctx.admission.timed(self.spec, self.next_sleep_kind, seconds)
         self.slept_at_1 = self.slept_at_1 or level == 1
-        grown = None if host_before is None or host_after is None else host_after - host_before
-        shmem = None if shmem_before is None or shmem_after is None else shmem_after - shmem_before
-        seen = max((v for v in (shmem, backed) if v is not None), default=None)
         self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), seen)
         pinned = self.ctx.host.retained.get(self.id)
         if pinned is not None:
@@ -1053,14 +683,14 @@ class Instance:
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
-        self.ctx.sleep_claim(self.id, residue, level)
+        self.ctx.memory.sleep_claim(self.id, residue, level)
         if level >= 2:  # its wake reads the weights from disk again
             self.read_ahead("asleep at level 2")
         self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
-        self.ctx.on_capacity()
+        self.ctx.pool.on_capacity()
         idle = self.leases == 0 and not self.retired and not self.wake_asked
-        if idle and self._idle_timer is None:
-            self._arm_idle_timer()  # only the stop timer: it is not RUNNING
+        if idle and not self.timers.stop_armed:
+            self.timers.arm()  # only the stop timer: it is not RUNNING
 
     def _sleep_failed(self, engine: EngineProcess, err: Exception) -> None:
         """A /sleep that failed or ran out of time: stop the engine (begun at once, so that the
@@ -1080,12 +710,8 @@ class Instance:
         and stops, a stop beside all but a start that profiles). A stop begun while it is held
         (its own failed sleep or wake, an unload) runs without the lock and is waited for
         before the lock goes: the engine's memory is back by then."""
-        lock = (
-            self.ctx.device_lock(self.devices, use, self.id)
-            if self.ctx.device_lock and self.devices
-            else None
-        )
-        async with lock or _nothing():
+        memory = self.ctx.memory
+        async with memory.device_lock(self.devices, use, self.id) if self.devices else no_hold():
             self._owns_devices = True
             try:
                 yield
@@ -1105,7 +731,7 @@ class Instance:
         # (A wake that has just failed, its callback not yet run, is not joined: a new one.)
         if self._wake_task is None or self._wake_task.done():
             if self.state in ASLEEP_OR_FALLING:  # a request waits for it: it is not idle
-                self._cancel_idle_timer()
+                self.timers.cancel()
             self._wake_task = asyncio.ensure_future(self._wake())
             self._wake_task.add_done_callback(self._wake_done)
         return self._wake_task
@@ -1123,15 +749,15 @@ class Instance:
         if self.state is not State.SLEEPING or self.engine is None:
             raise Stopped(f"model '{self.name}' was stopped while asleep", code="stopped")
         engine = self.engine
-        self._cancel_idle_timer()
+        self.timers.cancel()
         self._set_state(State.WAKE_WAITING)
         try:
-            await self.ctx.readmit(self)
+            await self.ctx.admission.readmit(self)
         except ProxyError:
             if self.state is State.WAKE_WAITING:
                 self._set_state(State.SLEEPING)
                 if self.leases == 0 and not self.retired:
-                    self._arm_idle_timer()
+                    self.timers.arm()
             raise
         except Exception as err:  # a bug or an OS error: never left half-woken
             log.exception("%s: admission of the wake failed", self.id)
@@ -1182,7 +808,7 @@ class Instance:
             raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
         seconds = self.ctx.queue.clock() - started
         self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
-        self.ctx.timed(self.spec, "wake", seconds)
+        self.ctx.admission.timed(self.spec, "wake", seconds)
         self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
         if self.oracle is not None:
@@ -1192,22 +818,14 @@ class Instance:
         self.sleep_level = 0
         self._set_state(self._awake_state())
         if self.leases == 0 and self.routable:
-            self._arm_idle_timer()
+            self.timers.arm()
 
     async def _verify(
         self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
     ) -> None:
-        """Ask the woken engine the check request, and once more when the answer differs (a
-        near-tie that flipped once must not cost a cold start); `WrongAnswer` when both
-        answers differ from the recording."""
+        """The wake check (`oracle.check`), timed; `WrongAnswer` when it failed."""
         began = self.ctx.queue.clock()
-        first_only = self.spec.expert_data_parallel
-        why = mismatch(oracle, await take(engine, client), first_only=first_only)
-        if why is not None:
-            again = mismatch(oracle, await take(engine, client), first_only=first_only)
-            if again is None:
-                log.warning("%s: the wake check differed once (%s), then matched", self.id, why)
-            why = again
+        why = await check(engine, client, oracle, self.spec.expert_data_parallel, self.id)
         self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
         if why is not None:
             raise WrongAnswer(why)
@@ -1251,7 +869,7 @@ class Instance:
 
         The caller has made sure no new request is routed here (retired, or its model drains).
         """
-        self._cancel_idle_timer()
+        self.timers.cancel()
         if not await self.drained(timeout):
             log.warning("%s: %d request(s) still in flight, stopping", self.id, self.leases)
         await self.stop()
@@ -1273,7 +891,7 @@ class Instance:
         """Take no new requests from now on (DRAINING while it runs); drain for up to
         `timeout`, then stop."""
         self.retired = True
-        self._cancel_idle_timer()
+        self.timers.cancel()
         if self.state is State.RUNNING:
             self._set_state(State.DRAINING)
         task = asyncio.ensure_future(self.drain_and_stop(timeout))
@@ -1285,7 +903,7 @@ class Instance:
         starting = self.state is State.STARTING
         if self.sleep_level or self.state in ASLEEP_OR_FALLING:
             _forget(self.ctx.metrics.sleep_level, self.name, self.id)
-        self._cancel_idle_timer()
+        self.timers.cancel()
         self._set_state(State.STOPPING)
         self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
         self._stopping.add_done_callback(consume_exception)
@@ -1298,17 +916,17 @@ class Instance:
             if engine.exit_code is not None:
                 code = await engine.stop(grace)  # gone already: its memory with it
             elif self._owns_devices:  # its own start, wake or sleep holds the lock and waits
-                before = await self.ctx.usage(engine.pid, self.devices)
+                before = await self.ctx.memory.usage(engine.pid, self.devices)
                 code = await engine.stop(grace)
-                await self.ctx.wait_released(before)
+                await self.ctx.memory.wait_released(before)
             else:
                 # Memory given back while a neighbour profiles its start fails that start
                 # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
                 # it until the driver has taken the memory back (beside wakes and other stops).
                 async with self._devices_held(Use.STOP):
-                    before = await self.ctx.usage(engine.pid, self.devices)
+                    before = await self.ctx.memory.usage(engine.pid, self.devices)
                     code = await engine.stop(grace)
-                    await self.ctx.wait_released(before)
+                    await self.ctx.memory.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None and not self._awaiting_devices:
             # (A start still queued for its devices spawns nothing once it gets them.)
@@ -1355,11 +973,6 @@ class Instance:
 def _forget(metric: Gauge, *labels: str) -> None:
     with contextlib.suppress(KeyError):
         metric.remove(*labels)
-
-
-@asynccontextmanager
-async def _nothing() -> AsyncIterator[None]:
-    yield
 
 
 def consume_exception(task: asyncio.Task[None]) -> None:

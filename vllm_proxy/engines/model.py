@@ -26,16 +26,9 @@ from ..planning.queueing import Rank
 from .autoscale import Autoscaler
 from .backoff import Backoff
 from .engine import EngineProcess, PortInUse, prune_logs
-from .instance import (
-    EngineContext,
-    Instance,
-    KvCacheShort,
-    OutOfMemory,
-    ProfilingDisturbed,
-    Stopped,
-    WakeFailed,
-    consume_exception,
-)
+from .failures import KvCacheShort, OutOfMemory, ProfilingDisturbed, Stopped, WakeFailed
+from .instance import Instance, consume_exception
+from .ports import EngineContext
 from .states import ASLEEP_OR_FALLING, AWAKE, DORMANT, DOWN, State
 
 log = logging.getLogger(__name__)
@@ -73,7 +66,7 @@ class Model:
     def __init__(
         self,
         spec: ModelSpec,
-        ctx: EngineContext,
+        ctx: EngineContext[Instance],
         new_id: Callable[[str], str],
         max_queue: int = 1024,
         evict_more: EvictMore | None = None,
@@ -224,7 +217,7 @@ class Model:
                 )
             inst = self.route(session, adapter)
             if inst is not None and not self.draining:
-                if not (brought or hold_over) and self.ctx.hold(inst, rank, arrived):
+                if not (brought or hold_over) and self.ctx.admission.holds(inst, rank, arrived):
                     hold_over = await self._held(rank, arrived)
                     continue
                 # No await between finding it RUNNING and the lease.
@@ -432,7 +425,7 @@ class Model:
                     continue
                 grown += 1
                 why = (
-                    self.ctx.grow_budget(self.spec)
+                    self.ctx.memory.grow_budget(self.spec)
                     if grown <= KV_RETRIES
                     else (f"{KV_RETRIES} larger budgets did not help; set memory_mb")
                 )

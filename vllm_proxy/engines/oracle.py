@@ -27,11 +27,15 @@ prompt) are not exercised; nor are weights that only long prompts, sampling or o
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import dataclass
 
 import aiohttp
 
 from .engine import CallFailed, EngineProcess
+
+log = logging.getLogger(__name__)
 
 #: The fixed input, and how many tokens a generating model is asked for.
 PROMPT = "The capital of France is"
@@ -123,3 +127,36 @@ def _worst(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[int, float] | No
             if d != d:
                 break
     return worst
+
+
+async def record(
+    engine: EngineProcess, session: aiohttp.ClientSession, timeout: float, who: str
+) -> Oracle | None:
+    """The answer the wakes of instance `who` are checked against; None where the check request
+    failed (said in the log: its wakes go unchecked, the engine still serves)."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await take(engine, engine.client(session))
+    except (CallFailed, TimeoutError) as err:
+        why = str(err) or f"no answer within {timeout:g}s"
+        log.warning("%s: its wakes will not be checked: the check request failed: %s", who, why)
+        return None
+
+
+async def check(
+    engine: EngineProcess,
+    client: aiohttp.ClientSession,
+    oracle: Oracle,
+    first_only: bool,
+    who: str,
+) -> str | None:
+    """Ask the woken engine of instance `who` the check request, and once more when the answer
+    differs (a near-tie that flipped once must not cost a cold start); how the second answer
+    differs from the recording, None when either matched."""
+    why = mismatch(oracle, await take(engine, client), first_only=first_only)
+    if why is not None:
+        again = mismatch(oracle, await take(engine, client), first_only=first_only)
+        if again is None:
+            log.warning("%s: the wake check differed once (%s), then matched", who, why)
+        why = again
+    return why

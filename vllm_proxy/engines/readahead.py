@@ -36,7 +36,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from ..config import ModelSpec
 from ..engine_args import CHECKPOINT_SUFFIXES
+from ..metrics import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -226,6 +228,30 @@ class ReadAhead:
         self._running[model] = task
         task.add_done_callback(lambda _t: self._running.pop(model, None))
         return task
+
+    def for_instance(
+        self, spec: ModelSpec, metrics: Metrics, room_mb: Callable[[], int], who: str, why: str
+    ) -> asyncio.Task[Outcome] | None:
+        """`start` for an engine of `spec` (instance `who`, for `why`): its weights where
+        ``read_ahead`` is on, counted in `metrics`; never fails, None when nothing was begun."""
+        if not spec.read_ahead:
+            return None
+        name = spec.name
+
+        def done(outcome: Outcome) -> None:
+            if outcome.skipped:
+                log.debug("%s: no read-ahead (%s): %s", who, why, outcome.skipped)
+                return
+            metrics.read_ahead_bytes.labels(name).inc(outcome.bytes)
+            metrics.read_ahead_files.labels(name).inc(outcome.files)
+            log.debug("%s: read ahead %d files, %d MiB (%s)", who, outcome.files,
+                      outcome.bytes >> 20, why)  # fmt: skip
+
+        try:
+            return self.start(spec.model, spec.engine_env(), room_mb, done)
+        except Exception as err:  # a hint only
+            log.debug("%s: read-ahead not begun: %r", who, err)
+            return None
 
     async def _run(
         self,

@@ -1,6 +1,7 @@
-"""An instance's states as data: every state, the groups the rest of the proxy asks about, and
-the transitions allowed between them (`TRANSITIONS`). `Instance._set_state` is the one place a
-state changes, and it refuses any change this table does not list.
+"""An instance's states as data: every state, the groups the rest of the proxy asks about, the
+transitions allowed between them (`TRANSITIONS`) and the planner's phase of each (`PHASES`).
+`Instance._set_state` is the one place a state changes, and it refuses any change this table
+does not list.
 
 The twelve states are the instance's own; operators see seven (`State.public`: the metrics
 labels and the admin API's ``state``), the exact one as the admin API's ``phase``.
@@ -9,6 +10,8 @@ labels and the admin API's ``state``), the exact one as the admin API's ``phase`
 from __future__ import annotations
 
 import enum
+
+from ..planning.planner import Phase
 
 
 class State(enum.Enum):
@@ -89,6 +92,21 @@ TRANSITIONS: dict[State, frozenset[State]] = {
     State.STOPPED: frozenset(),
     State.UNHEALTHY: frozenset(),
     State.ERROR: frozenset(),
+}
+
+
+#: The planner's phase of each state of a placed instance (one that holds a memory claim): what
+#: admission tells `planner.plan()`, in the proxy and in the density benchmark. NEW and the
+#: ended states hold no memory and have none.
+PHASES: dict[State, Phase] = {
+    State.STARTING: Phase.STARTING,
+    State.RUNNING: Phase.RUNNING,
+    State.DRAINING: Phase.RUNNING,
+    State.FALLING_ASLEEP: Phase.FALLING_ASLEEP,
+    State.SLEEPING: Phase.ASLEEP,
+    State.WAKE_WAITING: Phase.WAKING,
+    State.WAKING: Phase.WAKING,
+    State.STOPPING: Phase.STOPPING,
 }
 
 

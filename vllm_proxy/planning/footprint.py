@@ -515,6 +515,61 @@ def pinned_weights_mb(spec: ModelSpec, max_num_seqs: int | None = None) -> int |
     return _ceil_mb(total * tp * dp)
 
 
+#: The ``runtime`` pool a sleep of either level pins in host RAM per device, when unknown (LoRA
+#: slots come on top: `host_runtime_mb`).
+RUNTIME_POOL_MB = 512
+
+
+def host_weights_mb(spec: ModelSpec, fp: Footprint | None) -> int | None:
+    """Host RAM a level-1 sleep of `spec` pins for its weights pool, all devices together (the
+    caller adds the runtime pool), until a sleep of its engine was measured, from its estimated
+    footprint `fp` (None: not estimated, then from the config alone):
+
+    - one pinned block per torch segment of the weights and V2's sampler state, each rounded up
+      to a power of two (`pinned_weights_mb`, for the batch the estimate planned), where the
+      checkpoint's headers are local;
+    - else the estimate's weights and sampler state on every device;
+    - else 16-bit weights of ``params_b``;
+    - else the whole footprint (an upper bound); None when nothing is known;
+
+    each plus what its CPU cache of adapters may still take (`lora_host_mb`)."""
+    if fp is None:
+        try:
+            fp = footprint_for_spec(spec, None, spec.params_b)
+        except (ValueError, OSError):
+            fp = None
+    lora = lora_host_mb(spec)
+    seqs = fp.detail.get("max_num_seqs") if fp is not None else None
+    pinned = pinned_weights_mb(spec, seqs if isinstance(seqs, int) else None)
+    if pinned is not None:
+        return pinned + lora
+    weights = fp.detail.get("weights_mb") if fp is not None else None
+    if fp is not None and isinstance(weights, int | float):
+        state = int(fp.detail.get("sampler_state_mb", 0))
+        return (int(weights) + state) * fp.gpus + lora
+    if spec.params_b is not None:  # 16-bit weights
+        return math.ceil(spec.params_b * 1e9 * 2 / 2**20) + lora
+    if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
+        return fp.budget_mb * fp.gpus + lora
+    return None
+
+
+def host_runtime_mb(fp: Footprint | None) -> int:
+    """Host RAM a sleep of either level pins for the ``runtime`` pool, all devices together:
+    `RUNTIME_POOL_MB` per device plus the preallocated LoRA slots, which live in that pool
+    (vLLM 0.33 ``v1/worker/lora_model_runner_mixin.py:57-63``); one device when `fp` is None."""
+    gpus = fp.gpus if fp is not None else 1
+    slots = int(fp.detail.get("lora_mb", 0)) if fp is not None else 0
+    return (RUNTIME_POOL_MB + slots) * gpus
+
+
+def host_start_mb(fp: Footprint | None) -> int:
+    """Host RAM an engine pins as it starts, all ranks together: Model Runner V2's token buffer
+    for the batch its estimate `fp` planned (`token_buffer_mb`); 0 where it was not estimated."""
+    pinned = fp.detail.get("token_buffer_mb", 0) if fp is not None else 0
+    return int(pinned) if isinstance(pinned, int) else 0
+
+
 #: PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp): requests of at most
 #: 1 MiB share 2 MiB segments, requests under 10 MiB share 20 MiB segments, larger ones get a
 #: segment of their own rounded up to 2 MiB; a free remainder is split off for later requests

@@ -34,18 +34,26 @@ file cache there, and is not added.
 
 from __future__ import annotations
 
+import logging
 import os
-import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from ..engine_args import BACKED_UP
+from ..errors import Unavailable
+
+log = logging.getLogger(__name__)
 
 MIB = 1024 * 1024
 #: Where the cgroup hierarchy is mounted (v2; v1 mounts each controller below it).
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 #: This process's cgroup membership.
 PROC_CGROUP = Path("/proc/self/cgroup")
+#: Host RAM left free beyond what a sleep pins when choosing its level.
+HOST_RAM_MARGIN_MB = 1024
 #: What a sleep of a model pins is learned by: its name and its engine (`Instance.host_key`).
 LearnKey = tuple[str, str]
 
@@ -151,11 +159,6 @@ def shmem_mb(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> int |
     return None
 
 
-#: vLLM's line at each rank's sleep (``device_allocator/cumem.py:282-289``).
-BACKED_UP = re.compile(
-    r"CuMemAllocator: sleep freed [\d.]+ GiB memory in total, of which ([\d.]+) GiB is backed"
-    r" up in CPU"
-)
 #: At most this much of an engine's log is read for one sleep's lines.
 LOG_READ_BYTES = 256 * 1024
 
@@ -222,6 +225,32 @@ def trusted(measured_mb: int, guess_mb: int | None, corroborated_mb: int | None)
     return max(guess_mb, measured_mb)
 
 
+def sleep_levels(asked: int, reloadable: bool) -> list[int]:
+    """The levels a sleep asked at `asked` may take, in order: level 1 falls back to level 2
+    only where the model can reload its weights (a level-2 wake reads them again)."""
+    return [1, 2] if asked == 1 and reloadable else [asked]
+
+
+def sleep_guess(level: int, weights_mb: int | None, runtime_mb: int) -> int | None:
+    """What a sleep at `level` pins in host RAM before it was measured, all devices together:
+
+    - level 1: the weights and the runtime pool (None: the weights' size is not known);
+    - level 2: the runtime pool alone."""
+    if level != 1:
+        return runtime_mb
+    return None if weights_mb is None else weights_mb + runtime_mb
+
+
+@dataclass(frozen=True)
+class SleepMark:
+    """Readings taken before a sleep (`HostRam.before_sleep`): the engine's resident memory,
+    shared memory, and where its log ended."""
+
+    rss_mb: int | None
+    shmem_mb: int | None
+    log_at: tuple[int, int]
+
+
 class HostRam:
     """The one owner of host RAM figures for sleeps: what sleeps in flight were promised, what
     each engine keeps pinned, and what a sleep of each model was measured to pin."""
@@ -256,6 +285,74 @@ class HostRam:
     def promise(self, instance_id: str, mb: int) -> None:
         """`instance_id`'s sleep will pin `mb`: later decisions count it until `settle()`."""
         self.promised[instance_id] = mb
+
+    def choose_level(
+        self,
+        instance_id: str,
+        key: LearnKey,
+        asked: int,
+        guesses: dict[int, int | None],
+        free: Callable[[int], bool],
+    ) -> int | None:
+        """The first of `guesses`' levels (in order, each with what it pins: `sleep_guess`)
+        whose pin fits, promised until `settle()`; None when none fits:
+
+        - a level whose pin is not known is taken as it is;
+        - a level is taken when what it pins beyond what the engine already keeps (`need_mb`)
+          plus `HOST_RAM_MARGIN_MB` fits in `room_mb()`, or when `free(short)` stops engines
+          asleep to free what is short;
+        - else the next level is tried."""
+        room = self.room_mb()
+        for level, guess in guesses.items():
+            if guess is None:  # nothing known of what it pins: as asked
+                return level
+            need = self.need_mb(instance_id, key, level, guess)
+            short = need + HOST_RAM_MARGIN_MB - room if need else 0
+            if short > 0 and not free(short):
+                log.warning(
+                    "%s: sleep level %d would pin ~%d MiB more in host RAM but only %d MiB are"
+                    " available (cgroup limits and sleeps in flight counted)",
+                    instance_id, level, need, room,
+                )  # fmt: skip
+                continue
+            if level != asked:
+                log.warning("%s: using level %d (the weights are reloaded from disk on wake)",
+                            instance_id, level)  # fmt: skip
+            if need:
+                self.promise(instance_id, need)
+            return level
+        log.warning("%s: no sleep level fits in host RAM; stopping the engine instead",
+                    instance_id)  # fmt: skip
+        return None
+
+    def promise_start(self, model: str, instance_id: str, need_mb: int) -> None:
+        """An engine of `model` pins `need_mb` as it starts (V2's token buffer): promised until
+        `settle()`, so that sleeps meanwhile count it; `Unavailable` when it is not there (vLLM
+        would fail to pin it, or the kernel would kill something to make room)."""
+        room = self.room_mb()
+        if need_mb > room:
+            raise Unavailable(
+                f"model '{model}': not enough host memory to start: its engine pins "
+                f"{need_mb} MiB for its token buffer (max_num_seqs x max_model_len x 4 bytes per "
+                f"GPU), {room} MiB are available",
+                code="insufficient_host_memory",
+            )
+        self.promise(instance_id, need_mb)
+
+    def before_sleep(self, pid: int | None, log_path: Path) -> SleepMark:
+        """Readings before a sleep of the engine `pid` (blocking: run it in a thread)."""
+        return SleepMark(self.rss(pid), self.shmem(), log_size(log_path))
+
+    def after_sleep(
+        self, mark: SleepMark, pid: int | None, log_path: Path
+    ) -> tuple[int | None, int | None]:
+        """After the sleep (blocking): how much the engine's resident memory grew, and the
+        larger of shared memory's growth and what vLLM says it backed up (None: unknown)."""
+        rss, shmem = self.rss(pid), self.shmem()
+        backed = backed_up_mb(log_path, mark.log_at)
+        grown = None if mark.rss_mb is None or rss is None else rss - mark.rss_mb
+        shared = None if mark.shmem_mb is None or shmem is None else shmem - mark.shmem_mb
+        return grown, max((v for v in (shared, backed) if v is not None), default=None)
 
     def settle(self, instance_id: str) -> None:
         """The sleep returned (its pinned memory now shows as used) or failed."""

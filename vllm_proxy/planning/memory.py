@@ -38,7 +38,15 @@ from ..config import Config, GpuDevice, ModelSpec
 from ..engine_args import ArgValue
 from ..errors import ConfigError
 from ..metrics import Metrics
-from .footprint import Footprint, footprint_for_spec, reload_peak_mb, utilization_for
+from .footprint import (
+    Footprint,
+    footprint_for_spec,
+    host_runtime_mb,
+    host_start_mb,
+    host_weights_mb,
+    reload_peak_mb,
+    utilization_for,
+)
 from .gpu import GpuSnapshot, GpuSource, NvmlMonitor, StaticBudget
 from .planner import Demand, DeviceView, never_fits
 
@@ -46,17 +54,6 @@ log = logging.getLogger(__name__)
 
 #: How often `wait_free` re-reads the GPUs while waiting for a stopped engine's memory.
 FREE_POLL_S = 0.2
-#: vLLM's log lines for a start that ran out of device memory.
-OOM_MARKERS = ("out of memory", "OutOfMemoryError", "Free memory on device", "less than desired")
-#: vLLM's log lines for a budget that holds the weights but leaves no room for the KV cache
-#: (activations, the sampler or CUDA graphs took more than planned): a larger budget may work,
-#: evicting others does not help (vLLM 0.33 ``v1/core/kv_cache_utils.py``).
-KV_SHORT_MARKERS = (
-    "No available memory for the cache blocks",
-    "which is larger than the available KV cache memory",
-)
-#: vLLM's assertion when another process freed memory while it profiled: retry the start.
-PROFILING_MARKERS = ("Error in memory profiling",)
 #: How much a budget grows after vLLM found no room for the KV cache: a quarter, at least this.
 KV_BOOST_MIN_MB = 512
 #: Why a budget cannot be grown where the proxy does not pass --gpu-memory-utilization.
@@ -871,6 +868,19 @@ class Memory:
                             sorted(listed & before.pids))  # fmt: skip
                 return False
             await asyncio.sleep(FREE_POLL_S)
+
+    def weights_mb(self, spec: ModelSpec) -> int | None:
+        """Host RAM a level-1 sleep of `spec` pins for its weights (`footprint.host_weights_mb`
+        of its estimate)."""
+        return host_weights_mb(spec, self.estimates.get(spec.name))
+
+    def runtime_mb(self, spec: ModelSpec) -> int:
+        """Host RAM a sleep of `spec` pins for its runtime pool (`footprint.host_runtime_mb`)."""
+        return host_runtime_mb(self.estimates.get(spec.name))
+
+    def start_host_mb(self, spec: ModelSpec) -> int:
+        """Host RAM an engine of `spec` pins as it starts (`footprint.host_start_mb`)."""
+        return host_start_mb(self.estimates.get(spec.name))
 
     async def wait_free(self, devices: tuple[int, ...], need_mb: int) -> bool:
         """After evictions: poll until `need_mb` (+ reserve) is free on every device, bounded."""

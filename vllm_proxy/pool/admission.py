@@ -11,8 +11,8 @@ with the pure `planner.plan()` and the pure queue rules of `queueing`:
   instance's memory and has used up its reorder window;
 * starts, wakes and sleeps report their measured seconds (`timed`): the planner's prices.
 
-The manager keeps the names, reload and shutdown; it builds this and passes it its views of
-the models.
+The manager keeps the names, reload and shutdown; ``app.py`` builds this before the manager,
+with the roster's views of the models, and gives it to instances as their `AdmissionPort`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from ..config import ModelSpec
-from ..engines.instance import EngineContext, Instance, Stopped
+from ..engines.failures import Stopped
+from ..engines.instance import Instance
 from ..engines.model import Model, rank_of
-from ..engines.states import AWAKE, State
+from ..engines.states import AWAKE, PHASES, State
 from ..errors import Unavailable
+from ..metrics import Metrics
 from ..planning import queueing
 from ..planning.memory import Memory, Placement
 from ..planning.planner import (
@@ -38,7 +40,6 @@ from ..planning.planner import (
     DeviceView,
     InstanceView,
     NoFit,
-    Phase,
     Plan,
     after,
     plan,
@@ -54,32 +55,21 @@ log = logging.getLogger(__name__)
 #: would otherwise wake the waiter over and over until the clock reaches it.
 MIN_WAIT_S = 0.001
 
-#: The planner's phase of each state of a placed instance (one that holds a memory claim).
-PHASES = {
-    State.STARTING: Phase.STARTING,
-    State.RUNNING: Phase.RUNNING,
-    State.DRAINING: Phase.RUNNING,
-    State.FALLING_ASLEEP: Phase.FALLING_ASLEEP,
-    State.SLEEPING: Phase.ASLEEP,
-    State.WAKE_WAITING: Phase.WAKING,
-    State.WAKING: Phase.WAKING,
-    State.STOPPING: Phase.STOPPING,
-}
-
 
 class Admission:
     """GPU memory admission for every instance, through one queue (see the module docstring)."""
 
     def __init__(
         self,
-        ctx: EngineContext,
+        queue: Queue,
+        metrics: Metrics,
         memory: Memory,
         instances: Callable[[], list[Instance]],
         models: Callable[[], Mapping[str, Model]],
     ) -> None:
-        self.ctx = ctx
+        self.queue = queue
+        self.metrics = metrics
         self.memory = memory
-        self.queue: Queue = ctx.queue
         self._all = instances
         self._models = models
         #: Starts and wakes waiting for memory now, by instance id: whose turn it is.
@@ -548,7 +538,7 @@ class Admission:
         loop = asyncio.get_running_loop()
         started = loop.time()
         expected_end = started
-        wait_metric = self.ctx.metrics.queue_wait.labels(inst.name)
+        wait_metric = self.metrics.queue_wait.labels(inst.name)
         while True:
             await memory.read_fresh()
             if inst.state is not state:

@@ -13,23 +13,23 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from ..adapters import AdapterSpec, find_in, list_folder
 from ..config import ModelSpec
-from ..engines.instance import RUNTIME_POOL_MB, EngineContext, Instance, consume_exception
+from ..engines.instance import Instance, consume_exception
 from ..engines.model import Model
+from ..engines.ports import EngineContext
 from ..engines.states import AWAKE, State
 from ..errors import BadRequest, NotFound, Unavailable
-from ..planning.footprint import footprint_for_spec, lora_host_mb, pinned_weights_mb
 from ..planning.memory import Memory, same_engine
 from ..planning.queueing import Queue, Rules
 from .admission import Admission
 from .journal import Journal
 from .lease import Lease
+from .roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -50,55 +50,54 @@ class Manager:
     def __init__(
         self,
         specs: dict[str, ModelSpec],
-        ctx: EngineContext,
+        ctx: EngineContext[Instance],
+        roster: Roster,
         memory: Memory | None = None,
+        admission: Admission | None = None,
         queue_timeout_s: float = 30.0,
         max_queue: int = 1024,
         rules: Rules | None = None,
     ) -> None:
+        """`ctx` is built whole beforehand, with `roster` as its pool hooks and, where memory
+        is managed, `memory` as its memory book and `admission` as its admission port."""
+        assert ctx.pool is roster and (admission is None or ctx.admission is admission)
         self.ctx = ctx
+        self.roster = roster
         self.memory = memory
         self.max_queue = max_queue
         #: The one admission queue (shared with every model and instance through `ctx`).
         self.queue: Queue = ctx.queue
         self.queue.rules = rules or Rules(queue_timeout_s=queue_timeout_s)
-        ctx.on_capacity = self._capacity_changed
         #: GPU memory admission (None: memory is not managed).
-        self.admission: Admission | None = None
-        if memory is not None:
-            self.admission = adm = Admission(ctx, memory, self.all_instances, lambda: self.models)
-            ctx.admit = adm.admit
-            ctx.readmit = adm.readmit
-            ctx.hold = adm.holds
-            ctx.timed = adm.timed
-            ctx.memory_lock = memory.starting_on
-            ctx.device_lock = memory.device_lock
-            ctx.release_claim = memory.release_claim
-            ctx.sleep_claim = memory.sleep_claim
-            ctx.usage = memory.usage
-            ctx.residue = memory.residue
-            ctx.wait_released = memory.wait_released
-            ctx.grow_budget = memory.grow_budget
-            ctx.regrowing = adm.regrowing
-        ctx.weights_mb = self._weights_mb
-        ctx.runtime_mb = self._runtime_mb
-        ctx.host_victims = self._host_victims
-        ctx.start_host_mb = self._start_host_mb
-        #: State changes and memory over time, for the console.
-        self.journal = Journal()
-        ctx.observe = self._observe
-        self.models: dict[str, Model] = {n: self._new_model(s) for n, s in specs.items()}
-        #: Models removed by a reload whose instances still drain or stop.
-        self.removed: set[Model] = set()
+        self.admission = admission
+        roster.models = {n: self._new_model(s) for n, s in specs.items()}
         self.names: dict[str, str] = {}
         self._index_names()
         self.closing = False
-        self._capacity = asyncio.Event()
         self._background: asyncio.Task[None] | None = None
         #: Listings of adapters folders (`_listing`): when each began, and its task.
         self._listings: dict[str, tuple[float, asyncio.Future[list[AdapterSpec]]]] = {}
         #: Preloads still running, by model name.
         self.preloading: dict[str, asyncio.Task[None]] = {}
+
+    @property
+    def models(self) -> dict[str, Model]:
+        """Every configured model by name (held by the roster)."""
+        return self.roster.models
+
+    @models.setter
+    def models(self, models: dict[str, Model]) -> None:
+        self.roster.models = models
+
+    @property
+    def removed(self) -> set[Model]:
+        """Models removed by a reload whose instances still drain or stop."""
+        return self.roster.removed
+
+    @property
+    def journal(self) -> Journal:
+        """State changes and memory over time, for the console."""
+        return self.roster.journal
 
     @property
     def queue_timeout_s(self) -> float:
@@ -127,32 +126,9 @@ class Manager:
         #: LoRA adapters by name and alias: (the base model's name, the adapter).
         self.adapter_names = adapters
 
-    def _host_victims(self, inst: Instance, short_mb: int) -> list[Instance]:
-        """Engines asleep and idle, of models not pinned, used less recently than `inst`,
-        least recently used first, whose pinned host RAM together is at least `short_mb`
-        (empty: they do not hold that much)."""
-        retained = self.ctx.host.retained
-        asleep = sorted(
-            (
-                i for i in self.all_instances()
-                if i is not inst and i.state is State.SLEEPING and i.leases == 0
-                and not i.wake_asked and not i.retired and retained.get(i.id, 0) > 0
-                and i.last_used <= inst.last_used
-                and not (i.name in self.models and self.models[i.name].pinned)
-            ),
-            key=lambda i: i.last_used,
-        )  # fmt: skip
-        chosen, total = [], 0
-        for i in asleep:
-            chosen.append(i)
-            total += retained[i.id]
-            if total >= short_mb:
-                return chosen
-        return []
-
     def all_instances(self) -> list[Instance]:
         """Every live instance, of configured and of removed models."""
-        return [i for m in (*self.models.values(), *self.removed) for i in m.instances]
+        return self.roster.all_instances()
 
     def instance(self, iid: str) -> Instance | None:
         return next((i for i in self.all_instances() if i.id == iid), None)
@@ -325,55 +301,6 @@ class Manager:
     def active_leases(self) -> int:
         return sum(i.leases for i in self.all_instances())
 
-    def _capacity_changed(self) -> None:
-        self._capacity.set()
-        self._capacity = asyncio.Event()
-        self.queue.changed()
-
-    def _weights_mb(self, spec: ModelSpec) -> int | None:
-        """Host RAM a level-1 sleep of `spec` pins for its weights pool, all devices together
-        (the caller adds the runtime pool), until a sleep of its engine was measured: one
-        pinned block per torch segment of the weights and V2's sampler state, each rounded up
-        to a power of two by PyTorch's host allocator (`footprint.pinned_weights_mb`, for the
-        batch the estimate planned), and what its CPU cache of adapters may still take."""
-        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
-        if fp is None:
-            try:
-                fp = footprint_for_spec(spec, None, spec.params_b)
-            except (ValueError, OSError):
-                fp = None
-        lora = lora_host_mb(spec)
-        seqs = fp.detail.get("max_num_seqs") if fp is not None else None
-        pinned = pinned_weights_mb(spec, seqs if isinstance(seqs, int) else None)
-        if pinned is not None:
-            return pinned + lora
-        weights = fp.detail.get("weights_mb") if fp is not None else None
-        if fp is not None and isinstance(weights, int | float):
-            state = int(fp.detail.get("sampler_state_mb", 0))
-            return (int(weights) + state) * fp.gpus + lora
-        if spec.params_b is not None:  # 16-bit weights
-            return math.ceil(spec.params_b * 1e9 * 2 / 2**20) + lora
-        if fp is not None:  # no breakdown (memory_mb): the whole footprint, an upper bound
-            return fp.budget_mb * fp.gpus + lora
-        return None
-
-    def _start_host_mb(self, spec: ModelSpec) -> int:
-        """Host RAM an engine of `spec` pins as it starts, all ranks together: Model Runner V2's
-        token buffer for the batch its estimate planned (`footprint.token_buffer_mb`); 0 where
-        the footprint was not estimated."""
-        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
-        pinned = fp.detail.get("token_buffer_mb", 0) if fp is not None else 0
-        return int(pinned) if isinstance(pinned, int) else 0
-
-    def _runtime_mb(self, spec: ModelSpec) -> int:
-        """Host RAM a sleep of either level pins for the ``runtime`` pool, all devices
-        together: `RUNTIME_POOL_MB` per device plus the preallocated LoRA slots, which live in
-        that pool (vLLM 0.33 ``v1/worker/lora_model_runner_mixin.py:57-63``)."""
-        fp = self.memory.estimates.get(spec.name) if self.memory is not None else None
-        gpus = fp.gpus if fp is not None else 1
-        slots = int(fp.detail.get("lora_mb", 0)) if fp is not None else 0
-        return (RUNTIME_POOL_MB + slots) * gpus
-
     # -- reload --------------------------------------------------------------------------
 
     def reload(self, specs: dict[str, ModelSpec], drain_timeout_s: float) -> dict[str, list[str]]:
@@ -405,7 +332,7 @@ class Manager:
                 report["removed"].append(name)
         self.models = models
         self._index_names()
-        self._capacity_changed()
+        self.roster.on_capacity()
         # A restarted model whose pool was asleep has nothing coming up: preload it again.
         pools = [n for n in report["restarted"] if n in asleep and models[n].starting() is None]
         self.preload(report["added"] + pools)
@@ -460,15 +387,6 @@ class Manager:
 
     # -- views ---------------------------------------------------------------------------
 
-    def _observe(self, inst: Instance, old: State) -> None:
-        if inst.state.public is not old.public:
-            reason = inst.change_reason
-            self.journal.note(inst.name, inst.id, old.public.value, inst.state.public.value, reason)
-            if inst.state.public in (State.RUNNING, State.SLEEPING, State.STOPPED, State.ERROR):
-                inst.change_reason = ""  # the change it explained is over
-        else:
-            self.journal.poke()
-
     def memory_sample(self) -> list[dict[str, Any]]:
         """Per device: MiB in use and each model's share, awake and asleep (by what each
         instance was measured or is held to hold there)."""
@@ -519,7 +437,7 @@ class Manager:
             if remaining <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), remaining)
+                await asyncio.wait_for(self.roster.capacity_changed(), remaining)
         return True
 
     async def shutdown(self) -> None:

@@ -432,8 +432,7 @@ class StaleNvml:
 async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Path) -> None:
     """Three 31 GiB models on 80 GiB: the third must evict even though the device reading
     (stale, or taken before the second engine allocated) shows room for it."""
-    from vllm_proxy.engines.engine import PortAllocator
-    from vllm_proxy.engines.instance import EngineContext
+    from vllm_proxy.app import engine_context
     from vllm_proxy.engines.registry import EngineRegistry
     from vllm_proxy.metrics import Metrics
     from vllm_proxy.planning.gpu import NvmlMonitor
@@ -449,8 +448,8 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
     memory = Memory(NvmlMonitor(nvml=nvml), "nvml", cfg, specs, metrics)
     async with aiohttp.ClientSession() as session:
         registry = EngineRegistry(tmp_path / "engines.json")
-        ctx = EngineContext(session, PortAllocator(), registry, metrics)
-        manager = Manager(specs, ctx, memory)
+        ctx, roster, admission = engine_context(session, registry, metrics, memory)
+        manager = Manager(specs, ctx, roster, memory, admission)
         assert manager.admission is not None
         placed = []
         for name in "ab":
@@ -485,21 +484,32 @@ async def test_admission_counts_claims_when_the_device_reading_lags(tmp_path: Pa
 
 
 def _sleepy_instance(
-    tmp_path: Path, model: dict[str, Any], weights: int | None, room: int, iid: str = "m#1"
+    tmp_path: Path,
+    model: dict[str, Any],
+    weights: int | None,
+    room: int,
+    iid: str = "m#1",
+    host: Any = None,
+    pool: Any = None,
 ) -> tuple[Any, Any]:
     """An instance of model `m` whose level-1 sleep pins `weights` MiB (+ the 512 MiB runtime
-    pool), with `room` MiB of host RAM; its context's host figures."""
+    pool), with `room` MiB of host RAM (or `host`'s figures) and `pool`'s hooks; its context's
+    host figures."""
     from unittest.mock import MagicMock
 
-    from vllm_proxy.engines.instance import EngineContext
+    from vllm_proxy.engines.ports import EngineContext, NoPool, UnmanagedMemory
     from vllm_proxy.metrics import Metrics
     from vllm_proxy.planning.hostmem import HostRam
 
+    class Weights(UnmanagedMemory):
+        def weights_mb(self, spec: Any) -> int | None:
+            return weights
+
     cfg = parse_config({"server": {"state_dir": str(tmp_path)}, "models": {"m": model}})
-    host = HostRam(lambda: room)
+    host = host or HostRam(lambda: room)
     ctx = EngineContext(
         session=MagicMock(), ports=MagicMock(), registry=MagicMock(), metrics=Metrics(),
-        weights_mb=lambda _spec: weights, host=host,
+        memory=Weights(), host=host, pool=pool or NoPool(),
     )  # fmt: skip
     return Instance(cfg.specs()["m"], iid, ctx, lambda _i, _o: None), host
 
@@ -561,9 +571,11 @@ def test_short_of_host_ram_a_sleep_stops_engines_asleep_used_less_recently_first
     from types import SimpleNamespace
     from unittest.mock import MagicMock
 
-    from vllm_proxy.pool.manager import Manager
+    from vllm_proxy.pool.roster import Roster
 
-    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 40_000, 10_000)
+    # The pool's hooks, over the roster below.
+    pool = SimpleNamespace(host_victims=lambda me, short: Roster.host_victims(roster, me, short))  # type: ignore[arg-type]
+    inst, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 40_000, 10_000, pool=pool)
     assert inst.spec.idle_timeout_s == 0
     host.retained = {"old#1": 20_000, "older#1": 25_000, "newer#1": 50_000, "busy#1": 90_000}
     inst.last_used = 100.0
@@ -576,12 +588,12 @@ def test_short_of_host_ram_a_sleep_stops_engines_asleep_used_less_recently_first
 
     old, older = asleep("old#1", 50.0), asleep("older#1", 10.0)
     newer, busy = asleep("newer#1", 150.0), asleep("busy#1", 5.0, leases=1)
-    manager = SimpleNamespace(all_instances=lambda: [old, newer, busy, older, inst], models={},
-                              ctx=inst.ctx)  # fmt: skip
+    roster = SimpleNamespace(all_instances=lambda: [old, newer, busy, older, inst], models={},
+                             host=host)  # fmt: skip
     # 40512 + the margin - 10000: the two least recently used asleep (not newer, not busy).
-    chosen = Manager._host_victims(manager, inst, 31_000)  # type: ignore[arg-type]
+    chosen = Roster.host_victims(roster, inst, 31_000)  # type: ignore[arg-type]
     assert [v.id for v in chosen] == ["older#1", "old#1"]
-    assert Manager._host_victims(manager, inst, 50_000) == []  # they cannot free that much
+    assert Roster.host_victims(roster, inst, 50_000) == []  # they cannot free that much
 
     stops: list[str] = []
 
@@ -592,7 +604,6 @@ def test_short_of_host_ram_a_sleep_stops_engines_asleep_used_less_recently_first
     try:
         for victim in (older, old):
             victim.evict = MagicMock(return_value=loop.create_task(stopped()))
-        inst.ctx.host_victims = lambda me, short: Manager._host_victims(manager, me, short)  # type: ignore[arg-type]
         assert inst._choose_level(1) == 1, "level 1 kept: the host RAM is made"
         older.evict.assert_called_once_with("host memory")
         old.evict.assert_called_once_with("host memory")
@@ -623,8 +634,7 @@ def test_a_second_sleep_pins_only_what_the_engine_does_not_keep_yet(tmp_path: Pa
     host.slept("m#1", key, 1, 5_900)  # measured: more than the guess (power-of-two blocks)
     assert host.retained == {"m#1": 5_900} and host.need_mb("m#1", key, 1, 4_512) == 0
     assert inst._choose_level(1) == 1 and host.promised == {}, "nothing more to pin"
-    other, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 9_000, "m#2")
-    other.ctx.host = host
+    other, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 9_000, "m#2", host)
     assert host.need_mb("m#2", key, 1, 4_512) == 5_900, "planned with the measured figure"
     host._read = lambda: 6_000  # type: ignore[method-assign]
     assert other._choose_level(1) == 2, "5900 + margin no longer fits; the runtime pool does"
@@ -635,8 +645,7 @@ def test_a_second_sleep_pins_only_what_the_engine_does_not_keep_yet(tmp_path: Pa
 def test_level_1_sleeps_in_flight_share_one_host_ram_figure(tmp_path: Path) -> None:
     """Two victims put to sleep together must not both count the same free host RAM."""
     first, host = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 10_000)
-    second, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 10_000, "m#2")
-    second.ctx.host = host
+    second, _ = _sleepy_instance(tmp_path, {"model": "x", "sleep": {}}, 4_000, 10_000, "m#2", host)
     assert first._choose_level(1) == 1  # 4000 + 512 runtime pool + 1024 margin fit in 10000
     assert host.promised == {"m#1": 4_512}
     assert second._choose_level(1) == 2, "the first sleep's 4512 MiB are promised"
@@ -763,7 +772,7 @@ def test_host_ram_room_comes_from_the_proxys_own_cgroup_and_those_above(tmp_path
 
 
 def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> None:
-    from vllm_proxy.pool.manager import Manager
+    from vllm_proxy.planning.footprint import host_weights_mb
 
     cfg = parse_config(
         {
@@ -772,14 +781,10 @@ def test_weights_size_for_level_1_comes_from_the_footprint(tmp_path: Path) -> No
         }
     )
     specs = cfg.specs()
-    weights = Manager._weights_mb(MagicMockManager(), specs["p"])  # type: ignore[arg-type]
+    weights = host_weights_mb(specs["p"], None)
     assert weights is not None and 13_000 < weights < 14_000, "7e9 x 2 bytes"
     # Only memory_mb known: its budget (less the context) stands in for the weights.
-    assert Manager._weights_mb(MagicMockManager(), specs["m"]) == 900 - 768  # type: ignore[arg-type]
-
-
-class MagicMockManager:
-    memory = None
+    assert host_weights_mb(specs["m"], None) == 900 - 768
 
 
 async def test_a_pooling_model_warms_up_through_embeddings(

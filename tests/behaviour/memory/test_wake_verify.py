@@ -18,7 +18,7 @@ from kit import sleep_config as config
 from kit.metrics import engine_metric, proxy_metric
 
 from vllm_proxy.config import parse_config
-from vllm_proxy.engines import instance as instance_module
+from vllm_proxy.engines import oracle as oracle_module
 from vllm_proxy.engines.breaker import WakeBreaker
 from vllm_proxy.engines.instance import Instance
 from vllm_proxy.engines.oracle import LOGPROB_TOLERANCE, VECTOR_TOLERANCE, Oracle, mismatch
@@ -127,7 +127,7 @@ async def test_a_check_that_differs_once_is_asked_again(
     """A near-tie that flips once must not cost a cold start: the check is asked once more."""
     proxy, inst = await start_proxy.serving(config(tmp_path, {"m": sleepy()}), "m")
     await asleep(inst)
-    real = instance_module.take
+    real = oracle_module.take
     answers: list[Oracle] = []
 
     async def flips_once(engine: Any, client: Any) -> Oracle:
@@ -135,7 +135,7 @@ async def test_a_check_that_differs_once_is_asked_again(
         answers.append(got)
         return Oracle(tokens=(-1,)) if len(answers) == 1 else got
 
-    monkeypatch.setattr(instance_module, "take", flips_once)
+    monkeypatch.setattr(oracle_module, "take", flips_once)
     assert (await proxy.reply("m"))[0] == 200
     assert len(answers) == 2, "asked twice"
     assert proxy.instance("m") is inst and proxy.engine_starts("m") == 1, "woken, not restarted"
