@@ -45,8 +45,8 @@ The policies, side by side on the same requests:
   and time jumps to the next timer (benchmarks/vproxy.py). The scheduler is ``Admission`` as
   it is; the planner is the same code with no measured prices (victims least recently used
   first), no holds, no turns (any waiting bring-up takes memory as soon as its plan fits) and
-  no minimum residency. tests/bench/test_density_differential.py holds this engine model to the proxy
-  on fake engines.
+  no minimum residency. tests/bench/test_density_differential.py holds this engine model to the
+  proxy on fake engines.
 
 The one-model policies and the groups serve a request in order; with ``--give-up-s`` a request
 that has waited that long is dropped when its turn comes (its client has hung up).
