@@ -1,4 +1,5 @@
-"""Fixtures on the test kit (`kit`): `start_proxy`, the one proxy harness."""
+"""Fixtures on the test kit (`kit`): `start_proxy`, the one proxy harness; `ledger`, a simulated
+GPU; `spool_dir`, temporary files of the test's own; and the fake engine run alone."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ from kit import Proxies
 from kit.simgpu import sim_ledger
 
 from fake_vllm.simgpu import Ledger
+
+#: Fixtures of the kit's own modules, for every test: `start_fake` and `session` (the fake
+#: engine run alone).
+pytest_plugins = ["kit.fakeproc"]
 
 
 @pytest.fixture

@@ -29,15 +29,11 @@ from kit.fakeproc import (
     is_sleeping,
     metric,
     post,
-    session,
-    start_fake,
     wait_ready,
 )
 from kit.gpumeasure import pinned_from_log
 
 from fake_vllm.gpu import layout
-
-__all__ = ["session", "start_fake"]  # fixtures shared with test_fake_engine
 
 MIB = 1024 * 1024
 #: Bound for an engine that imports the real torch (seconds on an idle machine; much more on a
