@@ -137,14 +137,28 @@ class Size:
     residue_gib: float
     prefill_tok_s: float
     decode_tok_s: float
+    #: GPUs one engine spans (tensor parallel); the footprint and residue are per GPU.
+    tp: int = 1
 
     @property
     def footprint_mib(self) -> int:
+        """What the engine holds awake on each of its GPUs."""
         return round(self.footprint_gib * MIB_PER_GIB)
 
     @property
     def residue_mib(self) -> int:
+        """What the engine holds asleep on each of its GPUs."""
         return round(self.residue_gib * MIB_PER_GIB)
+
+    @property
+    def awake_mib(self) -> int:
+        """What the engine holds awake on all its GPUs together."""
+        return self.footprint_mib * self.tp
+
+    @property
+    def asleep_mib(self) -> int:
+        """What the engine holds asleep on all its GPUs together."""
+        return self.residue_mib * self.tp
 
 
 @dataclass(frozen=True)
@@ -158,6 +172,10 @@ class Profile:
     sizes: dict[str, Size]
     mix: tuple[str, ...]
     models: dict[str, str] = field(default_factory=dict)
+    #: GPUs of the host, each of `total_mib` with `reserve_mib` kept free.
+    gpus: int = 1
+    #: Named workloads (``--workload``): what each sets (see density_profile.yaml).
+    workloads: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def start_s(self, s: Size) -> float:
         """A cold start: the fixed parts and the weights read at the disk rate (an older
@@ -180,7 +198,8 @@ class Profile:
 
     def wake_s(self, s: Size, level: int) -> float:
         t = self.timing
-        wake = t["wake_base_s"] + t["wake_s_per_gib"] * s.weights_gib
+        # Each GPU copies its own share of the weights back, at once (tensor parallel).
+        wake = t["wake_base_s"] + t["wake_s_per_gib"] * s.weights_gib / s.tp
         if level == 2:
             wake += t["reload_base_s"] + s.weights_gib / t["disk_gib_s"]
         return wake
@@ -190,18 +209,20 @@ class Profile:
         if level == 2:
             return t["sleep_l2_s"]
         rate = t["first_sleep_s_per_gib"] if first else t["sleep_s_per_gib"]
-        return t["sleep_base_s"] + rate * s.weights_gib
+        return t["sleep_base_s"] + rate * s.weights_gib / s.tp  # each GPU copies its share
 
     @property
     def stop_s(self) -> float:
         return self.timing["stop_s"]
 
 
-def load_profile(path: Path, total_mib: int | None = None) -> Profile:
+def load_profile(path: Path, total_mib: int | None = None, gpus: int | None = None) -> Profile:
     raw = yaml.safe_load(path.read_text())
     sizes = {str(k): Size(name=str(k), **v) for k, v in raw["sizes"].items()}
     mix = tuple(str(m) for m in raw["mix"])
-    unknown = [m for m in [*mix, *(raw.get("models") or {}).values()] if m not in sizes]
+    workloads = {str(k): dict(v) for k, v in (raw.get("workloads") or {}).items()}
+    named = [str(m) for w in workloads.values() for m in w.get("mix", [])]
+    unknown = [m for m in [*mix, *(raw.get("models") or {}).values(), *named] if m not in sizes]
     if unknown:
         raise SystemExit(f"{path}: size(s) {unknown} are not under 'sizes'")
     gpu = raw["gpu"]
@@ -213,6 +234,8 @@ def load_profile(path: Path, total_mib: int | None = None) -> Profile:
         sizes=sizes,
         mix=mix,
         models={str(k): str(v) for k, v in (raw.get("models") or {}).items()},
+        gpus=int(gpus if gpus is not None else gpu.get("count", 1)),
+        workloads=workloads,
     )
 
 
@@ -675,7 +698,9 @@ class Sim:
         self.events: list[tuple[float, int, int, Any]] = []
         self.seq = 0
         self.now = 0.0
-        self.cap = prof.total_mib - prof.reserve_mib
+        # The one-model policies and the groups see the host's GPUs as one pool (an engine that
+        # spans several GPUs takes its share on each): no bin packing, in their favour.
+        self.cap = (prof.total_mib - prof.reserve_mib) * prof.gpus
         self.used = 0
         #: Host RAM for sleeps, and what each engine keeps pinned there (from its first level-1
         #: sleep until it stops: PyTorch keeps the pinned blocks cached), as in the proxy
@@ -817,7 +842,7 @@ class Sim:
     def start(self, e: Engine) -> None:
         assert e.state == COLD
         e.committed = False
-        self._take(e, e.size.footprint_mib)
+        self._take(e, e.size.awake_mib)
         seconds = self.prof.start_s(e.size)
         self._begin(e, STARTING, seconds)
         if self._counted():
@@ -827,7 +852,7 @@ class Sim:
     def wake(self, e: Engine) -> None:
         assert e.state == ASLEEP
         e.committed = False
-        self._take(e, e.size.footprint_mib)
+        self._take(e, e.size.awake_mib)
         seconds = self.prof.wake_s(e.size, e.level)
         self._begin(e, WAKING, seconds)
         if self._counted():
@@ -904,7 +929,7 @@ class Sim:
             self.awake(e)
         elif e.state == FALLING:
             e.state = ASLEEP
-            self._take(e, e.size.residue_mib)
+            self._take(e, e.size.asleep_mib)
         elif e.state == STOPPING:
             e.state = COLD
             e.slept = False
@@ -974,7 +999,7 @@ class SwapSim(Sim):
             return
         if t.state in (FALLING, STOPPING):
             return
-        need = t.size.footprint_mib - t.held
+        need = t.size.awake_mib - t.held
         if self.free() < need:
             if any(e.state == STOPPING for e in self.engines):
                 return
@@ -1030,15 +1055,15 @@ def resident_group(
     """The persistent group: models by requests per GiB awake, most first, while the group and
     the largest model left out still fit together (by index)."""
     count = Counter(r.model for r in reqs) + Counter(c.model for c in clients)
-    order = sorted(engines, key=lambda e: (-count[e.idx] / e.size.footprint_mib, e.idx))
+    order = sorted(engines, key=lambda e: (-count[e.idx] / e.size.awake_mib, e.idx))
     group: set[int] = set()
     used = 0
     for e in order:
-        rest = [o.size.footprint_mib for o in engines if o.idx not in group and o is not e]
-        if used + e.size.footprint_mib + max(rest, default=0) > cap:
+        rest = [o.size.awake_mib for o in engines if o.idx not in group and o is not e]
+        if used + e.size.awake_mib + max(rest, default=0) > cap:
             continue
         group.add(e.idx)
-        used += e.size.footprint_mib
+        used += e.size.awake_mib
     return group
 
 
@@ -1091,6 +1116,8 @@ def proxy_run(
         models[n] = {"model": "x", "memory_mb": s.footprint_mib, "params_b": s.params_b,
                      "sleep": {"level": st.sleep_level, "memory_mb": s.residue_mib,
                                "verify_wake": False}}  # fmt: skip
+        if s.tp > 1:
+            models[n]["args"] = {"tensor_parallel_size": s.tp}
         if st.idle_timeout_s is not None:
             models[n]["idle_timeout_s"] = st.idle_timeout_s
         if not st.idle_timers:  # no timer at all (0 would put idle engines to sleep at once)
@@ -1102,8 +1129,9 @@ def proxy_run(
     admission = {"queue_timeout_s": st.queue_timeout_s, "max_reorder_s": st.max_reorder_s,
                  "idle_grace_s": st.idle_grace_s}  # fmt: skip
     cfg = vproxy.config(models, prof.total_mib, prof.reserve_mib, vproxy.state_dir(),
-                        admission, engine)  # fmt: skip
-    cfg = cfg.model_copy(update={"gpu": cfg.gpu.model_copy(update={"context_mb": 0})})
+                        admission, engine, gpus=prof.gpus)  # fmt: skip
+    # The profile's footprints and residues already hold the context (and NCCL's buffers).
+    cfg = cfg.model_copy(update={"gpu": cfg.gpu.model_copy(update={"context_mb": 0, "nccl_mb": 0})})
 
     def request(a: Arrival, client: int | None = None) -> vproxy.Request:
         s = sizes[a.model]
@@ -1435,6 +1463,27 @@ def revision() -> str:
     )
 
 
+def with_workload(
+    prof: Profile, name: str | None, gpus: int | None = None
+) -> tuple[Profile, dict[str, Any]]:
+    """The profile with the named workload's sizes and GPUs (`gpus`, given, wins), and the
+    workload (empty without a name)."""
+    if name is None:
+        return prof, {}
+    preset = prof.workloads[name]
+    mix = tuple(str(x) for x in preset.get("mix", prof.mix))
+    count = gpus if gpus is not None else int(preset.get("gpus", prof.gpus))
+    return replace(prof, mix=mix, gpus=count), preset
+
+
+def host(prof: Profile) -> str:
+    """The host in words: its GPUs and their memory."""
+    gib = prof.total_mib / MIB_PER_GIB
+    if prof.gpus == 1:
+        return f"one {prof.gpu_name} ({gib:.1f} GiB)"
+    return f"{prof.gpus} x {prof.gpu_name} ({gib:.1f} GiB each)"
+
+
 def parse_range(text: str) -> list[int]:
     """``2-16``, ``2,4,8`` or ``none``."""
     if text in ("", "none", "0"):
@@ -1453,9 +1502,23 @@ def floats(text: str) -> list[float]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_argument_group("workload")
-    g.add_argument("--models", type=int, default=12, help="M for the main table (default 12)")
-    g.add_argument("--sweep", default="2-16", help="values of M for models-per-GPU ('none')")
-    g.add_argument("--rate", type=float, default=Traffic.rate, help="requests/s, all models")
+    g.add_argument(
+        "--workload",
+        default=None,
+        help="a named workload of the profile ('workloads': unseen-20, two-gpu): its number "
+        "of models, their sizes, the GPUs and the rate; options given here win",
+    )
+    g.add_argument("--models", type=int, default=None,
+                   help="M for the main table (default 12, or the workload's)")  # fmt: skip
+    g.add_argument("--sweep", default=None,
+                   help="values of M for models-per-GPU ('none'; default 2-16, none with "
+                   "--workload)")  # fmt: skip
+    g.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help=f"requests/s, all models (default {Traffic.rate:g}, or the workload's)",
+    )
     g.add_argument("--zipf", type=float, default=Traffic.zipf, help="Zipf exponent")
     g.add_argument("--cv", type=float, default=Traffic.cv, help="inter-arrival CV (1 = Poisson)")
     g.add_argument("--seed", type=int, default=Traffic.seed)
@@ -1480,6 +1543,8 @@ def main(argv: list[str] | None = None) -> int:
     g = p.add_argument_group("GPU, engines and SLO")
     g.add_argument("--profile", type=Path, default=PROFILE, help="figures (YAML)")
     g.add_argument("--gpu-mib", type=int, default=None, help="GPU memory (default: profile's)")
+    g.add_argument("--gpus", type=int, default=None,
+                   help="GPUs of the host (default: the profile's, or the workload's)")  # fmt: skip
     g.add_argument("--sleep-level", type=int, choices=(1, 2), default=1)
     g.add_argument(
         "--slo-s",
@@ -1532,8 +1597,9 @@ def main(argv: list[str] | None = None) -> int:
         default=Settings.queue_timeout_s,
         help="a bring-up without memory this long fails (planner, scheduler)",
     )
-    g.add_argument("--pair-s", type=float, default=1800.0,
-                   help="the two-client scenario's counted seconds (0: not run)")  # fmt: skip
+    g.add_argument("--pair-s", type=float, default=None,
+                   help="the two-client scenario's counted seconds (0: not run; default 1800, "
+                   "0 with --workload)")  # fmt: skip
     g.add_argument("--tune", action="store_true", help="a grid of the three, several seeds")
     g.add_argument("--tune-seeds", type=int, default=5)
     g.add_argument("--tune-reorder", default="0,2,5,10,15")
@@ -1551,7 +1617,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     workers = args.jobs or os.cpu_count() or 1
-    prof = load_profile(args.profile, args.gpu_mib)
+    prof = load_profile(args.profile, args.gpu_mib, args.gpus)
+    if args.workload is not None:
+        if args.workload not in prof.workloads:
+            p.error(f"unknown workload {args.workload!r} (known: {', '.join(prof.workloads)})")
+        if args.replay or args.docs:
+            p.error("--workload goes with neither --replay nor --docs")
+    prof, preset = with_workload(prof, args.workload, args.gpus)
+    if args.models is None:
+        args.models = int(preset.get("models", 12))
+    if args.rate is None:
+        args.rate = float(preset.get("rate", Traffic.rate))
+    if args.sweep is None:
+        args.sweep = "none" if args.workload else "2-16"
+    if args.pair_s is None:
+        args.pair_s = 0.0 if args.workload else 1800.0
     pols = [x for x in args.policies.split(",") if x]
     for x in pols:
         if x not in POLICIES:
@@ -1570,13 +1650,14 @@ def main(argv: list[str] | None = None) -> int:
                       max(args.seeds, 1))  # fmt: skip
     began = time.monotonic()
     command = " ".join(["benchmarks/density.py", *(argv if argv is not None else sys.argv[1:])])
-    gib = prof.total_mib / MIB_PER_GIB
+    on = host(prof)
     lines: list[str] = []
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     res: dict[str, Any] = {"command": command, "git": revision(), "when": when,
                            "profile": str(args.profile), "settings": asdict(st),
                            "traffic": asdict(traffic), "gpu": prof.gpu_name,
-                           "gpu_mib": prof.total_mib}  # fmt: skip
+                           "gpu_mib": prof.total_mib, "gpus": prof.gpus,
+                           "workload": args.workload, "mix": list(prof.mix)}  # fmt: skip
 
     if args.replay:
         records = read_replay(args.replay)
@@ -1590,7 +1671,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = [sum(1 for a in arrivals if a.model == i) for i in range(len(names))]
         shares = [c / len(arrivals) for c in counts]
         lines += [f"Replay of {args.replay} ({len(arrivals)} requests over {span:,.0f} s, "
-                  f"{len(names)} models) on one {prof.gpu_name} ({gib:.1f} GiB).", ""]  # fmt: skip
+                  f"{len(names)} models) on {on}.", ""]  # fmt: skip
         lines += [*summary_table(rows), "", *targets_table(rows), *groups_note(rows), "",
                   *model_table(rows, shares)]  # fmt: skip
         res.update(replay=str(args.replay), main=rows)
@@ -1621,7 +1702,10 @@ def main(argv: list[str] | None = None) -> int:
     by_rate = {q: [r for r, j in zip(done, jobs, strict=True) if j[1] == m and j[3].rate == q]
                for q in [traffic.rate, *rates]}  # fmt: skip
     shares = zipf_shares(m, traffic.zipf)
-    head = (f"{m} models on one {prof.gpu_name} ({gib:.1f} GiB), {traffic.rate:g} requests/s, "
+    awake = sum(prof.sizes[prof.mix[i % len(prof.mix)]].awake_mib for i in range(m))
+    named = f"Workload {args.workload}: " if args.workload else ""
+    head = (f"{named}{m} models ({awake / MIB_PER_GIB:,.0f} GiB awake) on {on}, "
+            f"{traffic.rate:g} requests/s, "
             f"Zipf {traffic.zipf:g}, inter-arrival CV {traffic.cv:g}, "
             f"{_seeds(traffic)}, "
             f"{traffic.duration_s:,.0f} s counted after {warmup:,.0f} s; SLO: TTFT <= "
@@ -1632,7 +1716,7 @@ def main(argv: list[str] | None = None) -> int:
             + f"; queue_timeout_s {st.queue_timeout_s:g}.")  # fmt: skip
     lines += [head, "", *summary_table(main_rows), "", *targets_table(main_rows),
               *groups_note(main_rows)]  # fmt: skip
-    if args.per_model or args.docs:
+    if args.per_model or args.docs or args.workload:
         lines += ["", "Per model (share of requests; met = within the SLO; TTFT p50 / p99 s):", ""]
         lines += model_table(main_rows, shares)
     if rates:

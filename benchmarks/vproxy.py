@@ -120,11 +120,15 @@ class World:
 
     timing: dict[str, Timing]
     host_ram_mib: int
-    #: The GPU memory engines may use (total less the reserve): what they hold is checked.
+    #: The GPU memory engines may use on each device (total less the reserve): what they hold
+    #: is checked, device by device.
     capacity_mib: int = 1 << 40
     pinned: dict[int, int] = field(default_factory=dict)
-    #: What each live engine holds on the GPU now, by pid.
+    #: What each live engine holds on each of its devices now, by pid, and its devices.
     held: dict[int, int] = field(default_factory=dict)
+    on: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: The devices the proxy placed each model on (its last claim), by model name.
+    devices: dict[str, tuple[int, ...]] = field(default_factory=dict)
     busy_evictions: int = 0
     over_commits: int = 0
     max_used_mib: int = 0
@@ -151,13 +155,16 @@ class World:
     def free_ram_mb(self) -> int:
         return self.host_ram_mib - sum(self.pinned.values())
 
-    def hold(self, pid: int, mib: int) -> None:
-        """Engine `pid` holds `mib` on the GPU from now: never more than there is."""
+    def hold(self, pid: int, mib: int, devices: tuple[int, ...] = (0,)) -> None:
+        """Engine `pid` holds `mib` on each of `devices` from now: never more than a device
+        has. `max_used_mib` is the most held on one device at once."""
         self.held[pid] = mib
-        used = sum(self.held.values())
-        self.max_used_mib = max(self.max_used_mib, used)
-        if used > self.capacity_mib:
-            self.over_commits += 1
+        self.on[pid] = devices
+        for d in devices:
+            used = sum(mib for p, mib in self.held.items() if d in self.on.get(p, (0,)))
+            self.max_used_mib = max(self.max_used_mib, used)
+            if used > self.capacity_mib:
+                self.over_commits += 1
 
 
 class VirtualEngine(EngineProcess):
@@ -173,6 +180,7 @@ class VirtualEngine(EngineProcess):
         self._gone = asyncio.Event()
         self._slept = False
         self._pid: int | None = None
+        self._devices: tuple[int, ...] = (0,)
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
@@ -184,7 +192,8 @@ class VirtualEngine(EngineProcess):
     async def spawn(self) -> None:
         self._pid = next(self.pids)
         self.started_at = self._now()
-        self.world.hold(self._pid, self.timing.footprint_mib)
+        self._devices = self.world.devices.get(self.spec.name, (0,))
+        self.world.hold(self._pid, self.timing.footprint_mib, self._devices)
 
     async def wait_ready(self, session: Any) -> float:
         await asyncio.sleep(self.timing.start_s)
@@ -221,7 +230,7 @@ class VirtualEngine(EngineProcess):
             self.world.fallbacks += level > asked
         await asyncio.sleep(self.timing.sleep_s(level, not self._slept))
         assert self.pid is not None
-        self.world.hold(self.pid, self.timing.residue_mib)
+        self.world.hold(self.pid, self.timing.residue_mib, self._devices)
         if level == 1:
             self._slept = True
             assert self.pid is not None
@@ -232,7 +241,7 @@ class VirtualEngine(EngineProcess):
     async def wake(self, client: Any, level: int) -> None:
         seconds = self.timing.wake_s(level)
         assert self.pid is not None
-        self.world.hold(self.pid, self.timing.footprint_mib)
+        self.world.hold(self.pid, self.timing.footprint_mib, self._devices)
         await asyncio.sleep(seconds)
         if self.world.counting:
             self.world.wakes += 1
@@ -265,6 +274,7 @@ class VirtualEngine(EngineProcess):
             self.exited_at = self._now()
         self.world.pinned.pop(self.pid or 0, None)
         self.world.held.pop(self.pid or 0, None)
+        self.world.on.pop(self.pid or 0, None)
         self._gone.set()
 
     def kill(self) -> None:
@@ -310,7 +320,10 @@ class ObservedAdmission(Admission):
         return placement
 
     def _claim(self, inst: Any, decision: Plan, claim: Any, unclaim: Any) -> Placement | None:
-        return super()._take(inst, decision, claim, unclaim)
+        placement = super()._take(inst, decision, claim, unclaim)
+        if placement is not None and placement.devices:
+            self.world.devices[inst.name] = placement.devices  # where its engine will run
+        return placement
 
     def _harmed(self, inst: Any, decision: Plan) -> tuple[int, int]:
         """What `inst` carrying out `decision` would do to the models that began waiting more
@@ -400,14 +413,15 @@ class Outcome:
 
 
 def config(models: dict[str, dict[str, Any]], total_mib: int, reserve_mib: int, state: str,
-           admission: dict[str, Any], engine: dict[str, Any]) -> Any:  # fmt: skip
-    """The proxy's config for a virtual run: the shipped defaults, a static GPU budget."""
+           admission: dict[str, Any], engine: dict[str, Any], gpus: int = 1) -> Any:  # fmt: skip
+    """The proxy's config for a virtual run: the shipped defaults, a static GPU budget of
+    `gpus` devices of `total_mib` each."""
     data = {
         "server": {"state_dir": state},
         "engine": {"command": ["true"], "health_interval_s": 0, "warmup": False, **engine},
         "gpu": {
             "monitor": "static",
-            "devices": [{"id": 0, "memory_mb": total_mib}],
+            "devices": [{"id": d, "memory_mb": total_mib} for d in range(gpus)],
             "reserve_mb": reserve_mib,
         },
         "admission": admission,
@@ -445,8 +459,10 @@ def run(
         left = asyncio.all_tasks(loop)
         for task in left:
             task.cancel()
+        # (gather() of nothing would make its future on another loop than this one)
         with contextlib.suppress(RuntimeError):
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
         loop.close()
 
 

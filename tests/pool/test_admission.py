@@ -717,6 +717,37 @@ async def test_a_wake_waits_for_a_busy_engine_rather_than_stop_asleep_ones(
         await stream.read()
 
 
+async def test_a_wake_waits_for_a_waking_engine_rather_than_stop_asleep_ones(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """As above, with the memory held by an engine that is waking rather than serving: w
+    (asleep) needs 400 MiB more while a wakes; stopping the asleep x and y gives it now,
+    putting a back to sleep once it has woken and served gives it seconds later. An engine
+    that is waking (or starting, or falling asleep) can be put to sleep once it has settled,
+    so w waits for it and x and y stay asleep."""
+    nap = {"level": 1, "after_idle_s": 600, "memory_mb": 100}
+    slow_wake = {**SLOW, **FakeEngine(wake_delay=2).env()}
+    models = {
+        "a": {"memory_mb": 500, "env": slow_wake, "sleep": {**nap, "memory_mb": 50}},
+        "w": {"memory_mb": 500, "sleep": nap},
+        "x": {"memory_mb": 300, "sleep": nap},
+        "y": {"memory_mb": 300, "sleep": nap},
+    }
+    cfg = one_slot(tmp_path, models, {"max_reorder_s": 6, "queue_timeout_s": 30},
+                   min_resident_s=0)  # fmt: skip
+    proxy = await start_proxy(cfg)
+    for name in ("w", "x", "y", "a"):
+        await served_then_asleep(proxy, name)
+    a = asyncio.ensure_future(proxy.chat("a", max_tokens=1))
+    await wait_for(lambda: proxy.instance("a").state is State.WAKING, what="a waking")
+    woken = await proxy.chat("w", max_tokens=1)
+    assert woken.status == 200 and (await a).status == 200
+    assert proxy.instance("a").asleep, "a was put to sleep once it had woken and served"
+    for name in ("x", "y"):
+        assert proxy.instance(name).asleep, f"{name} was stopped"
+        assert proxy.engine_starts(name) == 1
+
+
 async def test_requests_for_an_engine_are_not_held_behind_a_waiter_that_can_go_without_it(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 MIN_WAIT_S = 0.001
 
 
+#: States of a placed instance that settle awake or asleep (`scheduler.settled`).
+SETTLING = frozenset({State.STARTING, State.WAKE_WAITING, State.WAKING, State.FALLING_ASLEEP})
+
+
 class Admission:
     """GPU memory admission for every instance, through one queue (see the module docstring)."""
 
@@ -118,8 +122,11 @@ class Admission:
             held = memory.held_mb(i.id)
             state = i.state
             # A draining instance is not put to sleep: it is about to stop; nor one whose
-            # wakes kept failing the wake check (`breaker`): it is stopped instead.
-            sleepy = i.usable_level() is not None and i.routable
+            # wakes kept failing the wake check (`breaker`): it is stopped instead. One that is
+            # starting, waking or falling asleep carries what it would hold asleep too: it is
+            # never taken now, but once settled (`scheduler.settled`) it can be put to sleep
+            # (or is asleep), which is what a waiter that spares stops waits for.
+            sleepy = i.usable_level() is not None and (i.routable or state in SETTLING)
             load = 0 if drained else i.leases + i.queued()
             kept = (
                 protect
