@@ -259,7 +259,8 @@ async def test_bodies_sent_one_byte_per_http_chunk_cost_neither_memory_nor_minut
 ) -> None:
     """Each HTTP chunk was read as a piece of its own: a byte per chunk made a Python object
     of every byte (a 2 MB JSON body held ~26 MiB), and a scan step of every byte of a form
-    (2 MB took ~18 s of the proxy's CPU)."""
+    (2 MB took ~18 s of the proxy's CPU). The bound is on CPU seconds of this process (the
+    proxy runs in it), which a busy machine does not stretch as it does wall time."""
     proxy = await start_proxy(speech_config(tmp_path))
     size = 2 * 1024 * 1024
     json_body = json.dumps({"prompt": "x" * size, "model": "nope"}).encode()
@@ -271,7 +272,7 @@ async def test_bodies_sent_one_byte_per_http_chunk_cost_neither_memory_nor_minut
         wire = b"".join(b"1\r\n%c\r\n" % c for c in body) + b"0\r\n\r\n"
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.server.port)
         _peak_rss_reset()
-        before, began = _peak_rss(), time.monotonic()
+        before, began = _peak_rss(), time.process_time()
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: {content_type}\r\n"
             "Transfer-Encoding: chunked\r\n\r\n".encode()
@@ -280,9 +281,9 @@ async def test_bodies_sent_one_byte_per_http_chunk_cost_neither_memory_nor_minut
             writer.write(wire[i : i + (1 << 16)])
             await writer.drain()
         answer = await answer_of(reader, 60)
-        took, grown = time.monotonic() - began, _peak_rss() - before
+        took, grown = time.process_time() - began, _peak_rss() - before
         writer.close()
         assert answer.startswith(b"HTTP/1.1 404"), answer[:300]
         assert grown < 8 * 2**20, f"{path}: the peak RSS grew by {grown / 2**20:.1f} MiB"
-        assert took < 8, f"{path}: {took:.1f}s"
+        assert took < 8, f"{path}: {took:.1f} CPU seconds"
     await left_nothing(proxy, spool_dir)
