@@ -33,7 +33,7 @@ from .frontend.bytes.connection import Listener, Runner, Site, listen
 from .frontend.gate import Gate, parse_hosts
 from .frontend.routes.admin import Admin, add_admin_routes
 from .frontend.routes.console import Console, add_console_routes
-from .frontend.routes.openai import Proxy, add_routes
+from .frontend.routes.openai import OpenAIRoutes, add_routes
 from .frontend.routes.placement_page import Holdings, add_placement_routes
 from .frontend.routes.realtime import RealtimeRoute, add_realtime_routes
 from .frontend.upstream import UpstreamPool
@@ -54,7 +54,7 @@ class Runtime:
     session: aiohttp.ClientSession
     manager: Manager
     metrics: Metrics
-    proxy: Proxy
+    proxy: OpenAIRoutes
     realtime: RealtimeRoute
     gate: Gate
     admin: Admin
@@ -227,7 +227,7 @@ async def create_app(
         config.server.max_upstream_connections, slot_wait_s=config.server.connection_queue_timeout_s
     )
     upstream.set_shares(specs)
-    proxy = Proxy(manager, metrics, upstream, config.server)
+    proxy = OpenAIRoutes(manager, metrics, upstream, config.server)
     # Outermost first: the proxy's middleware (request ids, errors) wraps the gate.
     app = web.Application(
         client_max_size=proxy.max_body_bytes, middlewares=[proxy.middleware, gate.middleware]

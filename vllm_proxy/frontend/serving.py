@@ -9,7 +9,7 @@
 * observation: what a response carried (`Tap`), the request's metrics (`Serving.observe`,
   `Serving.counted`), the access log and the ring of recent requests.
 
-The OpenAI routes (`routes.openai.Proxy`) are a `Serving`; the realtime route uses one.
+The OpenAI routes (`routes.openai.OpenAIRoutes`) are a `Serving`; the realtime route uses one.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@
 The request body is forwarded as received; only the ``model`` field is read (and rewritten when
 the client used an alias): see `bytes.body`. A stream that waits for its engine gets keep-alives;
 the engine's answer is relayed by `relay`. What every route shares (keys, scope, limits,
-budgets, observation) is `serving.Serving`, which `Proxy` is.
+budgets, observation) is `serving.Serving`, which `OpenAIRoutes` is.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from .paths import MODEL_ROUTES, PREFIXED_TAILS, UPLOAD_ROUTES, UPLOAD_TAILS
 log = logging.getLogger(__name__)
 
 
-class Proxy(Serving):
+class OpenAIRoutes(Serving):
     """The OpenAI routes of one proxy (one instance per application)."""
 
     def __init__(
@@ -336,7 +336,7 @@ def _abandon(lease: Lease, acquiring: asyncio.Future[Upstream]) -> None:
         lease.release()
 
 
-def add_routes(app: web.Application, proxy: Proxy) -> None:
+def add_routes(app: web.Application, proxy: OpenAIRoutes) -> None:
     for path in MODEL_ROUTES:
         app.router.add_post(path, proxy.forward)
     for path in UPLOAD_ROUTES:
