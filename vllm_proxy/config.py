@@ -365,6 +365,15 @@ class SleepPolicy(_Strict):
     #: with the one recorded at its start; a mismatch stops it and the request cold-starts a
     #: new one (see `oracle`).
     verify_wake: bool = True
+    #: When `after_idle_s` has passed:
+    #:
+    #: - ``needed``: the engine sleeps only if its memory may be wanted, that is unless an
+    #:   engine of every configured model fits awake at once on the managed GPUs (beside what
+    #:   other programs hold); where GPU memory is not managed it sleeps.
+    #: - ``always``: it sleeps (it frees the GPU for programs the proxy does not know of).
+    #:
+    #: Asked again every `after_idle_s` while idle, so a reload that adds models counts.
+    on_idle: Literal["needed", "always"] = "needed"
 
     def status(self) -> dict[str, object]:
         """The policy as the admin API shows it: when and how deep the engine sleeps."""

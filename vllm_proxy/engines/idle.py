@@ -19,6 +19,7 @@ import logging
 from typing import Generic, Protocol, TypeVar
 
 from ..config import ModelSpec
+from .ports import EngineContext
 from .states import State
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class Idler(Protocol):
     spec: ModelSpec
     state: State
     leases: int
+    ctx: EngineContext
 
     @property
     def routable(self) -> bool: ...
@@ -132,10 +134,18 @@ class IdleTimers(Generic[I]):
             self._downscale = loop.call_later(scale.downscale_delay_s, self.downscale_due)
 
     def sleep_due(self) -> None:
-        """The sleep timer fired."""
+        """The sleep timer fired: the engine sleeps, unless nobody may want its memory
+        (``sleep.on_idle: needed`` and `MemoryBook.room_for_all`); then, or while a request
+        of its model waits in admission, the timer is armed for another period."""
         self._sleep = None
         inst = self._inst
         policy = inst.spec.sleep
+        if policy is not None and policy.on_idle == "needed" and inst.ctx.memory.room_for_all():
+            if inst.state is State.RUNNING and inst.leases == 0:
+                log.debug("%s: idle, kept awake: every model fits awake", inst.id)
+                loop = asyncio.get_running_loop()
+                self._sleep = loop.call_later(policy.after_idle_s, self.sleep_due)
+            return
         if inst.sleep("idle") is not None:
             assert policy is not None
             log.info("%s: idle for %gs, put to sleep", inst.id, policy.after_idle_s)

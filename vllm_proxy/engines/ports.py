@@ -125,6 +125,12 @@ class MemoryBook(Protocol):
         Runner V2's token buffer); 0: not known."""
         ...
 
+    def room_for_all(self) -> bool:
+        """Whether an engine of every configured model (each replica) fits awake at once beside
+        what other programs hold now: then no start or wake waits for an idle engine's
+        memory (`sleep.on_idle: needed` keeps idle engines awake). False where unknown."""
+        ...
+
 
 class PoolHooks(Protocol[Inst]):
     """What the pool of every model is told of and asked by an instance."""
@@ -208,6 +214,9 @@ class UnmanagedMemory:
 
     def start_host_mb(self, spec: ModelSpec) -> int:
         return host_start_mb(None)
+
+    def room_for_all(self) -> bool:
+        return False  # memory not managed: nothing says the GPU is not wanted
 
 
 class NoPool:

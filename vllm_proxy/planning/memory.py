@@ -102,6 +102,28 @@ def source_kind(config: Config) -> str:
     return mode
 
 
+def engines_of(spec: ModelSpec) -> int:
+    """The most engines a model runs at once: its replicas, an autoscaler's maximum, else 1."""
+    if spec.autoscale is not None:
+        return spec.autoscale.max_replicas
+    return spec.replicas or 1
+
+
+def all_fit(engines: list[tuple[int, int, tuple[int, ...] | None]], room: dict[int, int]) -> bool:
+    """Whether every engine fits at once: each is (MiB per device, devices it spans, devices it
+    may use or None for any), placed largest first on the devices with the most room left
+    (first fit decreasing: a True is always right; a False may miss a packing that exists,
+    which only keeps idle engines sleeping as they would anyway)."""
+    left = dict(room)
+    for mb, gpus, allowed in sorted(engines, key=lambda e: -e[0] * e[1]):
+        fits = [d for d in (allowed or left) if d in left and left[d] >= mb]
+        if len(fits) < gpus:
+            return False
+        for d in sorted(fits, key=lambda d: -left[d])[:gpus]:
+            left[d] -= mb
+    return True
+
+
 def make_source(config: Config) -> tuple[GpuSource | None, str]:
     """The GPU source the config asks for, and its kind (`source_kind`)."""
     gpu = config.gpu
@@ -654,6 +676,23 @@ class Memory:
             for d in claim.devices:
                 claimed[d] = claimed.get(d, 0) + self.held_mb(iid)
         return claimed
+
+    def room_for_all(self) -> bool:
+        """Whether an engine of every configured model (each of its replicas, an autoscaled
+        model's most) fits awake at once on the managed devices, beside what programs other
+        than the proxy's engines hold now (`all_fit`)."""
+        claimed = self.claimed_by_device()
+        room = {
+            s.id: s.total_mb - self.reserve_mb - max(0, s.used_mb - claimed.get(s.id, 0))
+            for s in self.snapshots
+        }
+        engines = [
+            (self.footprint(name), self.estimates[name].gpus, self.devices_for(spec))
+            for name, spec in self._specs.items()
+            if name in self.estimates
+            for _ in range(engines_of(spec))
+        ]
+        return all_fit(engines, room)
 
     def placement(self, spec: ModelSpec, devices: tuple[int, ...]) -> Placement:
         """What the engine is started with on `devices`, and the memory it claims there.
