@@ -87,3 +87,13 @@ class WakeBreaker:
             if model == name:
                 counts[str(level)] = max(n, counts.get(str(level), 0))
         return {"barred_levels": self.levels_barred(name), "failures_in_a_row": counts}
+
+
+def barred_note(name: str, level: int, usable: int | None) -> str:
+    """What the log says when model `name`'s wakes from `level` have just barred it, with the
+    level its sleeps take from now on (`usable`; None: it no longer sleeps)."""
+    then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
+    return (
+        f"model {name}: its wakes from sleep level {level} kept failing the wake check; it"
+        f" {then} until an operator clears it (POST /admin/models/{name}/wake_check/clear)"
+    )

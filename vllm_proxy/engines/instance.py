@@ -32,8 +32,9 @@ from prometheus_client import Gauge
 from ..config import ModelSpec
 from ..errors import EngineFailed, ProxyError
 from ..planning.hostmem import sleep_guess, sleep_levels
-from ..planning.memory import Held, Placement, Use
+from ..planning.memory import Held, Placement, Use, stop_path
 from ..planning.memory import sized as memory_sized
+from .breaker import barred_note
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
@@ -59,6 +60,7 @@ from .oracle import Oracle, check, record
 from .ports import EngineContext, no_hold
 from .progress import Progress
 from .readahead import Outcome
+from .rows import instance_row
 from .states import (
     ASLEEP_OR_FALLING,
     AWAKE,
@@ -70,10 +72,6 @@ from .states import (
 )
 
 log = logging.getLogger(__name__)
-
-
-#: After a broken engine connection: how long to look for the exit of an engine that seems alive.
-EXIT_LOOK_S = 0.25
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -366,7 +364,11 @@ class Instance:
             held.learned(engine.kv_measured)
         self._raise_if_stopped()
         if self.spec.warmup:
-            await self._warm_up(engine, self.spec.startup_timeout_s)
+            try:
+                await engine.warm_up(self.ctx.session, self.spec.startup_timeout_s, self.id)
+            except EngineFailed:
+                self._raise_if_stopped()  # stopped meanwhile: `Stopped`, not its failure
+                raise
             self._raise_if_stopped()
             seconds = self.ctx.queue.clock() - engine.started_at
         if self.spec.verify_wake:
@@ -411,21 +413,6 @@ class Instance:
         if need > 0:
             self.ctx.host.promise_start(self.name, self.id, need)
             stack.callback(self.ctx.host.settle, self.id)
-
-    async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
-        """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
-        try:
-            async with asyncio.timeout(timeout):
-                await engine.warmup(engine.client(self.ctx.session))
-        except (CallFailed, TimeoutError) as err:
-            why = str(err) or f"no answer within {timeout:g}s"
-            log.error("%s: warm-up failed: %s", self.id, why)
-            await engine.stop(STARTING_STOP_GRACE_S)
-            self._raise_if_stopped()
-            raise EngineFailed(
-                f"model '{self.name}': the engine's warm-up request failed",
-                code="engine_start_failed",
-            ) from None
 
     def _classify(self, err: ProxyError) -> ProxyError:
         """A failed start, by what the engine's log says (`failures.classify`)."""
@@ -525,9 +512,7 @@ class Instance:
     ) -> ProxyError:
         """`upstream_failure()`, after waiting (bounded) for the exit code when the engine
         process is gone, or briefly when it still seems alive."""
-        if engine.exit_code is None:
-            # A dying engine may still look alive for a moment: a short look, not a fixed wait.
-            await engine.wait_exit(EXIT_LOOK_S if engine.engine_alive() else KILL_WAIT_S)
+        await engine.look_for_exit()
         return self.upstream_failure(engine, cause)
 
     # -- stop ----------------------------------------------------------------------------
@@ -832,17 +817,9 @@ class Instance:
 
     def _check_failed(self, level: int) -> None:
         """Count a failed wake check; once that bars the level, say so (log, metric)."""
-        breaker = self.ctx.breaker
-        if not breaker.failed(self.host_key, level):
-            return
-        self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
-        usable = self.usable_level()
-        then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
-        log.error(
-            "model %s: its wakes from sleep level %d kept failing the wake check; it %s until"
-            " an operator clears it (POST /admin/models/%s/wake_check/clear)",
-            self.name, level, then, self.name,
-        )  # fmt: skip
+        if self.ctx.breaker.failed(self.host_key, level):
+            self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
+            log.error("%s", barred_note(self.name, level, self.usable_level()))
 
     def _abandon_wake(self, why: str, reason: str = "wake_failed") -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""
@@ -912,21 +889,13 @@ class Instance:
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
-            code: int | None
-            if engine.exit_code is not None:
-                code = await engine.stop(grace)  # gone already: its memory with it
-            elif self._owns_devices:  # its own start, wake or sleep holds the lock and waits
-                before = await self.ctx.memory.usage(engine.pid, self.devices)
+            path = stop_path(engine.exit_code is not None, self._owns_devices)
+            memory = self.ctx.memory
+            async with self._devices_held(Use.STOP) if path.locks else no_hold():
+                before = await memory.usage(engine.pid, self.devices) if path.waits else None
                 code = await engine.stop(grace)
-                await self.ctx.memory.wait_released(before)
-            else:
-                # Memory given back while a neighbour profiles its start fails that start
-                # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
-                # it until the driver has taken the memory back (beside wakes and other stops).
-                async with self._devices_held(Use.STOP):
-                    before = await self.ctx.memory.usage(engine.pid, self.devices)
-                    code = await engine.stop(grace)
-                    await self.ctx.memory.wait_released(before)
+                if path.waits:
+                    await memory.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None and not self._awaiting_devices:
             # (A start still queued for its devices spawns nothing once it gets them.)
@@ -946,28 +915,8 @@ class Instance:
     # -- views ---------------------------------------------------------------------------
 
     def status(self) -> dict[str, object]:
-        """What an operator sees of this instance; pid and port only while its process lives."""
-        engine = self.engine
-        live = engine is not None and engine.exit_code is None and self.state not in DOWN
-        up = self.state in AWAKE and live
-        return {
-            "id": self.id,
-            "state": self.state.public.value,
-            "phase": self.state.value,
-            "sleep_level": self.sleep_level if self.state in ASLEEP_OR_FALLING else 0,
-            "pid": engine.pid if live and engine else None,
-            "port": engine.tcp_port if live and engine else None,
-            "socket": engine.socket_path if live and engine else None,
-            "devices": list(self.devices) if self.state not in DOWN else [],
-            "leases": self.leases,
-            "last_used": self.last_used_wall,
-            "uptime_s": round(self.ctx.queue.clock() - self.ready_at, 3) if up else None,
-            "retired": self.retired,
-            "last_error": self.last_error,
-            "log": str(self.log_path),
-            "adapters": self.adapters.status(),
-            "host_pinned_mb": self.ctx.host.retained.get(self.id),
-        }
+        """What an operator sees of this instance (`rows.instance_row`)."""
+        return instance_row(self)
 
 
 def _forget(metric: Gauge, *labels: str) -> None:
