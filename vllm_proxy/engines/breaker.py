@@ -62,6 +62,15 @@ class WakeBreaker:
             return 2
         return None
 
+    def usable(
+        self, key: Key, policy: int | None, level: int | None, reloadable: bool
+    ) -> int | None:
+        """The level a sleep asked at `level` (None: the sleep policy's level, `policy`; None:
+        no sleep policy) takes (`allowed`); None: it does not sleep."""
+        if policy is None:
+            return None
+        return self.allowed(key, level or policy, reloadable)
+
     def levels_barred(self, name: str) -> list[int]:
         """The levels barred for model `name`, whatever its engine."""
         found: set[int] = set()

@@ -472,6 +472,24 @@ class EngineProcess:
         log.error("%s", self.failure_message(what))
         raise EngineTimeout(self.short_failure(what))
 
+    async def until_ready(
+        self,
+        session: aiohttp.ClientSession,
+        workers: int,
+        who: str,
+        profiled: Callable[[], None] | None = None,
+    ) -> float:
+        """`wait_ready`; for a start whose hold on its devices waits for the end of its memory
+        profiling (`profiled`: the hold relaxed), `wait_ready_profiled` over its `workers`."""
+        if profiled is None:
+            return await self.wait_ready(session)
+
+        def measured() -> None:
+            log.info("%s: memory profiled; its devices are shared from here", who)
+            profiled()
+
+        return await self.wait_ready_profiled(session, workers, measured)
+
     async def wait_ready_profiled(
         self, session: aiohttp.ClientSession, workers: int, profiled: Callable[[], None]
     ) -> float:

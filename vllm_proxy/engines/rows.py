@@ -3,6 +3,8 @@ instance, never written to it. Its pid, port and socket show only while its proc
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -22,16 +24,22 @@ class Shown(Protocol):
     devices: tuple[int, ...]
     leases: int
     ready_at: float
+    last_used: float
     retired: bool
     last_error: str | None
     adapters: Registrations
     ctx: EngineContext[Any]
 
     @property
-    def last_used_wall(self) -> float | None: ...
-
-    @property
     def log_path(self) -> Path: ...
+
+
+def wall_time(monotonic: float, clock: Callable[[], float]) -> float | None:
+    """A reading of `clock` (monotonic) as a Unix timestamp, for display; None for 0 (never:
+    an instance's `last_used` before its first use)."""
+    if not monotonic:
+        return None
+    return time.time() - (clock() - monotonic)
 
 
 def instance_row(inst: Shown) -> dict[str, object]:
@@ -51,7 +59,7 @@ def instance_row(inst: Shown) -> dict[str, object]:
         "socket": engine.socket_path if live and engine else None,
         "devices": list(inst.devices) if inst.state not in DOWN else [],
         "leases": inst.leases,
-        "last_used": inst.last_used_wall,
+        "last_used": wall_time(inst.last_used, inst.ctx.queue.clock),
         "uptime_s": round(inst.ctx.queue.clock() - inst.ready_at, 3) if up else None,
         "retired": inst.retired,
         "last_error": inst.last_error,
