@@ -6,7 +6,11 @@ OpenAI error `type` and `code`, and optional extra headers (e.g. `Retry-After`).
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 #: Seconds a client (or a load balancer) is told to wait before it retries a 503.
 RETRY_AFTER_S = 5
@@ -148,3 +152,13 @@ class Unavailable(ProxyError):
 
 class ConfigError(Exception):
     """A configuration file that cannot be used; the message names the key path."""
+
+
+def consume_exception(task: asyncio.Task[Any]) -> None:
+    """Done-callback for background tasks: takes their exception so that asyncio does not warn
+    of it; proxy errors are already reported, others are bugs and are logged."""
+    if task.cancelled():
+        return
+    exc = task.exception()
+    if exc is not None and not isinstance(exc, ProxyError):
+        log.error("background task failed", exc_info=exc)

@@ -370,6 +370,25 @@ class Metrics:
         self.instance_state.labels(model, instance, new).set(1)
         self.instances.labels(model, new).inc()
 
+    def instance_asleep(
+        self, model: str, instance: str, level: int, seconds: float, pinned: int | None
+    ) -> None:
+        """An engine's /sleep returned after `seconds` at `level`, pinning `pinned` MiB of host
+        RAM (None: not known)."""
+        if pinned is not None:
+            self.host_pinned.labels(model, instance).set(pinned)
+        self.transitions.labels(model, "sleep").observe(seconds)
+        self.sleep_level.labels(model, instance).set(level)
+
+    def instance_awake(self, model: str, instance: str, level: int, seconds: float) -> None:
+        """An engine woke from `level` after `seconds`."""
+        self.transitions.labels(model, f"wake_l{level}").observe(seconds)
+        self.sleep_level.labels(model, instance).set(0)
+
+    def forget_sleep(self, model: str, instance: str) -> None:
+        """An engine that slept is being stopped: no sleep level any more."""
+        _remove(self.sleep_level, model, instance)
+
     def forget_instance(self, model: str, instance: str) -> None:
         """Drop an ended instance's series (ids are never reused: they would pile up)."""
         for labels in _label_sets(self.instance_state):

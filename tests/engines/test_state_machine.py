@@ -221,7 +221,7 @@ def test_an_instance_up_after_it_was_retired_is_up_for_the_back_off(
     model.backoff.up = lambda key, started: ups.append((key.id, started))  # type: ignore[method-assign]
     inst = model._new_instance()
     inst.retired = True
-    inst.state = State.DRAINING  # what `Instance._awake_state` gives a retired instance
+    inst.state = State.DRAINING  # what `states.awake_state` gives a retired instance
     model._instance_changed(inst, old)
     assert ups == [("m#1", old is State.STARTING)]
     ups.clear()

@@ -62,6 +62,15 @@ class WakeBreaker:
             return 2
         return None
 
+    def usable(
+        self, key: Key, policy: int | None, level: int | None, reloadable: bool
+    ) -> int | None:
+        """The level a sleep asked at `level` (None: the sleep policy's level, `policy`; None:
+        no sleep policy) takes (`allowed`); None: it does not sleep."""
+        if policy is None:
+            return None
+        return self.allowed(key, level or policy, reloadable)
+
     def levels_barred(self, name: str) -> list[int]:
         """The levels barred for model `name`, whatever its engine."""
         found: set[int] = set()
@@ -87,3 +96,13 @@ class WakeBreaker:
             if model == name:
                 counts[str(level)] = max(n, counts.get(str(level), 0))
         return {"barred_levels": self.levels_barred(name), "failures_in_a_row": counts}
+
+
+def barred_note(name: str, level: int, usable: int | None) -> str:
+    """What the log says when model `name`'s wakes from `level` have just barred it, with the
+    level its sleeps take from now on (`usable`; None: it no longer sleeps)."""
+    then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
+    return (
+        f"model {name}: its wakes from sleep level {level} kept failing the wake check; it"
+        f" {then} until an operator clears it (POST /admin/models/{name}/wake_check/clear)"
+    )

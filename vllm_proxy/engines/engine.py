@@ -44,6 +44,8 @@ STARTING_STOP_GRACE_S = 2.0
 KILL_WAIT_S = 10.0
 #: After asking the guard to kill its engine tree: when the group gets SIGKILL regardless.
 GUARD_KILL_S = 1.0
+#: After a broken engine connection: how long to look for the exit of an engine that seems alive.
+EXIT_LOOK_S = 0.25
 #: Readiness polling: from 5 ms, backing off to 20 ms (a refused connect costs microseconds).
 POLL_FIRST_S, POLL_MAX_S = 0.005, 0.02
 LOG_TAIL_LINES = 20
@@ -396,6 +398,14 @@ class EngineProcess:
             await asyncio.wait_for(self._exited.wait(), timeout)
         return self.exit_code
 
+    async def look_for_exit(self) -> int | None:
+        """The exit code of an engine whose connection broke: waited for (bounded) when its
+        process is gone, looked for briefly when it still seems alive (a dying engine may look
+        alive for a moment: a short look, not a fixed wait)."""
+        if self.exit_code is None:
+            await self.wait_exit(EXIT_LOOK_S if self.engine_alive() else KILL_WAIT_S)
+        return self.exit_code
+
     def short_failure(self, what: str) -> str:
         """What a client may see: the model, what happened and the exit code or signal."""
         code = self.exit_code
@@ -461,6 +471,24 @@ class EngineProcess:
         what = f"not ready after {self.spec.startup_timeout_s:g}s, stopped"
         log.error("%s", self.failure_message(what))
         raise EngineTimeout(self.short_failure(what))
+
+    async def until_ready(
+        self,
+        session: aiohttp.ClientSession,
+        workers: int,
+        who: str,
+        profiled: Callable[[], None] | None = None,
+    ) -> float:
+        """`wait_ready`; for a start whose hold on its devices waits for the end of its memory
+        profiling (`profiled`: the hold relaxed), `wait_ready_profiled` over its `workers`."""
+        if profiled is None:
+            return await self.wait_ready(session)
+
+        def measured() -> None:
+            log.info("%s: memory profiled; its devices are shared from here", who)
+            profiled()
+
+        return await self.wait_ready_profiled(session, workers, measured)
 
     async def wait_ready_profiled(
         self, session: aiohttp.ClientSession, workers: int, profiled: Callable[[], None]
@@ -655,6 +683,21 @@ class EngineProcess:
                 await self.pool(session, "Hello")
             return
         await self.complete(session, {"prompt": "Hello", "max_tokens": 1, "temperature": 0})
+
+    async def warm_up(self, session: aiohttp.ClientSession, timeout: float, who: str) -> None:
+        """A start's warm-up (`warmup`) within `timeout`; when it fails the engine is stopped
+        and `EngineFailed` raised (logged for instance `who`)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self.warmup(self.client(session))
+        except (CallFailed, TimeoutError) as err:
+            why = str(err) or f"no answer within {timeout:g}s"
+            log.error("%s: warm-up failed: %s", who, why)
+            await self.stop(STARTING_STOP_GRACE_S)
+            raise EngineFailed(
+                f"model '{self.spec.name}': the engine's warm-up request failed",
+                code="engine_start_failed",
+            ) from None
 
     async def complete(
         self, session: aiohttp.ClientSession, body: dict[str, object]

@@ -1,20 +1,27 @@
 """How an instance's start, wake or sleep ends badly, as errors its model acts on: a failed start
-classified by its engine's log (`classify`), what an operator's refused sleep and a request whose
-engine broke are told."""
+classified by its engine's log (`classify`), a failed wake or sleep by what it raised
+(`wake_failure`, `sleep_failure`), what an operator's refused sleep and a request whose engine
+broke are told."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from ..engine_args import start_failure
 from ..errors import Conflict, EngineFailed, ProxyError, Unavailable
-from .engine import EngineProcess
+from .engine import CallFailed, EngineProcess, read_tail
 
 log = logging.getLogger(__name__)
 
 
 class Stopped(Unavailable):
     """The instance was stopped (unloaded, retired by a reload, shut down) while starting."""
+
+
+def stopped_while(name: str, what: str) -> Stopped:
+    """Model `name`'s instance was stopped while `what` (starting, asleep, waking)."""
+    return Stopped(f"model '{name}' was stopped while {what}", code="stopped")
 
 
 class OutOfMemory(EngineFailed):
@@ -55,6 +62,48 @@ def classify(err: ProxyError, tail: str) -> ProxyError:
     if kind == "oom":
         return OutOfMemory(err.message, code="insufficient_gpu_memory")
     return err
+
+
+@dataclass(frozen=True)
+class CallFailure:
+    """How an instance's /sleep or wake (its /wake_up, wake check or warm-up) ended badly; the
+    engine is stopped for it."""
+
+    #: What went wrong, for the proxy's log.
+    why: str
+    #: The restart it counts as (``vllm_proxy_restarts_total``'s reason).
+    reason: str
+    #: Neither the engine's answer nor its time running out: a bug or an OS error (logged with
+    #: its traceback).
+    bug: bool = False
+    #: The woken engine answered the check request wrongly: counted against its level
+    #: (`breaker`).
+    wrong_answer: bool = False
+
+
+def wake_failure(err: Exception, timeout: float) -> CallFailure:
+    """A wake that raised `err` (its time was `timeout`)."""
+    if isinstance(err, WrongAnswer):
+        return CallFailure(f"oracle mismatch: {err}", "wake_verify_failed", wrong_answer=True)
+    if isinstance(err, CallFailed | TimeoutError):
+        return CallFailure(str(err) or f"not awake within {timeout:g}s", "wake_failed")
+    return CallFailure(type(err).__name__, "wake_failed", bug=True)
+
+
+def sleep_failure(err: Exception, timeout: float) -> CallFailure:
+    """A /sleep call that raised `err` (its time was `timeout`)."""
+    bug = not isinstance(err, CallFailed | TimeoutError)
+    return CallFailure(str(err) or f"no answer within {timeout:g}s", "sleep_failed", bug=bug)
+
+
+def classify_start(
+    err: ProxyError, devices: tuple[int, ...], engine: EngineProcess | None
+) -> ProxyError:
+    """A failed start: classified by its engine's log (`classify`) where it was placed on
+    `devices` and its `engine` spawned, else `err` as it is."""
+    if not devices or engine is None:
+        return err
+    return classify(err, read_tail(engine.log_path, lines=200))
 
 
 def level_barred(name: str, level: int) -> Conflict:

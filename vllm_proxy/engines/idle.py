@@ -60,6 +60,15 @@ class Idler(Protocol):
 
 I = TypeVar("I", bound=Idler)  # noqa: E741
 
+#: Where an instance without a lease idles: serving, or put to sleep.
+IDLE_STATES = frozenset({State.RUNNING, State.FALLING_ASLEEP, State.SLEEPING})
+
+
+def idles(state: State, leases: int, retired: bool, wake_asked: bool) -> bool:
+    """Whether an instance's idle timers run: in `IDLE_STATES` with no lease, not retired (it
+    drains) and no wake asked for (a request waits for it)."""
+    return state in IDLE_STATES and leases == 0 and not retired and not wake_asked
+
 
 class IdleTimers(Generic[I]):
     """The stop, sleep and downscale timers of one instance (see the module docstring)."""

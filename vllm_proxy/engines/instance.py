@@ -20,45 +20,43 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
 
-import aiohttp
-from prometheus_client import Gauge
-
 from ..config import ModelSpec
-from ..errors import EngineFailed, ProxyError
+from ..errors import EngineFailed, ProxyError, consume_exception
 from ..planning.hostmem import sleep_guess, sleep_levels
-from ..planning.memory import Held, Placement, Use
+from ..planning.memory import Placement, Use, stop_path
 from ..planning.memory import sized as memory_sized
+from .breaker import barred_note
 from .engine import (
     KILL_WAIT_S,
     STARTING_STOP_GRACE_S,
-    CallFailed,
     EngineProcess,
     address_for,
     log_path,
-    read_tail,
 )
 from .failures import (
     Stopped,
     WakeFailed,
-    WrongAnswer,
-    classify,
+    classify_start,
     level_barred,
     no_level_fits,
+    sleep_failure,
+    stopped_while,
     upstream_error,
+    wake_failure,
 )
 from .health import watch_health
-from .idle import IdleTimers, ReplicaPolicy
+from .idle import IdleTimers, ReplicaPolicy, idles
 from .lora import Registrations
-from .oracle import Oracle, check, record
+from .oracle import Oracle, record, verify
 from .ports import EngineContext, no_hold
 from .progress import Progress
 from .readahead import Outcome
+from .rows import instance_row
 from .states import (
     ASLEEP_OR_FALLING,
     AWAKE,
@@ -67,13 +65,10 @@ from .states import (
     TRANSITIONS,
     InvalidTransition,
     State,
+    awake_state,
 )
 
 log = logging.getLogger(__name__)
-
-
-#: After a broken engine connection: how long to look for the exit of an engine that seems alive.
-EXIT_LOOK_S = 0.25
 
 
 #: Called by an instance after each of its state changes: (instance, old state).
@@ -204,23 +199,14 @@ class Instance:
         """The level a sleep asked at `level` (default: its policy's) may take, given the
         levels whose wakes kept failing the wake check (`breaker`); None: it does not sleep
         (no sleep policy, or every usable level barred: kept as with ``sleep: null``)."""
-        policy = self.spec.sleep
-        if policy is None:
-            return None
-        return self.ctx.breaker.allowed(self.host_key, level or policy.level, self.spec.reloadable)
+        policy = self.spec.sleep.level if self.spec.sleep is not None else None
+        return self.ctx.breaker.usable(self.host_key, policy, level, self.spec.reloadable)
 
     @property
     def wake_asked(self) -> bool:
         """A wake was asked for and has not ended (it may wait for the /sleep call in flight):
         a request waits for this instance, it is not idle."""
         return self._wake_task is not None
-
-    @property
-    def last_used_wall(self) -> float | None:
-        """`last_used` as a Unix timestamp, for display (None: never used)."""
-        if not self.last_used:
-            return None
-        return time.time() - (self.ctx.queue.clock() - self.last_used)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -277,10 +263,8 @@ class Instance:
 
     def rearm_idle(self) -> None:
         """Restart the idle timers with the (reloaded) spec's timeouts, if it is idle."""
-        idle = (State.RUNNING, State.FALLING_ASLEEP, State.SLEEPING)
-        if self.state in idle and self.leases == 0:
-            if not self.retired and not self.wake_asked:  # a wake: a request waits
-                self.timers.arm()
+        if idles(self.state, self.leases, self.retired, self.wake_asked):
+            self.timers.arm()
 
     # -- start ---------------------------------------------------------------------------
 
@@ -329,7 +313,7 @@ class Instance:
         except Stopped:
             raise  # stopped while starting: the stop owns the state
         except ProxyError as err:
-            err = self._classify(err)
+            err = classify_start(err, self.devices, self.engine)
             self._fail(err.message)
             raise err from None
 
@@ -338,11 +322,11 @@ class Instance:
         alone while its vLLM profiles their memory (until its log says every worker has
         measured), beside other allocations from the start when it is told its KV cache size
         (`memory.sized`). A measured KV cache size is given to the model's later starts."""
-        devices = self.devices
         sized = memory_sized(self.spec, self.placement)
-        lock = self.ctx.memory.starting_on(devices, self.id, sized)
+        lock = self.ctx.memory.starting_on(self.devices, self.id, sized)
         async with contextlib.AsyncExitStack() as stack:
-            self._promise_start_host(stack)
+            need = self.ctx.memory.start_host_mb(self.spec)  # promised until the start ends
+            stack.enter_context(self.ctx.host.start_promised(self.name, self.id, need))
             self._awaiting_devices = True
             try:
                 held = await stack.enter_async_context(lock)
@@ -353,7 +337,9 @@ class Instance:
             try:
                 engine = await self._spawn()
                 try:
-                    seconds = await self._until_ready(engine, held, sized)
+                    relax = None if held is None or sized else held.profiled
+                    workers = max(len(self.devices), 1)
+                    seconds = await engine.until_ready(self.ctx.session, workers, self.id, relax)
                 except ProxyError:
                     if held is not None and sized:
                         held.failed()  # the size it was told may be what failed it
@@ -366,23 +352,26 @@ class Instance:
             held.learned(engine.kv_measured)
         self._raise_if_stopped()
         if self.spec.warmup:
-            await self._warm_up(engine, self.spec.startup_timeout_s)
+            try:
+                await engine.warm_up(self.ctx.session, self.spec.startup_timeout_s, self.id)
+            except EngineFailed:
+                self._raise_if_stopped()  # stopped meanwhile: `Stopped`, not its failure
+                raise
             self._raise_if_stopped()
-            seconds = self.ctx.queue.clock() - engine.started_at
         if self.spec.verify_wake:
             self.oracle = await record(
                 engine, self.ctx.session, self.spec.startup_timeout_s, self.id
             )
             self._raise_if_stopped()
+        if self.spec.warmup or self.spec.verify_wake:  # timed to its end
             seconds = self.ctx.queue.clock() - engine.started_at
         self.ctx.metrics.starts.labels(self.name).observe(seconds)
         self.ctx.admission.timed(self.spec, "start", seconds)
         self.ctx.metrics.transitions.labels(self.name, "cold_start").observe(seconds)
         log.info("%s: ready on %s after %.2fs", self.id, engine.endpoint, seconds)
         self.ready_at = self.ctx.queue.clock()
-        self._set_state(self._awake_state())
+        self._set_state(awake_state(self.retired))
         if engine.exit_code is not None:  # died in the moment after its healthy answer
-            self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._exited(engine, "exited right after becoming ready")
             return
         if self.leases == 0:
@@ -391,59 +380,11 @@ class Instance:
             watcher = asyncio.ensure_future(watch_health(self, engine, self.ctx.session))
             watcher.add_done_callback(consume_exception)
 
-    async def _until_ready(self, engine: EngineProcess, held: Held | None, sized: bool) -> float:
-        """`engine.wait_ready`; a measuring start's hold on its devices (`held`) is relaxed once
-        every worker has measured its memory (`EngineProcess.wait_ready_profiled`)."""
-        if held is None or sized:
-            return await engine.wait_ready(self.ctx.session)
-
-        def profiled() -> None:
-            log.info("%s: memory profiled; its devices are shared from here", self.id)
-            held.profiled()
-
-        workers = max(len(self.devices), 1)
-        return await engine.wait_ready_profiled(self.ctx.session, workers, profiled)
-
-    def _promise_start_host(self, stack: contextlib.AsyncExitStack) -> None:
-        """The host RAM its engine pins as it starts, promised until the start ends
-        (`HostRam.promise_start`: `Unavailable` when it is not there)."""
-        need = self.ctx.memory.start_host_mb(self.spec)
-        if need > 0:
-            self.ctx.host.promise_start(self.name, self.id, need)
-            stack.callback(self.ctx.host.settle, self.id)
-
-    async def _warm_up(self, engine: EngineProcess, timeout: float) -> None:
-        """The warm-up completion; `EngineFailed` (the engine is stopped) when it fails."""
-        try:
-            async with asyncio.timeout(timeout):
-                await engine.warmup(engine.client(self.ctx.session))
-        except (CallFailed, TimeoutError) as err:
-            why = str(err) or f"no answer within {timeout:g}s"
-            log.error("%s: warm-up failed: %s", self.id, why)
-            await engine.stop(STARTING_STOP_GRACE_S)
-            self._raise_if_stopped()
-            raise EngineFailed(
-                f"model '{self.name}': the engine's warm-up request failed",
-                code="engine_start_failed",
-            ) from None
-
-    def _classify(self, err: ProxyError) -> ProxyError:
-        """A failed start, by what the engine's log says (`failures.classify`)."""
-        if not self.devices or self.engine is None:
-            return err
-        return classify(err, read_tail(self.engine.log_path, lines=200))
-
     async def _spawn(self) -> EngineProcess:
         address = address_for(self.spec, self.id, self.ctx.ports)
-        p = self.placement
-        engine = self.ctx.engine_factory(
-            self.spec,
-            address,
-            self.log_path,
-            tag=self.ctx.registry.tag,
-            overrides=p.overrides if p else None,
-            env=p.env if p else None,
-        )
+        overrides, env = (p.overrides, p.env) if (p := self.placement) else (None, None)
+        factory, tag = self.ctx.engine_factory, self.ctx.registry.tag
+        engine = factory(self.spec, address, self.log_path, tag=tag, overrides=overrides, env=env)
         try:
             await engine.spawn()
         except OSError as err:
@@ -468,13 +409,9 @@ class Instance:
         """The timing its next /sleep is measured as: its engine's first, or a later one."""
         return "sleep" if self.slept_at_1 else "first sleep"
 
-    def _awake_state(self) -> State:
-        """Where a start or a wake ends: RUNNING, or DRAINING when it was retired meanwhile."""
-        return State.DRAINING if self.retired else State.RUNNING
-
     def _raise_if_stopped(self) -> None:
         if self.state is not State.STARTING:
-            raise Stopped(f"model '{self.name}' was stopped while starting", code="stopped")
+            raise stopped_while(self.name, "starting")
 
     def _fail(self, message: str, end: State = State.ERROR) -> None:
         """The engine is gone or unusable: ERROR, or `end` (unless a stop got there first)."""
@@ -490,7 +427,6 @@ class Instance:
         await engine.wait_exit()
         assert engine.pid is not None
         if self.state in LIVE and self.engine is engine:
-            self.ctx.metrics.restarts.labels(self.name, "crash").inc()
             self._exited(engine, "exited unexpectedly")
         if engine.tcp_port is not None:
             self.ctx.ports.release(engine.tcp_port)
@@ -500,7 +436,8 @@ class Instance:
             log.error("%s: cannot update the engine registry: %s", self.id, err)
 
     def _exited(self, engine: EngineProcess, what: str) -> None:
-        """The engine is gone: the log tail to the proxy's log, the short cause to clients."""
+        """The engine crashed: the log tail to the proxy's log, the short cause to clients."""
+        self.ctx.metrics.restarts.labels(self.name, "crash").inc()
         log.error("%s", engine.failure_message(what))
         self._fail(engine.short_failure(what))
 
@@ -513,22 +450,14 @@ class Instance:
         self._fail(f"model '{self.name}': engine not healthy: {why}; killed", State.UNHEALTHY)
         engine.kill()
 
-    def upstream_failure(
-        self, engine: EngineProcess, cause: BaseException | None = None
-    ) -> ProxyError:
-        """What a request whose engine connection broke is told (`failures.upstream_error`)."""
-        reason = self.unhealthy_reason if self.unhealthy else None
-        return upstream_error(self.name, self.id, reason, engine, cause)
-
     async def upstream_failure_after_exit(
         self, engine: EngineProcess, cause: BaseException | None = None
     ) -> ProxyError:
-        """`upstream_failure()`, after waiting (bounded) for the exit code when the engine
-        process is gone, or briefly when it still seems alive."""
-        if engine.exit_code is None:
-            # A dying engine may still look alive for a moment: a short look, not a fixed wait.
-            await engine.wait_exit(EXIT_LOOK_S if engine.engine_alive() else KILL_WAIT_S)
-        return self.upstream_failure(engine, cause)
+        """What a request whose engine connection broke is told (`failures.upstream_error`),
+        once the engine's exit was looked for (`EngineProcess.look_for_exit`)."""
+        await engine.look_for_exit()
+        reason = self.unhealthy_reason if self.unhealthy else None
+        return upstream_error(self.name, self.id, reason, engine, cause)
 
     # -- stop ----------------------------------------------------------------------------
 
@@ -546,8 +475,7 @@ class Instance:
 
     def evict(self, reason: str) -> asyncio.Task[None] | None:
         """Stop now if awake (RUNNING or DRAINING) with no lease, or put to sleep (asleep or
-        falling asleep), else do nothing;
-        decided without yielding.
+        falling asleep), else do nothing; decided without yielding.
 
         Returns the task finishing the stop, or None when the instance was not evictable.
         """
@@ -677,10 +605,7 @@ class Instance:
         self.slept_at_1 = self.slept_at_1 or level == 1
         self.ctx.host.slept(self.id, self.host_key, level, grown, self._pin_guess(level), seen)
         pinned = self.ctx.host.retained.get(self.id)
-        if pinned is not None:
-            self.ctx.metrics.host_pinned.labels(self.name, self.id).set(pinned)
-        self.ctx.metrics.transitions.labels(self.name, "sleep").observe(seconds)
-        self.ctx.metrics.sleep_level.labels(self.name, self.id).set(level)
+        self.ctx.metrics.instance_asleep(self.name, self.id, level, seconds, pinned)
         held = f", {residue} MiB per GPU still held" if residue is not None else ""
         log.info("%s: asleep at level %d after %.2fs (%s)%s", self.id, level, seconds, reason, held)
         self.ctx.memory.sleep_claim(self.id, residue, level)
@@ -688,19 +613,19 @@ class Instance:
             self.read_ahead("asleep at level 2")
         self._set_state(State.SLEEPING)  # memory came back: waiters re-plan
         self.ctx.pool.on_capacity()
-        idle = self.leases == 0 and not self.retired and not self.wake_asked
+        idle = idles(self.state, self.leases, self.retired, self.wake_asked)
         if idle and not self.timers.stop_armed:
             self.timers.arm()  # only the stop timer: it is not RUNNING
 
     def _sleep_failed(self, engine: EngineProcess, err: Exception) -> None:
         """A /sleep that failed or ran out of time: stop the engine (begun at once, so that the
         lock is kept until it is down)."""
-        if not isinstance(err, CallFailed | TimeoutError):
+        failure = sleep_failure(err, self.spec.sleep_timeout_s)
+        if failure.bug:
             log.error("%s: sleep failed", self.id, exc_info=err)
         if self.state is State.FALLING_ASLEEP and self.engine is engine:
-            why = str(err) or f"no answer within {self.spec.sleep_timeout_s:g}s"
-            log.error("%s: sleep failed (%s); stopping the engine", self.id, why)
-            self.ctx.metrics.restarts.labels(self.name, "sleep_failed").inc()
+            log.error("%s: sleep failed (%s); stopping the engine", self.id, failure.why)
+            self.ctx.metrics.restarts.labels(self.name, failure.reason).inc()
             self._begin_stop()
 
     @asynccontextmanager
@@ -747,7 +672,7 @@ class Instance:
         if self.state in AWAKE:
             return
         if self.state is not State.SLEEPING or self.engine is None:
-            raise Stopped(f"model '{self.name}' was stopped while asleep", code="stopped")
+            raise stopped_while(self.name, "asleep")
         engine = self.engine
         self.timers.cancel()
         self._set_state(State.WAKE_WAITING)
@@ -763,7 +688,7 @@ class Instance:
             log.exception("%s: admission of the wake failed", self.id)
             return await self._wake_failed(type(err).__name__)
         if self.state is not State.WAKE_WAITING:
-            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+            raise stopped_while(self.name, "waking")
         self._set_state(State.WAKING)
         # Timed from here, a wait for the devices' lock (behind a start or a sleep) included:
         # what the next request for it waits, which the scheduler prices a sleep by. Timed
@@ -771,7 +696,7 @@ class Instance:
         # 0.2 and 0.5 requests/s in the density benchmark (more sleeps where wakes queue).
         started = self.ctx.queue.clock()
         level = self.sleep_level
-        failure: str | None = None
+        failed: str | None = None
         # Not while another engine's start profiles these devices (it would count the wake's
         # allocations as its own) or one sleeps there (vLLM asserts the device's usage went
         # down); beside other wakes, sized starts and stops. Bounded by that start or sleep.
@@ -780,69 +705,48 @@ class Instance:
             try:
                 async with asyncio.timeout(self.spec.wake_timeout_s):
                     if self.state is not State.WAKING:
-                        raise Stopped(f"model '{self.name}' was stopped while waking",
-                                      code="stopped")  # fmt: skip
+                        raise stopped_while(self.name, "waking")
                     client = engine.client(self.ctx.session)
                     await engine.wake(client, level)
                     if self.oracle is not None:  # (the check warms it up too)
-                        await self._verify(engine, client, self.oracle)
+                        observe = self.ctx.metrics.wake_verify.labels(self.name).observe
+                        edp, clock = self.spec.expert_data_parallel, self.ctx.queue.clock
+                        await verify(engine, client, self.oracle, edp, self.id, clock, observe)
                     elif self.spec.warmup:
                         await engine.warmup(client)
             except Stopped:
                 raise
-            except WrongAnswer as err:
-                failure = f"oracle mismatch: {err}"
-                self.ctx.metrics.wake_verify_failures.labels(self.name, str(level)).inc()
-                self._abandon_wake(failure, "wake_verify_failed")
-                self._check_failed(level)
-            except (CallFailed, TimeoutError) as err:
-                failure = str(err) or f"not awake within {self.spec.wake_timeout_s:g}s"
-                self._abandon_wake(failure)
-            except Exception as err:  # a bug or an OS error: never left half-woken
-                log.exception("%s: wake failed", self.id)
-                failure = type(err).__name__
-                self._abandon_wake(failure)
-        if failure is not None:
-            return await self._wake_failed(failure)
+            except Exception as err:  # failed, late, a wrong answer, a bug: never half-woken
+                failure = wake_failure(err, self.spec.wake_timeout_s)
+                if failure.bug:
+                    log.error("%s: wake failed", self.id, exc_info=err)
+                failed = failure.why
+                self._abandon_wake(failure.why, failure.reason)
+                if failure.wrong_answer:
+                    self.ctx.metrics.wake_verify_failures.labels(self.name, str(level)).inc()
+                    self._check_failed(level)
+        if failed is not None:
+            return await self._wake_failed(failed)
         if self.state is not State.WAKING or self.engine is not engine:
-            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+            raise stopped_while(self.name, "waking")
         seconds = self.ctx.queue.clock() - started
-        self.ctx.metrics.transitions.labels(self.name, f"wake_l{level}").observe(seconds)
+        self.ctx.metrics.instance_awake(self.name, self.id, level, seconds)
         self.ctx.admission.timed(self.spec, "wake", seconds)
-        self.ctx.metrics.sleep_level.labels(self.name, self.id).set(0)
         log.info("%s: awake after %.2fs (level %d)", self.id, seconds, level)
         if self.oracle is not None:
             self.ctx.breaker.passed(self.host_key, level)
         if level >= 2:  # the adapters' GPU copies went with the weights: registered again
             self.adapters.reset()
         self.sleep_level = 0
-        self._set_state(self._awake_state())
+        self._set_state(awake_state(self.retired))
         if self.leases == 0 and self.routable:
             self.timers.arm()
 
-    async def _verify(
-        self, engine: EngineProcess, client: aiohttp.ClientSession, oracle: Oracle
-    ) -> None:
-        """The wake check (`oracle.check`), timed; `WrongAnswer` when it failed."""
-        began = self.ctx.queue.clock()
-        why = await check(engine, client, oracle, self.spec.expert_data_parallel, self.id)
-        self.ctx.metrics.wake_verify.labels(self.name).observe(self.ctx.queue.clock() - began)
-        if why is not None:
-            raise WrongAnswer(why)
-
     def _check_failed(self, level: int) -> None:
         """Count a failed wake check; once that bars the level, say so (log, metric)."""
-        breaker = self.ctx.breaker
-        if not breaker.failed(self.host_key, level):
-            return
-        self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
-        usable = self.usable_level()
-        then = "no longer sleeps" if usable is None else f"sleeps at level {usable} instead"
-        log.error(
-            "model %s: its wakes from sleep level %d kept failing the wake check; it %s until"
-            " an operator clears it (POST /admin/models/%s/wake_check/clear)",
-            self.name, level, then, self.name,
-        )  # fmt: skip
+        if self.ctx.breaker.failed(self.host_key, level):
+            self.ctx.metrics.sleep_level_barred.labels(self.name, str(level)).set(1)
+            log.error("%s", barred_note(self.name, level, self.usable_level()))
 
     def _abandon_wake(self, why: str, reason: str = "wake_failed") -> None:
         """A failed wake: begin the stop at once (still holding the devices' lock)."""
@@ -858,7 +762,7 @@ class Instance:
         if self.state in (State.WAKE_WAITING, State.WAKING):
             self._abandon_wake(why)
         elif not self._woken_in_vain:  # stopped meanwhile (unload, shutdown, eviction)
-            raise Stopped(f"model '{self.name}' was stopped while waking", code="stopped")
+            raise stopped_while(self.name, "waking")
         if self._stopping is not None:
             await asyncio.shield(self._stopping)
         raise WakeFailed(f"model '{self.name}': the engine did not wake; restarting it",
@@ -902,7 +806,7 @@ class Instance:
         """Enter STOPPING synchronously (no new lease from here on) and start the stop task."""
         starting = self.state is State.STARTING
         if self.sleep_level or self.state in ASLEEP_OR_FALLING:
-            _forget(self.ctx.metrics.sleep_level, self.name, self.id)
+            self.ctx.metrics.forget_sleep(self.name, self.id)
         self.timers.cancel()
         self._set_state(State.STOPPING)
         self._stopping = asyncio.ensure_future(self._finish_stop(self.engine, starting))
@@ -912,21 +816,14 @@ class Instance:
     async def _finish_stop(self, engine: EngineProcess | None, starting: bool) -> None:
         if engine is not None:
             grace = STARTING_STOP_GRACE_S if starting else self.spec.stop_timeout_s
-            code: int | None
-            if engine.exit_code is not None:
-                code = await engine.stop(grace)  # gone already: its memory with it
-            elif self._owns_devices:  # its own start, wake or sleep holds the lock and waits
-                before = await self.ctx.memory.usage(engine.pid, self.devices)
+            # Gone already, its own start/wake/sleep holding the lock, or under the lock:
+            path = stop_path(engine.exit_code is not None, self._owns_devices)
+            memory = self.ctx.memory
+            async with self._devices_held(Use.STOP) if path.locks else no_hold():
+                before = await memory.usage(engine.pid, self.devices) if path.waits else None
                 code = await engine.stop(grace)
-                await self.ctx.memory.wait_released(before)
-            else:
-                # Memory given back while a neighbour profiles its start fails that start
-                # (vLLM's "Error in memory profiling"): stop under the devices' lock, and keep
-                # it until the driver has taken the memory back (beside wakes and other stops).
-                async with self._devices_held(Use.STOP):
-                    before = await self.ctx.memory.usage(engine.pid, self.devices)
-                    code = await engine.stop(grace)
-                    await self.ctx.memory.wait_released(before)
+                if path.waits:
+                    await memory.wait_released(before)
             log.info("%s: engine stopped (exit code %s)", self.id, code)
         if starting and self._start_task is not None and not self._awaiting_devices:
             # (A start still queued for its devices spawns nothing once it gets them.)
@@ -946,40 +843,5 @@ class Instance:
     # -- views ---------------------------------------------------------------------------
 
     def status(self) -> dict[str, object]:
-        """What an operator sees of this instance; pid and port only while its process lives."""
-        engine = self.engine
-        live = engine is not None and engine.exit_code is None and self.state not in DOWN
-        up = self.state in AWAKE and live
-        return {
-            "id": self.id,
-            "state": self.state.public.value,
-            "phase": self.state.value,
-            "sleep_level": self.sleep_level if self.state in ASLEEP_OR_FALLING else 0,
-            "pid": engine.pid if live and engine else None,
-            "port": engine.tcp_port if live and engine else None,
-            "socket": engine.socket_path if live and engine else None,
-            "devices": list(self.devices) if self.state not in DOWN else [],
-            "leases": self.leases,
-            "last_used": self.last_used_wall,
-            "uptime_s": round(self.ctx.queue.clock() - self.ready_at, 3) if up else None,
-            "retired": self.retired,
-            "last_error": self.last_error,
-            "log": str(self.log_path),
-            "adapters": self.adapters.status(),
-            "host_pinned_mb": self.ctx.host.retained.get(self.id),
-        }
-
-
-def _forget(metric: Gauge, *labels: str) -> None:
-    with contextlib.suppress(KeyError):
-        metric.remove(*labels)
-
-
-def consume_exception(task: asyncio.Task[None]) -> None:
-    """Done-callback for background tasks: takes their exception so that asyncio does not warn
-    of it; proxy errors are already reported, others are bugs and are logged."""
-    if task.cancelled():
-        return
-    exc = task.exception()
-    if exc is not None and not isinstance(exc, ProxyError):
-        log.error("background task failed", exc_info=exc)
+        """What an operator sees of this instance (`rows.instance_row`)."""
+        return instance_row(self)

@@ -21,14 +21,15 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from ..config import ModelSpec
-from ..errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable
+from ..errors import Conflict, EngineFailed, NotFound, ProxyError, Unavailable, consume_exception
 from ..planning.queueing import Rank
 from .autoscale import Autoscaler
 from .backoff import Backoff
 from .engine import EngineProcess, PortInUse, prune_logs
 from .failures import KvCacheShort, OutOfMemory, ProfilingDisturbed, Stopped, WakeFailed
-from .instance import Instance, consume_exception
+from .instance import Instance
 from .ports import EngineContext
+from .rows import wall_time
 from .states import ASLEEP_OR_FALLING, AWAKE, DORMANT, DOWN, State
 
 log = logging.getLogger(__name__)
@@ -677,7 +678,7 @@ class Model:
 
     def status(self) -> dict[str, object]:
         """What an operator sees of the model and its instances."""
-        last = self.last_ended
+        last, clock = self.last_ended, self.ctx.queue.clock
         return {
             "name": self.name,
             "model": self.spec.model,
@@ -700,8 +701,10 @@ class Model:
             "last_error": self.last_error,
             "pinned": self.pinned,
             "draining": self.draining,
-            "last_used": max((i.last_used_wall or 0.0 for i in self.instances), default=0.0)
-            or (last.last_used_wall if last else None),
+            "last_used": max(
+                (wall_time(i.last_used, clock) or 0.0 for i in self.instances), default=0.0
+            )
+            or (wall_time(last.last_used, clock) if last else None),
             "instances": [i.status() for i in self.instances],
             "last_instance": last.status() if last is not None else None,
             "adapters": self.adapter_status(),

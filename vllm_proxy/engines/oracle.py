@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
 
 from .engine import CallFailed, EngineProcess
+from .failures import WrongAnswer
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +143,24 @@ async def record(
         why = str(err) or f"no answer within {timeout:g}s"
         log.warning("%s: its wakes will not be checked: the check request failed: %s", who, why)
         return None
+
+
+async def verify(
+    engine: EngineProcess,
+    client: aiohttp.ClientSession,
+    oracle: Oracle,
+    first_only: bool,
+    who: str,
+    clock: Callable[[], float],
+    observe: Callable[[float], None],
+) -> None:
+    """The wake check (`check`) of instance `who`, its seconds by `clock` told to `observe`
+    whatever its outcome; `WrongAnswer` when it failed."""
+    began = clock()
+    why = await check(engine, client, oracle, first_only, who)
+    observe(clock() - began)
+    if why is not None:
+        raise WrongAnswer(why)
 
 
 async def check(

@@ -48,6 +48,11 @@ class State(enum.Enum):
         return _PUBLIC.get(self, self)
 
 
+def awake_state(retired: bool) -> State:
+    """Where a start or a wake ends: RUNNING, or DRAINING for an instance retired meanwhile."""
+    return State.DRAINING if retired else State.RUNNING
+
+
 _PUBLIC = {
     State.NEW: State.STOPPED,
     State.DRAINING: State.RUNNING,

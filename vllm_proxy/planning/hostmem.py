@@ -34,9 +34,10 @@ file cache there, and is not added.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -353,6 +354,18 @@ class HostRam:
         grown = None if mark.rss_mb is None or rss is None else rss - mark.rss_mb
         shared = None if mark.shmem_mb is None or shmem is None else shmem - mark.shmem_mb
         return grown, max((v for v in (shared, backed) if v is not None), default=None)
+
+    @contextlib.contextmanager
+    def start_promised(self, model: str, instance_id: str, need_mb: int) -> Iterator[None]:
+        """`promise_start` for the block (nothing where its engine pins nothing)."""
+        if need_mb <= 0:
+            yield
+            return
+        self.promise_start(model, instance_id, need_mb)
+        try:
+            yield
+        finally:
+            self.settle(instance_id)
 
     def settle(self, instance_id: str) -> None:
         """The sleep returned (its pinned memory now shows as used) or failed."""

@@ -212,6 +212,38 @@ def beside(a: Use, b: Use) -> bool:
     return frozenset((a, b)) in BESIDE
 
 
+class StopPath(enum.Enum):
+    """How an engine's stop deals with its devices' lock (`stop_path`), as (it takes the lock
+    in `Use.STOP`, it waits until the driver has taken the engine's memory back)."""
+
+    #: The engine has exited already: its memory went with it.
+    EXITED = (False, False)
+    #: Its own start, wake or sleep holds the lock and waits for the stop before it lets go.
+    OWN_LOCK = (False, True)
+    #: Under the lock, kept until the memory is back: memory given back while a neighbour
+    #: profiles its start fails that start (vLLM's "Error in memory profiling"); beside wakes
+    #: and other stops.
+    UNDER_LOCK = (True, True)
+
+    @property
+    def locks(self) -> bool:
+        """It takes its devices' lock itself."""
+        return self.value[0]
+
+    @property
+    def waits(self) -> bool:
+        """It reads the engine's memory before the stop and waits for it to come back."""
+        return self.value[1]
+
+
+def stop_path(exited: bool, holds_lock: bool) -> StopPath:
+    """The stop of an engine that has `exited` or not, whose instance `holds_lock` (its
+    devices' lock, for its own start, wake or sleep) or not."""
+    if exited:
+        return StopPath.EXITED
+    return StopPath.OWN_LOCK if holds_lock else StopPath.UNDER_LOCK
+
+
 class DeviceLock:
     """One device's lock, held in a `Use` (see `BESIDE` for which run together).
 

@@ -19,11 +19,11 @@ from typing import Any
 
 from ..adapters import AdapterSpec, find_in, list_folder
 from ..config import ModelSpec
-from ..engines.instance import Instance, consume_exception
+from ..engines.instance import Instance
 from ..engines.model import Model
 from ..engines.ports import EngineContext
 from ..engines.states import AWAKE, State
-from ..errors import BadRequest, NotFound, Unavailable
+from ..errors import BadRequest, NotFound, Unavailable, consume_exception
 from ..planning.memory import Memory, same_engine
 from ..planning.queueing import Queue, Rules
 from .admission import Admission
