@@ -103,7 +103,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import docs_writer  # noqa: E402
 import vproxy  # noqa: E402
 
-from vllm_proxy.config import AdmissionConfig, EngineKeys  # noqa: E402
+from vllm_proxy.config import AdmissionConfig, EngineKeys, SleepPolicy  # noqa: E402
 from vllm_proxy.planning.footprint import RUNTIME_POOL_MB  # noqa: E402
 from vllm_proxy.planning.hostmem import HOST_RAM_MARGIN_MB  # noqa: E402
 
@@ -553,6 +553,9 @@ class Settings:
     idle_timeout_s: float | None = None
     #: Scheduler rules left out (vproxy.ABLATIONS: holds, prices, spare), to measure each.
     without: tuple[str, ...] = ()
+    #: ``sleep.on_idle``: needed (the shipped default: an idle engine sleeps only if another
+    #: model may want its memory) or always.
+    on_idle: str = str(SleepPolicy.model_fields["on_idle"].default)
 
 
 @dataclass
@@ -1115,7 +1118,7 @@ def proxy_run(
         )  # fmt: skip
         models[n] = {"model": "x", "memory_mb": s.footprint_mib, "params_b": s.params_b,
                      "sleep": {"level": st.sleep_level, "memory_mb": s.residue_mib,
-                               "verify_wake": False}}  # fmt: skip
+                               "verify_wake": False, "on_idle": st.on_idle}}  # fmt: skip
         if s.tp > 1:
             models[n]["args"] = {"tensor_parallel_size": s.tp}
         if st.idle_timeout_s is not None:
@@ -1570,6 +1573,12 @@ def main(argv: list[str] | None = None) -> int:
         help="without the shipped idle_timeout_s and sleep.after_idle_s",
     )
     g.add_argument(
+        "--sleep-on-idle",
+        choices=("needed", "always"),
+        default=Settings.on_idle,
+        help="sleep.on_idle: needed (the default) or always",
+    )
+    g.add_argument(
         "--idle-timeout-s",
         type=float,
         default=None,
@@ -1639,7 +1648,8 @@ def main(argv: list[str] | None = None) -> int:
     st = Settings(args.slo_s, args.sleep_level, args.max_reorder_s,
                   args.min_resident_s, args.idle_grace_s, args.queue_timeout_s,
                   args.give_up_s, args.host_ram_gib, not args.no_idle_timers,
-                  args.idle_timeout_s, tuple(x for x in args.without.split(",") if x))  # fmt: skip
+                  args.idle_timeout_s, tuple(x for x in args.without.split(",") if x),
+                  args.sleep_on_idle)  # fmt: skip
     for x in st.without:
         if x not in vproxy.ABLATIONS:
             p.error(f"unknown rule {x!r} for --without (known: {', '.join(vproxy.ABLATIONS)})")

@@ -341,22 +341,25 @@ def test_the_virtual_clock_moves_to_a_deadline_one_float_step_ahead() -> None:
 
 def test_no_idle_timers_leaves_idle_engines_awake() -> None:
     """``--no-idle-timers``: two models that fit together, each used once; with the timers off
-    neither is put to sleep or stopped, with the shipped ones (``sleep.after_idle_s``) both
-    are put to sleep once idle (and the first is woken for its second request)."""
+    neither is put to sleep or stopped; with the shipped ones (``sleep.after_idle_s``) neither
+    is either, as both fit awake (``sleep.on_idle: needed``), and with ``--sleep-on-idle
+    always`` both are put to sleep once idle (and the first is woken for its second request)."""
     prof = density.load_profile(density.PROFILE)
     sizes = [prof.sizes["3b"], prof.sizes["1.5b"]]
     names = ["a-3b", "b-1.5b"]
     arrivals = [density.Arrival(0.0, 0, 100, 10), density.Arrival(5.0, 1, 100, 10),
                 density.Arrival(300.0, 0, 100, 10)]  # fmt: skip
 
-    def run(idle_timers: bool) -> Any:
-        st = replace(density.Settings(), idle_timers=idle_timers)
+    def run(idle_timers: bool, on_idle: str = "needed") -> Any:
+        st = replace(density.Settings(), idle_timers=idle_timers, on_idle=on_idle)
         return density.simulate("scheduler", arrivals, names, sizes, prof, st, 0.0, 900.0)
 
-    off, on = run(False), run(True)
-    assert off.cold_starts == 2 and off.served == 3
-    assert (off.sleeps, off.stops, off.wakes) == (0, 0, 0), (off.sleeps, off.stops, off.wakes)
-    assert on.sleeps == 2 and on.wakes == 1, (on.sleeps, on.wakes)
+    off, shipped, always = run(False), run(True), run(True, "always")
+    assert density.Settings().on_idle == "needed"
+    for r in (off, shipped):
+        assert r.cold_starts == 2 and r.served == 3
+        assert (r.sleeps, r.stops, r.wakes) == (0, 0, 0), (r.sleeps, r.stops, r.wakes)
+    assert always.sleeps == 2 and always.wakes == 1, (always.sleeps, always.wakes)
 
 
 def test_sleep_on_swap_obeys_host_ram() -> None:

@@ -150,7 +150,11 @@ async def test_a_neighbours_idle_sleep_or_stop_never_fails_a_start(
     """Regression: only starts and wakes held the device lock; an idle sleep or stop released
     memory while another engine profiled, and vLLM failed it ("Error in memory profiling")."""
     models = {
-        "a": {"model": "x", "memory_mb": 8_000, "sleep": {"level": 1, "after_idle_s": 3600}},
+        "a": {
+            "model": "x",
+            "memory_mb": 8_000,
+            "sleep": {"level": 1, "after_idle_s": 3600, "on_idle": "always"},
+        },
         "b": {"model": "x", "memory_mb": 8_000, "env": FakeEngine(sim_profile_s=1.5).env()},
     }
     proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))

@@ -134,6 +134,38 @@ async def test_an_idle_engine_whose_sleep_was_put_off_sleeps_at_a_later_period(
     assert proxy.engine_starts("m") == 1
 
 
+async def test_an_idle_engine_sleeps_only_where_its_memory_may_be_wanted(
+    tmp_path: Path, start_proxy: StartProxy
+) -> None:
+    """``sleep.on_idle: needed`` (the default): on a budget that holds both models awake an idle
+    engine is kept awake past `after_idle_s` (a wake would only cost its next request time);
+    on one that does not, it sleeps. ``always`` sleeps either way."""
+    needed = {"level": 1, "after_idle_s": 0.3}
+    models = {"m": sleepy(needed, memory_mb=1000), "n": sleepy(needed, memory_mb=1000)}
+    proxy, inst = await start_proxy.serving(config(tmp_path, models, budget_mb=4000), "m")
+    asked = [0]
+    sleep_due = inst.timers.sleep_due
+
+    def counted() -> None:
+        asked[0] += 1
+        sleep_due()
+
+    inst.timers.sleep_due = counted  # type: ignore[method-assign]
+    inst.timers.arm()  # idle from now, with the counted timer
+    await wait_for(lambda: asked[0] >= 3, what="the sleep timer fired three periods")
+    assert inst.state is State.RUNNING and proxy.manager.memory is not None
+    assert proxy.manager.memory.room_for_all()
+
+    for folder in ("tight", "always"):
+        (tmp_path / folder).mkdir()
+    tight = config(tmp_path / "tight", models, budget_mb=1500)  # m and n do not fit together
+    proxy, inst = await start_proxy.serving(tight, "m")
+    await asleep(inst)
+    always = {"m": sleepy({**needed, "on_idle": "always"}, memory_mb=1000)}
+    proxy, inst = await start_proxy.serving(config(tmp_path / "always", always), "m")
+    await asleep(inst)
+
+
 async def test_a_stream_longer_than_after_idle_is_never_cut_by_a_sleep(
     tmp_path: Path, start_proxy: StartProxy
 ) -> None:

@@ -180,7 +180,8 @@ async def test_a_killed_replica_loses_only_its_own_requests(
 # -- replicas and autoscaling under hostile timing ---------------------------------------------
 
 
-SLEEPY = {"level": 1, "after_idle_s": 0.3}
+#: Replicas that fall asleep soon after their last request, although they all fit awake.
+SLEEPY = {"level": 1, "after_idle_s": 0.3, "on_idle": "always"}
 
 
 async def replicas_asleep(proxy: RunningProxy, count: int) -> Model:
