@@ -505,6 +505,38 @@ async def test_a_model_pinned_by_its_env_is_planned_and_charged_on_that_gpu(
     assert used[0] == 0 and used[1] > 0
 
 
+async def test_an_idle_engine_sleeps_once_another_program_takes_the_room_every_model_had(
+    tmp_path: Path, start_proxy: StartProxy, ledger: Ledger
+) -> None:
+    """``sleep.on_idle: needed`` on the NVML path: two models that fit awake together on the
+    simulated 24000 MiB GPU keep an idle engine awake past `after_idle_s`; once another program
+    holds enough of the GPU that they no longer do, its next period puts it to sleep."""
+    policy = {"level": 1, "after_idle_s": 0.3}
+    models = {
+        "a": {"model": "x", "memory_mb": 8_000, "sleep": policy},
+        "b": {"model": "x", "memory_mb": 8_000, "sleep": policy},
+    }
+    proxy = await start_proxy(sim_config(tmp_path, ledger, models, None))
+    assert (await chat(proxy, "a"))[0] == 200
+    a = proxy.instance("a")
+    memory = proxy.manager.memory
+    assert memory is not None and memory.room_for_all()
+    periods = [0]
+    sleep_due = a.timers.sleep_due
+
+    def counted() -> None:
+        periods[0] += 1
+        sleep_due()
+
+    a.timers.sleep_due = counted  # type: ignore[method-assign]
+    a.timers.arm()
+    await wait_for(lambda: periods[0] >= 3, what="three idle periods")
+    assert a.state is State.RUNNING, "kept awake: both models fit"
+    outsider(ledger, 0, 12_000)  # b no longer fits beside a
+    await wait_for(lambda: a.asleep, what="a asleep once the room is gone")
+    assert not memory.room_for_all()
+
+
 # -- hostile interleavings around the device locks ---------------------------------------------
 
 

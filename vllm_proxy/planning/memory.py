@@ -716,7 +716,7 @@ class Memory:
         claimed = self.claimed_by_device()
         room = {
             s.id: s.total_mb - self.reserve_mb - max(0, s.used_mb - claimed.get(s.id, 0))
-            for s in self.snapshots
+            for s in self.refresh()  # NVML: the refresher's latest reading
         }
         engines = [
             (self.footprint(name), self.estimates[name].gpus, self.devices_for(spec))
